@@ -1,0 +1,72 @@
+"""What every attention backend is given: the step's flat token layout and a paged KV pool.
+
+KV pool layout, per layer, for K and for V: [num_kv_heads, num_blocks, block_size, head_dim].
+Head-major, so the blocks of one head gathered for a batch are already [batch, length, head_dim].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class PrefillGroup:
+    """Sequences computing more than one token this step; their tokens follow the decode tokens."""
+
+    query_lens: list[int]
+    context_lens: list[int]  # tokens in the KV pool once this step's are written
+    block_tables: torch.Tensor  # [num_seqs, max_blocks], padded with the null block
+
+
+@dataclass
+class StepBatch:
+    """One step's flat batch: the first `num_decodes` tokens are single-token (decode) sequences."""
+
+    input_ids: torch.Tensor  # [num_tokens]
+    positions: torch.Tensor  # [num_tokens]
+    slot_mapping: torch.Tensor  # [num_tokens] block_id * block_size + offset
+    num_decodes: int
+    decode_context_lens: torch.Tensor  # [num_decodes]
+    decode_block_tables: torch.Tensor  # [num_decodes, max_blocks]
+    decode_max_context_len: int
+    prefill: PrefillGroup | None
+    sample_indices: torch.Tensor  # rows whose logits are needed, in scheduler order
+
+
+class AttentionBackend:
+    """Paged attention over one KV pool. `begin_step` once per step, then `forward` per layer."""
+
+    name = "base"
+
+    def __init__(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], num_q_heads: int):
+        self.k_caches = k_caches
+        self.v_caches = v_caches
+        self.num_kv_heads, self.num_blocks, self.block_size, self.head_dim = k_caches[0].shape
+        self.num_q_heads = num_q_heads
+        self.group = num_q_heads // self.num_kv_heads
+
+    def begin_step(self, batch: StepBatch) -> None:
+        raise NotImplementedError
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q: [T, Hq*D], k/v: [T, Hkv*D] for this step's tokens -> attention output [T, Hq*D].
+        Writes k/v into the pool at the step's slots first."""
+        raise NotImplementedError
+
+
+def allocate_kv_pool(num_layers: int, num_kv_heads: int, num_blocks: int, block_size: int, head_dim: int,
+                     dtype: torch.dtype, device: torch.device) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Uninitialised K and V pools; see `zero_blocks`, which the runner applies before first use."""
+    shape = (num_kv_heads, num_blocks, block_size, head_dim)
+    k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+    v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+    return k, v
+
+
+def zero_blocks(caches: list[torch.Tensor], start: int, end: int) -> None:
+    """Zero blocks [start, end): masked-out slots of a block are still read, so they must be finite.
+    Zeroing on first use keeps start-up fast and memory committed only as the pool fills."""
+    for cache in caches:
+        cache[:, start:end].zero_()

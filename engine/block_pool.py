@@ -1,0 +1,189 @@
+"""The paged KV block pool and the prefix cache over it. Plain Python: no torch here.
+
+Block 0 is the null block: it is never handed out, stays zero, and pads block tables.
+A block whose reference count falls to zero goes to the back of the free queue but keeps its
+cached hash, so a later request can still reuse it; fresh blocks are taken from the front (LRU).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Hashable, Iterable
+from dataclasses import dataclass
+
+from engine.sequence import Sequence
+
+NULL_BLOCK = 0
+
+
+def chain_hash(parent_hash: int | None, block_token_ids: Iterable[int], extra_key: Hashable = None) -> int:
+    """h = H(parent_h, block_token_ids, extra_key): equal hashes mean equal prefixes."""
+    return hash((parent_hash, tuple(block_token_ids), extra_key))
+
+
+@dataclass
+class PrefixCacheStats:
+    queries: int = 0  # prompt tokens looked up
+    hits: int = 0  # of those, tokens found computed in the cache
+
+
+class BlockPool:
+    """Reference-counted KV blocks with an LRU free queue and a hash -> block map."""
+
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+        if num_blocks < 2:
+            raise ValueError(f"the KV pool needs at least 2 blocks (one is the null block), got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.ref_counts = [0] * num_blocks
+        self.block_hash: list[int | None] = [None] * num_blocks
+        self.cached: dict[int, int] = {}  # block hash -> block id
+        self.free_queue: OrderedDict[int, None] = OrderedDict((b, None) for b in range(1, num_blocks))
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks that can be handed out now, cached-but-unreferenced ones included."""
+        return len(self.free_queue)
+
+    @property
+    def usage(self) -> float:
+        """Share of the usable blocks referenced by a running sequence (vLLM's kv_cache_usage)."""
+        return 1.0 - self.num_free_blocks / (self.num_blocks - 1)
+
+    def lookup(self, block_hash: int) -> int | None:
+        return self.cached.get(block_hash)
+
+    def allocate(self, count: int) -> list[int]:
+        """Take `count` fresh blocks from the front of the free queue, evicting their cached hashes."""
+        if count > len(self.free_queue):
+            raise RuntimeError(f"asked for {count} blocks with {len(self.free_queue)} free")
+        blocks = []
+        for _ in range(count):
+            block_id, _ = self.free_queue.popitem(last=False)
+            self._forget_hash(block_id)
+            self.ref_counts[block_id] = 1
+            blocks.append(block_id)
+        return blocks
+
+    def touch(self, block_ids: Iterable[int]) -> None:
+        """Take one more reference on each block (a prefix-cache hit); revives unreferenced ones."""
+        for block_id in block_ids:
+            if self.ref_counts[block_id] == 0:
+                del self.free_queue[block_id]
+            self.ref_counts[block_id] += 1
+
+    def free(self, block_ids: Iterable[int]) -> None:
+        """Drop one reference on each block, in the given order; unreferenced ones join the free queue."""
+        for block_id in block_ids:
+            if self.ref_counts[block_id] <= 0:
+                raise RuntimeError(f"block {block_id} freed more often than referenced")
+            self.ref_counts[block_id] -= 1
+            if self.ref_counts[block_id] == 0:
+                self.free_queue[block_id] = None
+
+    def register(self, block_id: int, block_hash: int) -> None:
+        """Enter a full, computed block in the prefix cache; an existing entry for the hash wins."""
+        if not self.enable_caching or block_hash in self.cached:
+            return
+        self.cached[block_hash] = block_id
+        self.block_hash[block_id] = block_hash
+
+    def _forget_hash(self, block_id: int) -> None:
+        block_hash = self.block_hash[block_id]
+        if block_hash is not None:
+            if self.cached.get(block_hash) == block_id:
+                del self.cached[block_hash]
+            self.block_hash[block_id] = None
+
+    def reset_prefix_cache(self) -> None:
+        for block_id in list(self.cached.values()):
+            self._forget_hash(block_id)
+
+
+class KVCacheManager:
+    """Sequence-level view of the pool: prefix lookups, slot allocation, freeing."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 watermark_blocks: int = 0) -> None:
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.watermark_blocks = watermark_blocks
+        self.stats = PrefixCacheStats()
+
+    @property
+    def enable_caching(self) -> bool:
+        return self.pool.enable_caching
+
+    @property
+    def usable_blocks(self) -> int:
+        return self.pool.num_blocks - 1
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def update_block_hashes(self, seq: Sequence) -> None:
+        """Extend seq.block_hashes over every full block of its known tokens."""
+        bs = self.block_size
+        tokens = seq.token_ids
+        for index in range(len(seq.block_hashes), len(tokens) // bs):
+            parent = seq.block_hashes[-1] if seq.block_hashes else None
+            seq.block_hashes.append(chain_hash(parent, tokens[index * bs:(index + 1) * bs]))
+
+    def find_cached_prefix(self, seq: Sequence) -> list[int]:
+        """Blocks of the longest cached prefix of seq's tokens (at least one token is left to compute)."""
+        if not self.enable_caching:
+            return []
+        self.update_block_hashes(seq)
+        max_blocks = (seq.num_tokens - 1) // self.block_size
+        hits = []
+        for block_hash in seq.block_hashes[:max_blocks]:
+            block_id = self.pool.lookup(block_hash)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits
+
+    def can_admit(self, seq: Sequence, cached_blocks: list[int], num_new_tokens: int) -> bool:
+        """Whether a waiting sequence's first chunk fits while keeping the watermark free."""
+        revived = sum(1 for b in cached_blocks if self.pool.ref_counts[b] == 0)
+        needed = self.blocks_needed(len(cached_blocks) * self.block_size + num_new_tokens) - len(cached_blocks)
+        return needed + revived + self.watermark_blocks <= self.pool.num_free_blocks
+
+    def admit(self, seq: Sequence, cached_blocks: list[int]) -> None:
+        """Give a waiting sequence its cached prefix blocks and mark those tokens computed."""
+        self.pool.touch(cached_blocks)
+        if self.enable_caching:
+            self.stats.queries += seq.num_tokens
+            self.stats.hits += len(cached_blocks) * self.block_size
+        seq.block_table = list(cached_blocks)
+        seq.num_registered_blocks = len(cached_blocks)
+        seq.num_computed_tokens = len(cached_blocks) * self.block_size
+
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Make seq's block table cover its next `num_new_tokens` tokens; False when blocks run out."""
+        total = seq.num_computed_tokens + num_new_tokens
+        missing = self.blocks_needed(total) - len(seq.block_table)
+        if missing > 0:
+            if missing > self.pool.num_free_blocks:
+                return False
+            seq.block_table.extend(self.pool.allocate(missing))
+        self._register_full_blocks(seq, total)
+        return True
+
+    def _register_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
+        """Enter blocks that will be full once `num_tokens` tokens are computed."""
+        if not self.enable_caching:
+            return
+        full = min(num_tokens, seq.num_tokens) // self.block_size
+        if full <= seq.num_registered_blocks:
+            return
+        self.update_block_hashes(seq)
+        for index in range(seq.num_registered_blocks, full):
+            self.pool.register(seq.block_table[index], seq.block_hashes[index])
+        seq.num_registered_blocks = full
+
+    def free(self, seq: Sequence) -> None:
+        """Release seq's blocks, tail first, so a prefix outlives its own continuation in the LRU."""
+        self.pool.free(reversed(seq.block_table))
+        seq.block_table = []
+        seq.num_registered_blocks = 0

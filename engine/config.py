@@ -1,0 +1,72 @@
+"""Engine settings. Names follow vLLM's engine arguments where vLLM has one."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+DEFAULT_MODEL = "smollm2-135m"
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+BACKENDS = ("auto", "torch", "triton")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass
+class EngineConfig:
+    """Everything `LLM(...)` / `LLMEngine(...)` accept as keyword arguments."""
+
+    model: str = DEFAULT_MODEL
+    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    device: str = "auto"
+    block_size: int = 16
+    max_model_len: int | None = None  # default: the model's context length
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    num_kv_blocks: int | None = None  # default: derived from the memory budget
+    kv_cache_memory: int | None = None  # bytes for the KV pool; default: see memory_utilization
+    memory_utilization: float = 0.9  # CUDA: share of device memory for weights + activations + KV
+    cpu_kv_cache_space: int = 4 << 30  # CPU: largest KV pool taken by default (bytes)
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    attention_backend: str = "auto"  # auto: triton on CUDA, torch on CPU
+    seed: int = 0
+    num_threads: int | None = None  # torch CPU threads; default: torch's own choice
+    speculative_config: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        def need(ok: bool, message: str) -> None:
+            if not ok:
+                raise ValueError(message)
+
+        need(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        need(self.device in DEVICES, f"device must be one of {DEVICES}, got {self.device!r}")
+        need(self.attention_backend in BACKENDS,
+             f"attention_backend must be one of {BACKENDS}, got {self.attention_backend!r}")
+        need(self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0,
+             f"block_size must be a power of two, got {self.block_size}")
+        need(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        need(self.max_num_batched_tokens >= 1,
+             f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        need(self.max_model_len is None or self.max_model_len >= 2,
+             f"max_model_len must be >= 2, got {self.max_model_len}")
+        need(self.num_kv_blocks is None or self.num_kv_blocks >= 2,
+             f"num_kv_blocks must be >= 2 (one is the null block), got {self.num_kv_blocks}")
+        need(0 < self.memory_utilization <= 1, f"memory_utilization must be in (0, 1], got {self.memory_utilization}")
+        if not self.enable_chunked_prefill and self.max_model_len is not None:
+            need(self.max_num_batched_tokens >= self.max_model_len,
+                 "without chunked prefill, max_num_batched_tokens must be >= max_model_len "
+                 f"({self.max_num_batched_tokens} < {self.max_model_len})")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"unknown engine setting(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        return cls(**kwargs)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)

@@ -1,0 +1,95 @@
+"""`LLM`: the offline API, modelled on vLLM's, over an `LLMEngine`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from typing import Any
+
+from engine.config import DEFAULT_MODEL, EngineConfig
+from engine.llm_engine import LLMEngine, Prompt
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+Conversation = list[dict[str, str]]
+
+
+class LLM:
+    """Generate completions for many prompts at once.
+
+    >>> llm = LLM()  # the bundled smollm2-135m; any engine setting as a keyword
+    >>> outs = llm.generate(["The capital of France is"], SamplingParams(max_tokens=8, temperature=0))
+    """
+
+    def __init__(self, model: str = DEFAULT_MODEL, **engine_config: Any) -> None:
+        self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_config))
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Seq[Prompt],
+                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Strings or token-id lists; one SamplingParams for all or one per prompt. Outputs in input order."""
+        prompts = normalize_prompts(prompts)
+        params = per_prompt_params(sampling_params, len(prompts))
+        return self._run(prompts, params, use_tqdm)
+
+    def chat(self, conversations: Conversation | Seq[Conversation],
+             sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+             use_tqdm: bool = False, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Render each conversation with the model's chat template, then generate."""
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]  # type: ignore[list-item]
+        prompts = [self.apply_chat_template(c, add_generation_prompt) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def apply_chat_template(self, conversation: Conversation, add_generation_prompt: bool = True) -> list[int]:
+        encoded = self.engine.tokenizer.apply_chat_template(
+            conversation, add_generation_prompt=add_generation_prompt, tokenize=True)
+        return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
+
+    def _run(self, prompts: list[Prompt], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.engine
+        first_id = f"gen-{id(prompts):x}-"
+        ids = [f"{first_id}{i}" for i in range(len(prompts))]
+        results: dict[str, RequestOutput] = {}
+        progress = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            progress = tqdm(total=len(prompts), desc="generating", unit="req")
+        try:
+            for output in engine.stream(zip(ids, prompts, params, strict=True)):
+                results[output.request_id] = output
+                if progress is not None:
+                    progress.update(1)
+        finally:
+            if progress is not None:
+                progress.close()
+            for request_id in ids:
+                if request_id not in results:
+                    engine.abort(request_id)
+        return [results[i] for i in ids]
+
+
+def normalize_prompts(prompts: Prompt | Seq[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # one token-id prompt
+    for prompt in prompts:
+        if not isinstance(prompt, str) and not (isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)):
+            raise TypeError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+    return prompts
+
+
+def per_prompt_params(params: SamplingParams | Seq[SamplingParams] | None, count: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * count
+    if isinstance(params, SamplingParams):
+        return [params] * count
+    params = list(params)
+    if len(params) != count:
+        raise ValueError(f"got {len(params)} SamplingParams for {count} prompts")
+    return params

@@ -1,0 +1,236 @@
+"""`LLMEngine`: requests in, finished `RequestOutput`s out, one `step()` at a time."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.block_pool import KVCacheManager
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer, find_stop
+from engine.metrics import EngineStats
+from engine.model_loader import resolve_model
+from engine.model_runner import ModelRunner
+from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler, SchedulerLimits
+from engine.sequence import FinishReason, Sequence
+
+log = logging.getLogger("tokenmill.engine")
+
+Prompt = str | list[int]
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt: str | None
+    seqs: list[Sequence]
+    detokenizers: dict[int, IncrementalDetokenizer] = field(default_factory=dict)  # only with stop strings
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        from transformers import AutoConfig, AutoTokenizer
+
+        self.config = config
+        self.model_dir = resolve_model(config.model)
+        hf_config = AutoConfig.from_pretrained(self.model_dir)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        model_len = getattr(hf_config, "max_position_embeddings", None) or 2048
+        if config.max_model_len is not None and config.max_model_len > model_len:
+            raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's context ({model_len})")
+        self.max_model_len = config.max_model_len or model_len
+        self.runner = ModelRunner(config, self.model_dir, hf_config, self.max_model_len)
+        kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
+                            watermark_blocks=max(1, self.runner.num_blocks // 100))
+        limits = SchedulerLimits(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
+                                 config.enable_chunked_prefill)
+        self.scheduler = Scheduler(limits, kv, frozenset(eos_token_ids(self.model_dir, self.tokenizer)))
+        self.requests: dict[str, _Request] = {}
+        self.stats = EngineStats()
+        self._seq_ids = itertools.count()
+        self._request_ids = itertools.count()
+        self._rejected: list[_Request] = []
+
+    @classmethod
+    def from_engine_args(cls, **kwargs: Any) -> LLMEngine:
+        return cls(EngineConfig.from_kwargs(**kwargs))
+
+    @property
+    def kv_manager(self) -> KVCacheManager:
+        return self.scheduler.kv
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_special_tokens=True)
+        if not all(isinstance(t, int) and 0 <= t < self.runner.vocab_size for t in prompt):
+            raise ValueError(f"prompt token ids must be integers in [0, {self.runner.vocab_size})")
+        return list(prompt)
+
+    def add_request(self, request_id: str | None, prompt: Prompt, params: SamplingParams | None = None) -> str:
+        """Queue a request. One that can never run comes back from the next `step()` with an error."""
+        params = params or SamplingParams()
+        if params.n != 1:
+            raise NotImplementedError("n > 1 (parallel sampling) is not supported yet")
+        request_id = str(next(self._request_ids)) if request_id is None else request_id
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in the engine")
+        seq = Sequence(next(self._seq_ids), request_id, self.encode(prompt), params)
+        request = _Request(request_id, prompt if isinstance(prompt, str) else None, [seq])
+        if params.stop:
+            request.detokenizers[seq.seq_id] = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids)
+        self.requests[request_id] = request
+        if not self.scheduler.add(seq):
+            self._rejected.append(request)
+        return request_id
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request now; it is dropped without an output. False when it is unknown or done."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return False
+        for seq in request.seqs:
+            if not seq.is_finished:
+                self.scheduler.finish(seq, FinishReason.ABORT)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model once, sample; returns the requests that finished in this step."""
+        started = time.perf_counter()
+        done = [self._finalize(r) for r in self._rejected]
+        self._rejected = []
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            if self.scheduler.has_unfinished:
+                raise RuntimeError("the scheduler could not schedule any work; the KV pool is too small")
+            return done
+        num_decode_tokens = sum(1 for s in plan.scheduled
+                                if s.num_new_tokens == 1 and s.seq.num_computed_tokens >= s.seq.num_prompt_tokens)
+        tokens = self.runner.execute(plan)
+        finished = self.scheduler.update(plan, tokens)
+        self._check_stop_strings(plan, finished)
+        self._record(plan, plan.num_batched_tokens - num_decode_tokens, len(tokens), started)
+        for seq in finished:
+            request = self.requests.get(seq.request_id)
+            if request is not None and request.finished:
+                done.append(self._finalize(request))
+        return done
+
+    def _check_stop_strings(self, plan, finished: list[Sequence]) -> None:
+        for seq, _, sample in plan.scheduled:
+            request = self.requests.get(seq.request_id)
+            if not sample or request is None or seq.seq_id not in request.detokenizers:
+                continue
+            detok = request.detokenizers[seq.seq_id]
+            new_text = detok.update(seq.token_ids)
+            hit = find_stop(detok.text, len(new_text), seq.params.stop) if new_text else None
+            if hit is None:
+                continue
+            index, stop = hit
+            detok.text = detok.text[:index]
+            seq.stop_text_offset = index
+            seq.stop_reason = stop
+            if seq.is_finished:  # also hit a token-level stop in this step: the stop string wins
+                seq.finish_reason = FinishReason.STOP
+            else:
+                self.scheduler.finish(seq, FinishReason.STOP)
+                finished.append(seq)
+
+    def _record(self, plan, num_prefill_tokens: int, num_sampled: int, started: float) -> None:
+        stats = self.stats
+        stats.computed_prefill_tokens += num_prefill_tokens
+        stats.prompt_tokens += sum(s.seq.num_prompt_tokens for s in plan.scheduled
+                                   if s.sample and s.seq.num_output_tokens == 1)
+        stats.generation_tokens += num_sampled
+        elapsed = time.perf_counter() - started
+        stats.num_steps += 1
+        stats.step_time_total += elapsed
+        stats.step_times.append(elapsed)
+
+    def get_stats(self) -> EngineStats:
+        stats, kv = self.stats, self.scheduler.kv
+        stats.num_running = len(self.scheduler.running)
+        stats.num_waiting = len(self.scheduler.waiting)
+        stats.kv_cache_usage = kv.pool.usage
+        stats.num_preemptions = self.scheduler.num_preemptions
+        stats.prefix_cache_queries = kv.stats.queries
+        stats.prefix_cache_hits = kv.stats.hits
+        return stats
+
+    def _finalize(self, request: _Request) -> RequestOutput:
+        self.requests.pop(request.request_id, None)
+        outputs = []
+        error = None
+        for index, seq in enumerate(request.seqs):
+            detok = request.detokenizers.get(seq.seq_id)
+            if detok is not None:
+                detok.update(seq.token_ids)
+                text = detok.text if seq.stop_text_offset is None else detok.text[:seq.stop_text_offset]
+            else:
+                text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+            reason = seq.finish_reason.value if seq.finish_reason else None
+            outputs.append(CompletionOutput(index, text, seq.output_token_ids, reason, seq.stop_reason))
+            error = error or seq.error
+        if error:
+            self.stats.num_requests_failed += 1
+        else:
+            self.stats.num_requests_finished += 1
+        first = request.seqs[0]
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=first.prompt_token_ids,
+            outputs=outputs,
+            finished=True,
+            num_cached_tokens=max(first.num_cached_tokens, 0),
+            error=error,
+            metrics=RequestMetrics(first.arrival_time, first.first_token_time, first.finish_time,
+                                   first.num_preemptions),
+        )
+
+    def stream(self, requests: Iterable[tuple[str | None, Prompt, SamplingParams]],
+               max_pending: int | None = None) -> Iterator[RequestOutput]:
+        """Feed requests as they come (lazily, keeping at most `max_pending` in the engine) and yield
+        each finished output as soon as it is ready."""
+        max_pending = max_pending or 2 * self.config.max_num_seqs
+        source = iter(requests)
+        exhausted = False
+        while True:
+            while not exhausted and self.num_unfinished_requests < max_pending:
+                item = next(source, None)
+                if item is None:
+                    exhausted = True
+                else:
+                    self.add_request(*item)
+            if not self.has_unfinished_requests():
+                return
+            yield from self.step()
+
+
+def eos_token_ids(model_dir, tokenizer) -> set[int]:
+    """EOS ids from generation_config.json (what `generate` stops on) and the tokenizer."""
+    ids: set[int] = set()
+    path = model_dir / "generation_config.json"
+    if path.is_file():
+        value = json.loads(path.read_text()).get("eos_token_id")
+        ids.update(value if isinstance(value, list) else [] if value is None else [value])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids

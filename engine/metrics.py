@@ -1,0 +1,29 @@
+"""Engine counters and gauges, in vLLM's meanings. Plain numbers; exporters read `EngineStats`."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class EngineStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0  # 0..1 share of blocks held by running sequences
+    num_preemptions: int = 0
+    prompt_tokens: int = 0  # prompt tokens of requests that produced their first token
+    generation_tokens: int = 0
+    computed_prefill_tokens: int = 0  # prompt/recompute tokens actually run through the model
+    prefix_cache_queries: int = 0  # tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of those, tokens found
+    num_steps: int = 0
+    step_time_total: float = 0.0  # seconds spent in step()
+    step_times: deque[float] = field(default_factory=lambda: deque(maxlen=4096), repr=False)  # recent steps
+    num_requests_finished: int = 0
+    num_requests_failed: int = 0
+
+    def snapshot(self) -> dict:
+        data = asdict(self)
+        data.pop("step_times")
+        return data

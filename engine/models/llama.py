@@ -1,0 +1,185 @@
+"""Llama-family decoder (Llama, Mistral-style, Qwen2, Qwen3) over one flat, unpadded token batch.
+
+Numerics follow Hugging Face's implementation (RMSNorm in float32, RoPE tables in float32) so that
+greedy decoding matches `transformers` token for token. Projections are fused: one QKV matmul and
+one gate/up matmul per layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+Attention = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_tables(config, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin for positions [0, max_positions), float32, [max_positions, head_dim]."""
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+        dim = head_dim_of(config)
+        inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+        scaling = 1.0
+    else:
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        if rope_type not in ROPE_INIT_FUNCTIONS:
+            raise ValueError(f"unsupported rope_type {rope_type!r}")
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+    freqs = torch.arange(max_positions, dtype=torch.float)[:, None] * inv_freq[None, :].float()
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos() * scaling, emb.sin() * scaling
+
+
+def head_dim_of(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config, index: int) -> None:
+        super().__init__()
+        self.index = index
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = head_dim_of(config)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.split = (q_size, kv_size, kv_size)
+        bias = bool(getattr(config, "attention_bias", False)) or config.model_type == "qwen2"
+        self.qkv_proj = nn.Linear(config.hidden_size, sum(self.split), bias=bias)
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
+        self.q_norm = self.k_norm = None
+        if config.model_type == "qwen3":
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.intermediate_size = config.intermediate_size
+        mlp_bias = bool(getattr(config, "mlp_bias", False))
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=mlp_bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=mlp_bias)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: Attention) -> torch.Tensor:
+        tokens = x.shape[0]
+        q, k, v = self.qkv_proj(self.input_layernorm(x)).split(self.split, dim=-1)
+        q = q.reshape(tokens, self.num_heads, self.head_dim)
+        k = k.reshape(tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        attn = attention(self.index, q.reshape(tokens, -1), k.reshape(tokens, -1), v)
+        x = x + self.o_proj(attn)
+        gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).split(self.intermediate_size, dim=-1)
+        return x + self.down_proj(F.silu(gate) * up)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config, max_positions: int) -> None:
+        super().__init__()
+        if config.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"model type {config.model_type!r} is not supported; supported: {SUPPORTED_MODEL_TYPES}")
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = None
+        if not self.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        cos, sin = rope_tables(config, max_positions)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: Attention) -> torch.Tensor:
+        """Hidden states after the final norm, [num_tokens, hidden]."""
+        x = self.embed_tokens(input_ids)
+        cos = self.rope_cos.index_select(0, positions).to(x.dtype)[:, None, :]
+        sin = self.rope_sin.index_select(0, positions).to(x.dtype)[:, None, :]
+        for layer in self.layers:
+            x = layer(x, cos, sin, attention)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head_weight).float()
+
+    def load_hf_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load Hugging Face parameter names, fusing q/k/v and gate/up as they arrive."""
+        params = dict(self.named_parameters())
+        fused = {  # hf suffix -> (our suffix, index of the part in the fused tensor)
+            "self_attn.q_proj": ("qkv_proj", 0), "self_attn.k_proj": ("qkv_proj", 1),
+            "self_attn.v_proj": ("qkv_proj", 2), "mlp.gate_proj": ("gate_up_proj", 0),
+            "mlp.up_proj": ("gate_up_proj", 1),
+        }
+        renamed = {"self_attn.o_proj": "o_proj", "mlp.down_proj": "down_proj",
+                   "self_attn.q_norm": "q_norm", "self_attn.k_norm": "k_norm"}
+        loaded: set[tuple[str, int | None]] = set()
+        for name, tensor in weights:
+            name = name.removeprefix("model.")
+            if "rotary_emb" in name:
+                continue
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue
+            target, part = name, None
+            for hf, (ours, index) in fused.items():
+                if f".{hf}." in name:
+                    target, part = name.replace(hf, ours), index
+            for hf, ours in renamed.items():
+                target = target.replace(f".{hf}.", f".{ours}.")
+            if target not in params:
+                raise ValueError(f"unexpected weight {name!r} in the checkpoint")
+            param = params[target]
+            with torch.no_grad():
+                if part is None:
+                    param.copy_(tensor)
+                else:
+                    self._copy_part(param, tensor, target, part)
+            loaded.add((target, part))
+        missing = sorted(f"{name}[{part}]" for name, part in self.expected_parts() - loaded)
+        if missing:
+            raise ValueError(f"checkpoint is missing weights: {', '.join(missing[:5])}")
+
+    def expected_parts(self) -> set[tuple[str, int | None]]:
+        expected: set[tuple[str, int | None]] = set()
+        for name, _ in self.named_parameters():
+            if name.endswith("qkv_proj.weight") or name.endswith("qkv_proj.bias"):
+                expected.update((name, part) for part in range(3))
+            elif name.endswith("gate_up_proj.weight") or name.endswith("gate_up_proj.bias"):
+                expected.update((name, part) for part in range(2))
+            else:
+                expected.add((name, None))
+        return expected
+
+    def _copy_part(self, param: torch.Tensor, tensor: torch.Tensor, target: str, part: int) -> None:
+        layer = self.layers[int(target.split(".")[1])]
+        sizes = layer.split if "qkv_proj" in target else (layer.intermediate_size,) * 2
+        offset = sum(sizes[:part])
+        param[offset:offset + sizes[part]].copy_(tensor)

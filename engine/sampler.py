@@ -1,0 +1,57 @@
+"""Token sampling for one step: greedy, temperature, top-k, top-p; per-request seeded streams.
+
+Sampling uses the exponential race (argmax of p / E with E ~ Exp(1)), which draws exactly from p;
+a request with a seed draws its E from its own generator, so its text does not depend on the batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.sequence import Sequence
+
+
+def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """Keep each row's k largest logits (k <= 0 keeps all); ties at the k-th value are kept."""
+    vocab = logits.shape[-1]
+    k = torch.where(top_k <= 0, vocab, top_k.clamp(max=vocab))
+    kth = logits.topk(int(k.max()), dim=-1).values.gather(1, (k - 1)[:, None])
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Keep the smallest set of tokens whose probability reaches top_p (the most likely always kept)."""
+    sorted_logits, order = logits.sort(dim=-1, descending=False)
+    cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    drop = cumulative <= 1 - top_p[:, None]
+    drop[:, -1] = False
+    return logits.masked_fill(drop.scatter(1, order, drop), float("-inf"))
+
+
+class Sampler:
+    def __init__(self, seed: int = 0) -> None:
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+        """logits: [len(seqs), vocab] float32 -> one token per sequence."""
+        params = [s.params for s in seqs]
+        if all(p.temperature == 0 for p in params):
+            return logits.argmax(dim=-1).tolist()
+        logits = logits.float()
+        greedy_tokens = logits.argmax(dim=-1)
+        temperature = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params])
+        scaled = logits / temperature[:, None]
+        if any(p.top_k > 0 for p in params):
+            scaled = apply_top_k(scaled, torch.tensor([max(p.top_k, 0) for p in params]))
+        if any(p.top_p < 1 for p in params):
+            scaled = apply_top_p(scaled, torch.tensor([p.top_p for p in params]))
+        probs = scaled.softmax(dim=-1)
+        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        for row, seq in enumerate(seqs):
+            if seq.params.seed is not None:
+                if seq.generator is None:
+                    seq.generator = torch.Generator().manual_seed(seq.params.seed)
+                noise[row].exponential_(generator=seq.generator)
+        sampled = (probs / noise).argmax(dim=-1)
+        is_greedy = torch.tensor([p.temperature == 0 for p in params])
+        return torch.where(is_greedy, greedy_tokens, sampled).tolist()

@@ -1,0 +1,58 @@
+"""Per-request generation settings, named as in vLLM's `SamplingParams`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    """How to generate the completion of one prompt.
+
+    temperature 0 means greedy; `seed` makes a sampled request reproducible on its own,
+    whatever else runs in the same batch.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    n: int = 1
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first bad field."""
+        checks = [
+            (isinstance(self.max_tokens, int) and not isinstance(self.max_tokens, bool) and self.max_tokens >= 1,
+             f"max_tokens must be an integer >= 1, got {self.max_tokens!r}"),
+            (_is_number(self.temperature) and self.temperature >= 0,
+             f"temperature must be a number >= 0, got {self.temperature!r}"),
+            (_is_number(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}"),
+            (isinstance(self.top_k, int) and self.top_k >= 0 or self.top_k == -1,
+             f"top_k must be an integer >= 0 (0 or -1 disables it), got {self.top_k!r}"),
+            (self.seed is None or isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}"),
+            (isinstance(self.n, int) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}"),
+            (all(isinstance(s, str) and s for s in self.stop), "stop must be a list of non-empty strings"),
+            (all(isinstance(t, int) for t in self.stop_token_ids), "stop_token_ids must be integers"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)

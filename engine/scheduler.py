@@ -1,0 +1,169 @@
+"""Iteration-level scheduling: running sequences first, then (chunked) prefills of waiting ones,
+under a token budget; recompute preemption of the most recently admitted sequence when blocks run out.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from engine.block_pool import KVCacheManager
+from engine.sequence import FinishReason, Sequence, SequenceStatus
+
+
+class ScheduledSeq(NamedTuple):
+    seq: Sequence
+    num_new_tokens: int
+    sample: bool  # this chunk reaches the end of the known tokens, so a next token is sampled
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class SchedulerLimits:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    enable_chunked_prefill: bool = True
+
+
+class Scheduler:
+    """Owns the waiting queue and the running list; mutates sequences' block tables and counters."""
+
+    def __init__(self, limits: SchedulerLimits, kv: KVCacheManager, eos_token_ids: frozenset[int] = frozenset()):
+        self.limits = limits
+        self.kv = kv
+        self.eos_token_ids = eos_token_ids
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def rejection_reason(self, seq: Sequence) -> str | None:
+        """Why seq can never run here, or None when it can."""
+        prompt_len, max_tokens = seq.num_prompt_tokens, seq.params.max_tokens
+        if prompt_len == 0:
+            return "the prompt is empty"
+        if prompt_len + max_tokens > self.limits.max_model_len:
+            return (f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds "
+                    f"max_model_len ({self.limits.max_model_len})")
+        needed = self.kv.blocks_needed(prompt_len + max_tokens)
+        if needed > self.kv.usable_blocks:
+            return f"needs {needed} KV blocks but the pool has only {self.kv.usable_blocks}"
+        if not self.limits.enable_chunked_prefill and prompt_len > self.limits.max_num_batched_tokens:
+            return (f"prompt ({prompt_len} tokens) exceeds max_num_batched_tokens "
+                    f"({self.limits.max_num_batched_tokens}) and chunked prefill is off")
+        return None
+
+    def add(self, seq: Sequence) -> bool:
+        """Queue seq; a sequence that can never run is finished with an error instead (returns False)."""
+        reason = self.rejection_reason(seq)
+        if reason is not None:
+            seq.finish(FinishReason.ERROR, reason)
+            return False
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+        return True
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.limits.max_num_batched_tokens
+        index = 0
+        while index < len(self.running) and budget > 0:
+            seq = self.running[index]
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            while not self.kv.allocate_slots(seq, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                out.scheduled.append(self._scheduled(seq, num_new))
+                budget -= num_new
+                index += 1
+
+        while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.limits.max_num_seqs:
+            seq = self.waiting[0]
+            cached = self.kv.find_cached_prefix(seq)
+            num_new = seq.num_tokens - len(cached) * self.kv.block_size
+            if num_new > budget and not self.limits.enable_chunked_prefill:
+                break
+            num_new = min(num_new, budget)
+            if not self.kv.can_admit(seq, cached, num_new):
+                break
+            self.waiting.popleft()
+            self.kv.admit(seq, cached)
+            if not self.kv.allocate_slots(seq, num_new):
+                raise RuntimeError("admission check and allocation disagree")
+            if seq.num_cached_tokens < 0:
+                seq.num_cached_tokens = seq.num_computed_tokens
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append(self._scheduled(seq, num_new))
+            budget -= num_new
+        return out
+
+    @staticmethod
+    def _scheduled(seq: Sequence, num_new: int) -> ScheduledSeq:
+        return ScheduledSeq(seq, num_new, seq.num_computed_tokens + num_new == seq.num_tokens)
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Recompute preemption: drop seq's KV and send it to the front of the waiting queue."""
+        self.kv.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def update(self, out: SchedulerOutput, sampled: list[int]) -> list[Sequence]:
+        """Advance the counters of every scheduled sequence and append the sampled tokens (one per
+        `sample` entry, in order). Returns the sequences that finished; their blocks are freed."""
+        tokens = iter(sampled)
+        finished = []
+        for seq, num_new, sample in out.scheduled:
+            seq.num_computed_tokens += num_new
+            if not sample:
+                continue
+            token = next(tokens)
+            seq.append_token(token)
+            reason = self._finish_reason(seq, token)
+            if reason is not None:
+                self.finish(seq, reason)
+                finished.append(seq)
+        return finished
+
+    def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
+        params = seq.params
+        if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
+            seq.stop_reason = token
+            return FinishReason.STOP
+        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.limits.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """Finish a waiting or running sequence and release its blocks."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        self.kv.free(seq)
+        seq.finish(reason)

@@ -1,0 +1,91 @@
+"""The per-request state object that moves through scheduler, block manager and runner."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(enum.StrEnum):
+    STOP = "stop"  # EOS, a stop token or a stop string
+    LENGTH = "length"  # max_tokens or max_model_len reached
+    ABORT = "abort"
+    ERROR = "error"  # the request could never run (too long for the context or the KV pool)
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One generated continuation of a prompt.
+
+    Invariant: `num_computed_tokens` catches up to `len(token_ids)`. Prefill, chunked prefill,
+    prefix-cache hits and recompute after preemption all just move that counter.
+    """
+
+    seq_id: int
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float = field(default_factory=time.monotonic)
+    token_ids: list[int] = field(init=False)
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # chain hashes of the full blocks, in order
+    num_registered_blocks: int = 0  # leading blocks of block_table entered in the prefix cache
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    num_cached_tokens: int = -1  # prefix-cache hit length at first admission; -1 until admitted
+    num_preemptions: int = 0
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    stop_text_offset: int | None = None  # where a stop string was found in the output text
+    stop_reason: str | int | None = None  # the stop string or stop token that finished it
+    generator: Any = None  # the seeded random stream of a request with `seed`, kept by the sampler
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+        if self.first_token_time is None:
+            self.first_token_time = time.monotonic()
+
+    def finish(self, reason: FinishReason, error: str | None = None) -> None:
+        self.status = SequenceStatus.FINISHED
+        self.finish_reason = reason
+        self.error = error
+        self.finish_time = time.monotonic()

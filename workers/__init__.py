@@ -1,0 +1,1 @@
+"""Celery app, tasks, beat schedules and the worker-side engine lifecycle."""
