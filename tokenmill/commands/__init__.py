@@ -1,0 +1,1 @@
+"""Command groups of the `tokenmill` CLI; each module has `register(subparsers)`."""

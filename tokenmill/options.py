@@ -1,0 +1,57 @@
+"""Command-line options shared by commands that start an engine or set sampling defaults."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from engine.config import BACKENDS, DEFAULT_MODEL, DTYPES
+
+
+def add_engine_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine")
+    group.add_argument("--model", default=DEFAULT_MODEL,
+                       help=f"bundled model name or a local Hugging Face directory (default: {DEFAULT_MODEL})")
+    group.add_argument("--dtype", choices=DTYPES, default="auto",
+                       help="weights and KV dtype (auto: float32 on CPU, bfloat16 on CUDA)")
+    group.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
+    group.add_argument("--max-model-len", type=int, help="context length limit (default: the model's)")
+    group.add_argument("--max-num-seqs", type=int, default=256, help="sequences running at once (default: 256)")
+    group.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                       help="token budget of one step; prompts longer than it are prefilled in chunks (default: 2048)")
+    group.add_argument("--num-kv-blocks", type=int, help="KV pool size in blocks (default: from the memory budget)")
+    group.add_argument("--kv-cache-memory", type=float, metavar="GIB",
+                       help="KV pool size in GiB (default: up to 4 GiB on CPU, 90%% of free memory on CUDA)")
+    group.add_argument("--no-prefix-caching", action="store_true", help="turn automatic prefix caching off")
+    group.add_argument("--attention-backend", choices=BACKENDS, default="auto",
+                       help="paged attention implementation (auto: triton on CUDA, torch on CPU)")
+    group.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's choice)")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    kwargs: dict[str, Any] = dict(
+        model=args.model, dtype=args.dtype, block_size=args.block_size, max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=not args.no_prefix_caching,
+        attention_backend=args.attention_backend, num_threads=args.threads,
+    )
+    if args.kv_cache_memory is not None:
+        kwargs["kv_cache_memory"] = int(args.kv_cache_memory * 2**30)
+    return kwargs
+
+
+def add_sampling_options(parser: argparse.ArgumentParser, max_tokens: int = 128) -> None:
+    group = parser.add_argument_group("sampling defaults")
+    group.add_argument("--max-tokens", type=int, default=max_tokens,
+                       help=f"tokens to generate per prompt at most (default: {max_tokens})")
+    group.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: 0)")
+    group.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1, off)")
+    group.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (default: 0, off)")
+    group.add_argument("--seed", type=int, help="per-request seed for reproducible sampling")
+    group.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                       help="stop when this text appears (repeatable)")
+
+
+def sampling_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    return dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                seed=args.seed, stop=list(args.stop))
