@@ -1,12 +1,24 @@
 """tokenmill's inference engine: paged KV cache, continuous batching, prefix caching.
 
 Offline use mirrors vLLM: `LLM(model=...).generate(prompts, SamplingParams(...))`.
+Names are imported lazily so that `engine.config` and friends load without torch.
 """
 
-from engine.config import EngineConfig
-from engine.llm import LLM
-from engine.llm_engine import LLMEngine
-from engine.outputs import CompletionOutput, RequestOutput
-from engine.sampling_params import SamplingParams
+from importlib import import_module
 
-__all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput"]
+_EXPORTS = {
+    "LLM": "engine.llm",
+    "LLMEngine": "engine.llm_engine",
+    "EngineConfig": "engine.config",
+    "SamplingParams": "engine.sampling_params",
+    "RequestOutput": "engine.outputs",
+    "CompletionOutput": "engine.outputs",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'engine' has no attribute {name!r}")

@@ -1,10 +1,103 @@
-"""`tokenmill bench ...`: benchmarks that print tokenmill beside reference systems."""
+"""`tokenmill bench ...`: benchmarks that print tokenmill beside reference systems in one run."""
 
 from __future__ import annotations
 
 import argparse
 
+SYSTEMS = ("hf-static", "hf-continuous", "tokenmill", "floor")
+
 
 def register(commands: argparse._SubParsersAction) -> None:
-    parser = commands.add_parser("bench", help="benchmarks against reference systems")
-    parser.add_subparsers(dest="bench_command", metavar="BENCHMARK", required=True)
+    parser = commands.add_parser("bench", help="benchmarks against reference systems",
+                                 description="Benchmarks run every system in the same process, one after another, "
+                                             "and print one table, so the numbers share a machine state.")
+    benches = parser.add_subparsers(dest="bench_command", metavar="BENCHMARK", required=True)
+    tp = benches.add_parser(
+        "throughput", help="HF static vs HF continuous batching vs tokenmill on one workload",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Useful generated tokens per second on a mixed chat workload: N distinct chat prompts, each "
+                    "forced to generate a fixed number of tokens drawn from [min, max] (EOS ignored).\n"
+                    "Systems: Hugging Face static batching (padded batches), Hugging Face continuous batching "
+                    "(init_continuous_batching), tokenmill, and the dense-matmul floor: the time of the model's "
+                    "matrix multiplies alone at every step's batch size of tokenmill's schedule.")
+    tp.add_argument("--model", default="smollm2-135m", help="model name or directory (default: smollm2-135m)")
+    tp.add_argument("--num-prompts", type=int, default=64, help="requests in the workload (default: 64)")
+    tp.add_argument("--min-tokens", type=int, default=16, help="shortest forced output (default: 16)")
+    tp.add_argument("--max-tokens", type=int, default=192, help="longest forced output (default: 192)")
+    tp.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated (default: float32,bfloat16)")
+    tp.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {','.join(SYSTEMS)}")
+    tp.add_argument("--static-batch-size", type=int, default=16, help="HF static batch size (default: 16)")
+    tp.add_argument("--threads", type=int, default=2, help="torch CPU threads for every system (default: 2)")
+    tp.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    tp.set_defaults(handler=run_throughput)
+
+
+def run_throughput(args: argparse.Namespace) -> int:
+    import json
+    import logging
+
+    import torch
+    from rich.console import Console
+    from transformers import AutoTokenizer
+
+    from engine.bench import throughput as tp
+    from engine.bench.workload import mixed_chat_workload
+    from engine.model_loader import resolve_model
+
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    unknown = set(systems) - set(SYSTEMS)
+    if unknown:
+        raise ValueError(f"unknown system(s) {sorted(unknown)}; choose from {SYSTEMS}")
+    dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    for dtype in dtypes:
+        if dtype not in tp.DTYPES:
+            raise ValueError(f"unsupported dtype {dtype!r}; choose from {sorted(tp.DTYPES)}")
+    torch.set_num_threads(args.threads)
+    logging.getLogger("ContinuousBatchingLogger").setLevel(logging.WARNING)
+    console = Console(width=max(Console().width, 150))
+    model_dir = resolve_model(args.model)
+    workload = mixed_chat_workload(AutoTokenizer.from_pretrained(model_dir), args.num_prompts, args.min_tokens,
+                                   args.max_tokens)
+    console.print(f"workload: {len(workload.prompts)} chat prompts ({workload.prompt_tokens} prompt tokens), "
+                  f"{workload.useful_tokens} forced output tokens ({args.min_tokens}-{args.max_tokens} each), "
+                  f"{args.threads} threads")
+    results: list[tp.Result] = []
+    for dtype in dtypes:
+        steps = []
+        for system in systems:
+            console.print(f"running {system} ({dtype}) ...")
+            if system == "hf-static":
+                results.append(tp.hf_static(model_dir, workload, dtype, args.static_batch_size))
+            elif system == "hf-continuous":
+                results.append(tp.hf_continuous(model_dir, workload, dtype))
+            elif system == "tokenmill":
+                run = tp.tokenmill_run(str(model_dir), workload, dtype, num_threads=args.threads)
+                steps = run.steps
+                results.append(run.result)
+            elif system == "floor" and steps:
+                results.append(tp.dense_matmul_floor(model_dir, steps, dtype))
+    console.print(throughput_table(results))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([{**r.__dict__, "tokens_per_second": r.tokens_per_second} for r in results], f, indent=2)
+    return 0
+
+
+def speedup(result, reference) -> str:
+    return f"{result.tokens_per_second / reference.tokens_per_second:.2f}x" if reference else "-"
+
+
+def throughput_table(results):
+    from rich.table import Table
+
+    table = Table("system", "dtype", "seconds", "useful tok/s", "x HF static", "x HF continuous", "% of floor",
+                  "note", title="throughput (useful generated tokens per second)")
+    by_key = {(r.system, r.dtype): r for r in results}
+    for r in results:
+        static = by_key.get(("HF static batching", r.dtype))
+        cont = by_key.get(("HF continuous batching", r.dtype))
+        floor = by_key.get(("dense matmul floor", r.dtype))
+        share = f"{100 * r.tokens_per_second / floor.tokens_per_second:.0f}%" if floor else "-"
+        table.add_row(r.system, r.dtype, f"{r.seconds:.1f}", f"{r.tokens_per_second:.1f}", speedup(r, static),
+                      speedup(r, cont), share, r.note)
+    return table

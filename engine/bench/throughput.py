@@ -1,0 +1,194 @@
+"""`tokenmill bench throughput`: one workload through Hugging Face static batching, Hugging Face
+continuous batching and tokenmill, in one process, plus the dense-matmul floor of that workload."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from engine.bench.workload import Workload
+
+log = logging.getLogger("tokenmill.bench")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class Result:
+    system: str
+    dtype: str
+    seconds: float
+    useful_tokens: int
+    note: str = ""
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.useful_tokens / self.seconds
+
+
+@dataclass
+class StepShape:
+    num_tokens: int  # rows of every dense matmul in the step
+    num_sampled: int  # rows of the LM head
+
+
+@dataclass
+class TokenmillRun:
+    result: Result
+    steps: list[StepShape] = field(default_factory=list)
+
+
+def load_hf_model(model_dir, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    return model.eval()
+
+
+def hf_static(model_dir, workload: Workload, dtype: str, batch_size: int = 16) -> Result:
+    """Padded batches in input order; each batch runs until its longest request is done."""
+    model = load_hf_model(model_dir, DTYPES[dtype])
+    pad = model.generation_config.pad_token_id
+    pad = pad if pad is not None else 0
+    started = time.perf_counter()
+    with torch.inference_mode():
+        for first in range(0, len(workload.prompts), batch_size):
+            prompts = workload.prompts[first:first + batch_size]
+            steps = max(workload.output_lens[first:first + batch_size])
+            width = max(len(p) for p in prompts)
+            ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=steps, min_new_tokens=steps,
+                                 do_sample=False, pad_token_id=pad)
+            if out.shape[1] - width != steps:
+                raise RuntimeError(f"HF static generated {out.shape[1] - width} tokens, expected {steps}")
+    seconds = time.perf_counter() - started
+    del model
+    gc.collect()
+    return Result("HF static batching", dtype, seconds, workload.useful_tokens, f"padded batches of {batch_size}")
+
+
+def hf_continuous(model_dir, workload: Workload, dtype: str) -> Result:
+    """transformers' own continuous batching (`init_continuous_batching`), per-request lengths, EOS off."""
+    from transformers import GenerationConfig
+
+    model = load_hf_model(model_dir, DTYPES[dtype])
+    config = GenerationConfig(do_sample=False, max_new_tokens=max(workload.output_lens), eos_token_id=-1,
+                              pad_token_id=model.generation_config.pad_token_id)
+    manager = model.init_continuous_batching(generation_config=config)
+    manager.warmup()
+    manager.start()
+    started = time.perf_counter()
+    try:
+        for index, (prompt, length) in enumerate(zip(workload.prompts, workload.output_lens, strict=True)):
+            manager.add_request(prompt, request_id=f"r{index}", max_new_tokens=length, eos_token_id=-1)
+        done: dict[str, int] = {}
+        while len(done) < len(workload.prompts):
+            result = manager.get_result(timeout=5)
+            if result is None:
+                if not manager.is_running():
+                    raise RuntimeError("HF continuous batching stopped before finishing")
+                continue
+            if result.is_finished():
+                done[result.request_id] = len(result.generated_tokens)
+        seconds = time.perf_counter() - started
+    finally:
+        manager.stop(block=True, timeout=10)
+    for index, length in enumerate(workload.output_lens):
+        if done[f"r{index}"] != length:
+            raise RuntimeError(f"HF continuous batching gave request {index} {done[f'r{index}']} tokens, not {length}")
+    del manager, model
+    gc.collect()
+    return Result("HF continuous batching", dtype, seconds, workload.useful_tokens, "init_continuous_batching")
+
+
+def tokenmill_run(model: str, workload: Workload, dtype: str, **engine_kwargs) -> TokenmillRun:
+    from engine import LLM, SamplingParams
+
+    llm = LLM(model=model, dtype=dtype, **engine_kwargs)
+    steps: list[StepShape] = []
+    runner = llm.engine.runner
+    execute = runner.execute
+
+    def recording_execute(plan):
+        steps.append(StepShape(plan.num_batched_tokens, sum(1 for s in plan.scheduled if s.sample)))
+        return execute(plan)
+
+    llm.generate(workload.prompts[:2], SamplingParams(max_tokens=2, temperature=0))  # warm-up
+    llm.engine.kv_manager.pool.reset_prefix_cache()
+    runner.execute = recording_execute
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in workload.output_lens]
+    started = time.perf_counter()
+    outputs = llm.generate(workload.prompts, params)
+    seconds = time.perf_counter() - started
+    runner.execute = execute
+    for out, length in zip(outputs, workload.output_lens, strict=True):
+        if len(out.outputs[0].token_ids) != length:
+            raise RuntimeError(f"tokenmill generated {len(out.outputs[0].token_ids)} tokens, expected {length}")
+    stats = llm.engine.get_stats()
+    note = f"{len(steps)} steps, {stats.num_preemptions} preemptions"
+    del llm
+    gc.collect()
+    return TokenmillRun(Result("tokenmill", dtype, seconds, workload.useful_tokens, note), steps)
+
+
+def dense_pass(matrices: list[list[torch.Tensor]], lm_head: torch.Tensor, x: torch.Tensor, h: torch.Tensor,
+               head_in: torch.Tensor | None) -> None:
+    for qkv, o, gate_up, down in matrices:
+        F.linear(x, qkv)
+        F.linear(x, o)
+        F.linear(x, gate_up)
+        F.linear(h, down)
+    if head_in is not None:
+        F.linear(head_in, lm_head)
+
+
+def dense_matmul_floor(model_dir, steps: list[StepShape], dtype: str, repeats: int = 2) -> Result:
+    """Time of the model's dense matmuls alone (fused QKV, O, gate/up, down for every layer, and the LM
+    head for the sampled rows) at each step's batch size, summed over the steps."""
+    from safetensors import safe_open
+
+    torch_dtype = DTYPES[dtype]
+    weights: dict[str, torch.Tensor] = {}
+    for file in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                weights[name] = f.get_tensor(name).to(torch_dtype)
+    layers = sorted({int(n.split(".")[2]) for n in weights if n.startswith("model.layers.")})
+    matrices = []
+    for i in layers:
+        p = f"model.layers.{i}."
+        matrices.append([
+            torch.cat([weights[p + f"self_attn.{x}_proj.weight"] for x in "qkv"]),
+            weights[p + "self_attn.o_proj.weight"],
+            torch.cat([weights[p + "mlp.gate_proj.weight"], weights[p + "mlp.up_proj.weight"]]),
+            weights[p + "mlp.down_proj.weight"],
+        ])
+    lm_head = weights.get("lm_head.weight", weights["model.embed_tokens.weight"])
+    hidden, inter = lm_head.shape[1], matrices[0][3].shape[1]
+    timings: dict[tuple[int, int], float] = {}
+
+    def timed(fn: Callable[[], None]) -> float:
+        best = float("inf")
+        for _ in range(repeats):
+            started = time.perf_counter()
+            fn()
+            best = min(best, time.perf_counter() - started)
+        return best
+
+    with torch.inference_mode():
+        for shape in {(s.num_tokens, s.num_sampled) for s in steps}:
+            rows, sampled = shape
+            x = torch.randn(rows, hidden, dtype=torch_dtype)
+            h = torch.randn(rows, inter, dtype=torch_dtype)
+            head_in = x[:sampled] if sampled else None
+            timings[shape] = timed(lambda x=x, h=h, head_in=head_in: dense_pass(matrices, lm_head, x, h, head_in))
+    seconds = sum(timings[(s.num_tokens, s.num_sampled)] for s in steps)
+    useful = sum(s.num_sampled for s in steps)
+    return Result("dense matmul floor", dtype, seconds, useful, "tokenmill's schedule, matmuls only")

@@ -1,0 +1,43 @@
+"""Acid test: greedy output is token-for-token Hugging Face's, on the real model, in four configurations."""
+
+import pytest
+
+from engine import LLM, SamplingParams
+from tests.engine.identity import compare, hf_greedy, long_prompts
+
+MAX_TOKENS = 32
+CONFIGS = {
+    "defaults": dict(),
+    "chunked-prefill-32": dict(max_num_batched_tokens=32),
+    "tiny-kv-pool": dict(num_kv_blocks=48),
+    "one-seq-at-a-time": dict(max_num_seqs=1),
+}
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer):
+    from engine.bench.workload import chat_ids, questions
+
+    chats = [chat_ids(tokenizer, q) for q in questions()[:20]]
+    return chats + long_prompts(tokenizer, 4)
+
+
+@pytest.fixture(scope="module")
+def reference(hf_model, prompts):
+    return hf_greedy(hf_model, prompts, MAX_TOKENS)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_greedy_matches_hugging_face(name, model_dir, prompts, reference):
+    assert len(prompts) >= 24 and max(map(len, prompts)) > 300
+    llm = LLM(str(model_dir), num_threads=2, **CONFIGS[name])
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0))
+    failures, allowances = compare([o.outputs[0].token_ids for o in outputs], reference)
+    stats = llm.engine.get_stats()
+    print(f"{name}: {len(prompts)} prompts, {allowances} needed the near-tie allowance, "
+          f"{stats.num_preemptions} preemptions")
+    assert not failures, "\n".join(failures)
+    assert allowances <= 2
+    if name == "tiny-kv-pool":
+        assert stats.num_preemptions > 0
+    assert llm.engine.kv_manager.pool.num_free_blocks == llm.engine.kv_manager.usable_blocks

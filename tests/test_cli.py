@@ -1,0 +1,73 @@
+"""The command line: every command explains itself; model and generate work on the real model."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tokenmill.cli import build_parser
+
+
+def run_cli(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "tokenmill", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def subcommands(parser, prefix=()):
+    for action in parser._actions:
+        if action.__class__.__name__ == "_SubParsersAction":
+            for name, sub in action.choices.items():
+                yield (*prefix, name), sub
+                yield from subcommands(sub, (*prefix, name))
+
+
+def test_every_command_has_help_text():
+    parser = build_parser()
+    found = list(subcommands(parser))
+    assert {("model", "pull"), ("model", "list"), ("generate",), ("bench", "throughput")} <= {p for p, _ in found}
+    for path, sub in found:
+        text = sub.format_help()
+        assert sub.description or sub.format_usage(), path
+        assert len(text) > 120, (path, text)
+
+
+@pytest.mark.parametrize("args", [["--help"], ["generate", "--help"], ["bench", "throughput", "--help"]])
+def test_help_runs_without_loading_heavy_libraries(args):
+    code = ("import sys; from tokenmill.cli import main\n"
+            "try:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
+            "print('torch' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().endswith("False")
+    assert "usage: tokenmill" in proc.stdout
+
+
+def test_model_list_shows_the_bundled_model_ready():
+    proc = run_cli("model", "list")
+    assert proc.returncode == 0, proc.stderr
+    assert "smollm2-135m" in proc.stdout and "ready" in proc.stdout
+
+
+def test_generate_prints_completions_and_throughput():
+    proc = run_cli("generate", "What is the capital of France?", "--max-tokens", "12", "--threads", "2")
+    assert proc.returncode == 0, proc.stderr
+    assert "Paris" in proc.stdout and "generated tok/s" in proc.stdout
+
+
+def test_bad_arguments_fail_with_a_message():
+    proc = run_cli("generate", "hi", "--model", "nope")
+    assert proc.returncode == 2 and "unknown model 'nope'" in proc.stderr
+
+
+def test_bench_throughput_short_run_prints_all_systems(tmp_path):
+    out = tmp_path / "bench.json"
+    proc = run_cli("bench", "throughput", "--num-prompts", "4", "--min-tokens", "4", "--max-tokens", "8",
+                   "--dtypes", "float32", "--json", str(out), timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    for system in ("HF static batching", "HF continuous batching", "tokenmill", "dense matmul floor"):
+        assert system in proc.stdout
+    rows = json.loads(out.read_text())
+    assert [r["system"] for r in rows] == ["HF static batching", "HF continuous batching", "tokenmill",
+                                           "dense matmul floor"]
+    assert all(r["tokens_per_second"] > 0 for r in rows)
