@@ -1,0 +1,117 @@
+"""OpenAI Batch JSONL input: one `{"custom_id", "method": "POST", "url", "body"}` object per line.
+
+One streaming pass (`validate`) counts the rows, enforces the size limits, rejects duplicate custom_ids and
+remembers where each row starts, so a shard later seeks straight to its first row.
+"""
+
+from __future__ import annotations
+
+import json
+from array import array
+from collections.abc import Iterator
+from typing import IO, Any
+
+from storage.formats.rows import (
+    CHAT,
+    ENDPOINTS,
+    InputError,
+    Limits,
+    Request,
+    RowError,
+    check_custom_id,
+    parse_messages,
+    parse_prompt,
+    pick_params,
+)
+
+
+class JsonlInput:
+    format = "jsonl"
+
+    def __init__(self, file: IO[bytes], limits: Limits, size: int, name: str = "input") -> None:
+        self.file, self.limits, self.name = file, limits, name
+        limits.check("max_file_bytes", size, "JSONL file size in bytes")
+        self._offsets: array | None = None  # byte offset of each row's line
+
+    @property
+    def num_rows(self) -> int:
+        return len(self._index())
+
+    def validate(self) -> None:
+        self._index(check_duplicates=True)
+
+    def _index(self, check_duplicates: bool = False) -> array:
+        if self._offsets is not None and not check_duplicates:
+            return self._offsets
+        offsets, seen = array("q"), {}
+        for line_number, offset, line in self._lines():
+            if check_duplicates:
+                custom_id = _peek_custom_id(line)
+                if custom_id is not None and seen.setdefault(custom_id, line_number) != line_number:
+                    raise InputError(f"duplicate custom_id {custom_id!r} on lines {seen[custom_id]} and "
+                                     f"{line_number}: 'custom_id' must be unique")
+            offsets.append(offset)
+            self.limits.check("max_rows", len(offsets), "row count")
+        self._offsets = offsets
+        return offsets
+
+    def _lines(self, start: int = 0) -> Iterator[tuple[int, int, bytes]]:
+        """(1-based line number, byte offset, line) of each non-blank line, from byte offset start."""
+        self.file.seek(start)
+        offset, line_number, limit = start, 0, self.limits.max_line_bytes
+        while line := self.file.readline(limit + 1):
+            line_number += 1
+            if len(line) > limit and not line.endswith(b"\n"):
+                raise InputError(f"line {line_number} of {self.name} is longer than the limit max_line_bytes={limit:,}")
+            if line.strip():
+                yield line_number, offset, line
+            offset += len(line)
+
+    def read(self, start: int, end: int) -> Iterator[Request | RowError]:
+        offsets = self._index()
+        if start >= min(end, len(offsets)):
+            return
+        row = start
+        for _, _, line in self._lines(offsets[start]):
+            if row >= end:
+                return
+            yield parse_line(row, line)
+            row += 1
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def _peek_custom_id(line: bytes) -> str | None:
+    try:
+        value = json.loads(line)
+    except ValueError:
+        return None
+    custom_id = value.get("custom_id") if isinstance(value, dict) else None
+    return custom_id if isinstance(custom_id, str) else None
+
+
+def parse_line(row: int, line: bytes) -> Request | RowError:
+    try:
+        value: Any = json.loads(line)
+    except ValueError as error:
+        return RowError(row, None, "invalid_json", f"line is not valid JSON: {error}")
+    if not isinstance(value, dict):
+        return RowError(row, None, "invalid_json", f"line must be a JSON object, got {type(value).__name__}")
+    custom_id = value.get("custom_id")
+    if error := check_custom_id(row, custom_id):
+        return error
+    if value.get("method", "POST") != "POST":
+        return RowError(row, custom_id, "invalid_request", f"method must be POST, got {value.get('method')!r}")
+    url, body = value.get("url"), value.get("body")
+    if url not in ENDPOINTS:
+        return RowError(row, custom_id, "invalid_request", f"url must be one of {', '.join(ENDPOINTS)}, got {url!r}")
+    if not isinstance(body, dict):
+        return RowError(row, custom_id, "invalid_request", "body must be a JSON object")
+    params = pick_params(body)
+    if url == CHAT:
+        messages = parse_messages(row, custom_id, body.get("messages"))
+        return messages if isinstance(messages, RowError) else Request(row, custom_id, url, messages=messages,
+                                                                        params=params)
+    prompt = parse_prompt(row, custom_id, body.get("prompt"))
+    return prompt if isinstance(prompt, RowError) else Request(row, custom_id, url, prompt=prompt, params=params)

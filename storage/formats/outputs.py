@@ -1,0 +1,115 @@
+"""Output files under a job's output prefix: `part-NNNNN.parquet`, `errors.jsonl`, the optional OpenAI Batch
+output `batch_output.jsonl`, and `manifest.json` (written last; its presence means the job is complete)."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+import uuid
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from storage.formats.rows import CHAT, RowError
+from storage.objectstore import ObjectStore
+
+ERRORS_KEY = "errors.jsonl"
+MANIFEST_KEY = "manifest.json"
+BATCH_OUTPUT_KEY = "batch_output.jsonl"
+
+PART_SCHEMA = pa.schema([
+    pa.field("custom_id", pa.string(), nullable=False),
+    pa.field("text", pa.string()),
+    pa.field("finish_reason", pa.string()),  # stop | length
+    pa.field("prompt_tokens", pa.int32()),
+    pa.field("completion_tokens", pa.int32()),
+    pa.field("cached_tokens", pa.int32()),  # prompt tokens served from the prefix cache
+    pa.field("ttft_ms", pa.float64()),  # time to first token, from when the request entered the engine
+    pa.field("latency_ms", pa.float64()),  # from entering the engine to the last token
+    pa.field("row_index", pa.int64()),  # 0-based row of the input
+    pa.field("endpoint", pa.string()),  # /v1/chat/completions or /v1/completions
+])
+
+
+def part_key(index: int) -> str:
+    return f"part-{index:05d}.parquet"
+
+
+def write_part(store: ObjectStore, index: int, records: list[dict[str, Any]]) -> str:
+    """One shard's results, in input order, written once (atomically). Returns the key."""
+    records = sorted(records, key=lambda r: r["row_index"])
+    table = pa.Table.from_pylist(records, schema=PART_SCHEMA)
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink, compression="zstd")
+    key = part_key(index)
+    store.put_bytes(key, sink.getvalue().to_pybytes())
+    return key
+
+
+def read_part(store: ObjectStore, key: str) -> pa.Table:
+    with store.open(key) as f:
+        return pq.read_table(f)
+
+
+def error_record(error: RowError) -> dict[str, Any]:
+    return {"custom_id": error.custom_id, "row_index": error.row, "code": error.code, "message": error.message}
+
+
+@contextmanager
+def spooled_upload(store: ObjectStore, key: str) -> Iterator[Any]:
+    """A local temp file to write into; uploaded (atomically) as key when the block ends without error."""
+    fd, path = tempfile.mkstemp(prefix="tokenmill-", suffix=os.path.splitext(key)[1])
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            yield f
+        store.put_file(key, path)
+    finally:
+        os.unlink(path)
+
+
+def write_jsonl(store: ObjectStore, key: str, records: Iterable[dict[str, Any]]) -> int:
+    count = 0
+    with spooled_upload(store, key) as f:
+        for record in records:
+            f.write(json.dumps(record, ensure_ascii=False) + "\n")
+            count += 1
+    return count
+
+
+def write_manifest(store: ObjectStore, manifest: dict[str, Any]) -> None:
+    store.put_bytes(MANIFEST_KEY, (json.dumps(manifest, indent=2, default=str) + "\n").encode())
+
+
+def batch_output_line(job_id: str, model: str, record: dict[str, Any]) -> dict[str, Any]:
+    """One line of the OpenAI Batch output file, for a result record (a part row) or an error record."""
+    row_index = record["row_index"]
+    line_id = f"batch_req_{uuid.uuid5(uuid.NAMESPACE_URL, f'{job_id}/{row_index}').hex}"
+    if "code" in record:
+        return {"id": line_id, "custom_id": record["custom_id"], "response": None,
+                "error": {"code": record["code"], "message": record["message"]}}
+    return {"id": line_id, "custom_id": record["custom_id"], "error": None,
+            "response": {"status_code": 200, "request_id": line_id, "body": _completion_body(model, record)}}
+
+
+def _completion_body(model: str, record: dict[str, Any]) -> dict[str, Any]:
+    chat = record["endpoint"] == CHAT
+    choice: dict[str, Any] = {"index": 0, "finish_reason": record["finish_reason"]}
+    if chat:
+        choice["message"] = {"role": "assistant", "content": record["text"]}
+    else:
+        choice.update(text=record["text"], logprobs=None)
+    prompt, completion = record["prompt_tokens"], record["completion_tokens"]
+    return {
+        "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+        "object": "chat.completion" if chat else "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [choice],
+        "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                  "prompt_tokens_details": {"cached_tokens": record["cached_tokens"]}},
+    }

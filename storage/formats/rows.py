@@ -1,0 +1,125 @@
+"""What input readers yield (a `Request` or a `RowError` per row), input limits, and row-level checks
+shared by the Parquet and JSONL readers."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+ENDPOINTS = (CHAT, COMPLETIONS)
+PARAM_NAMES = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n")
+
+
+class InputError(ValueError):
+    """A file-level problem: the job fails in `validating` with this message (it names the column or limit)."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Checked against the Parquet footer (or the JSONL size) before any row is read."""
+
+    max_rows: int = 1_000_000
+    max_row_groups: int = 10_000
+    max_uncompressed_bytes: int = 8 << 30  # Parquet: sum of the row groups' uncompressed sizes
+    max_row_group_bytes: int = 1 << 30  # Parquet: one row group is read into memory at a time
+    max_footer_bytes: int = 64 << 20  # Parquet: the footer is parsed before any limit can be checked
+    max_file_bytes: int = 8 << 30  # JSONL
+    max_line_bytes: int = 16 << 20  # JSONL
+
+    ENV_PREFIX = "TOKENMILL_LIMIT_"
+
+    def to_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | None) -> Limits:
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: int(v) for k, v in (data or {}).items() if k in known})
+
+    @classmethod
+    def from_env(cls, **overrides: int | None) -> Limits:
+        """Defaults, then `$TOKENMILL_LIMIT_<NAME>` (e.g. TOKENMILL_LIMIT_MAX_ROWS), then the overrides given."""
+        values = {f.name: int(os.environ[cls.ENV_PREFIX + f.name.upper()]) for f in fields(cls)
+                  if os.environ.get(cls.ENV_PREFIX + f.name.upper())}
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return replace(cls(), **values)
+
+    def check(self, name: str, value: int, what: str) -> None:
+        limit = getattr(self, name)
+        if value > limit:
+            raise InputError(f"input {what} is {value:,}, over the limit {name}={limit:,}")
+
+
+@dataclass(slots=True)
+class Request:
+    row: int  # 0-based position in the input
+    custom_id: str
+    endpoint: str  # CHAT or COMPLETIONS
+    prompt: str | list[int] | None = None
+    messages: list[dict[str, str]] | None = None
+    params: dict[str, Any] = field(default_factory=dict)  # per-row overrides of the job's sampling defaults
+
+
+@dataclass(slots=True)
+class RowError:
+    row: int
+    custom_id: str | None  # None when the row has no usable custom_id
+    code: str
+    message: str
+
+
+def check_custom_id(row: int, value: Any) -> RowError | None:
+    if isinstance(value, str) and value:
+        return None
+    return RowError(row, None, "missing_custom_id", f"custom_id must be a non-empty string, got {value!r}")
+
+
+def parse_messages(row: int, custom_id: str, value: Any) -> list[dict[str, str]] | RowError:
+    """A non-empty list of {role, content}; content may be a string or a list of text parts."""
+    if value is None or (isinstance(value, list) and not value):
+        return RowError(row, custom_id, "missing_messages", "messages is null or empty")
+    if not isinstance(value, list):
+        return RowError(row, custom_id, "invalid_messages", f"messages must be a list, got {type(value).__name__}")
+    messages = []
+    for i, message in enumerate(value):
+        role = message.get("role") if isinstance(message, dict) else None
+        content = _text_content(message.get("content")) if isinstance(message, dict) else None
+        if not isinstance(role, str) or not role or content is None:
+            return RowError(row, custom_id, "invalid_messages",
+                            f"messages[{i}] must have a string 'role' and a string (or text parts) 'content'")
+        messages.append({"role": role, "content": content})
+    return messages
+
+
+def _text_content(content: Any) -> str | None:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+        texts = [p.get("text") for p in content]
+        return "".join(texts) if all(isinstance(t, str) for t in texts) else None
+    return None
+
+
+def parse_prompt(row: int, custom_id: str, value: Any) -> str | list[int] | RowError:
+    """A non-empty string, a list of token ids, or a one-element list holding a string."""
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str):
+        value = value[0]
+    if isinstance(value, str) and value:
+        return value
+    if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        return value
+    if value is None or value == "":
+        return RowError(row, custom_id, "missing_prompt", "prompt is null or empty")
+    return RowError(row, custom_id, "invalid_prompt",
+                    f"prompt must be a string or a list of token ids, got {type(value).__name__}")
+
+
+def pick_params(source: dict[str, Any]) -> dict[str, Any]:
+    """The non-null per-row sampling parameters; OpenAI's `max_completion_tokens` counts as `max_tokens`."""
+    params = {name: source[name] for name in PARAM_NAMES if source.get(name) is not None}
+    if "max_tokens" not in params and source.get("max_completion_tokens") is not None:
+        params["max_tokens"] = source["max_completion_tokens"]
+    return params

@@ -1,0 +1,204 @@
+"""SQLAlchemy models for job state: jobs, their shards (row ranges) and the rows that failed.
+
+Alembic owns the schema (see `migrations/`); these classes are what autogenerate compares against.
+"""
+
+from __future__ import annotations
+
+import enum
+import uuid
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    CheckConstraint,
+    DateTime,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Text,
+    UniqueConstraint,
+)
+from sqlalchemy.engine import Dialect
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+from sqlalchemy.types import TypeDecorator
+
+NAMING_CONVENTION = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+
+
+class JobStatus(enum.StrEnum):
+    """The OpenAI Batch lifecycle."""
+
+    VALIDATING = "validating"
+    QUEUED = "queued"
+    IN_PROGRESS = "in_progress"
+    FINALIZING = "finalizing"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELLING = "cancelling"
+    CANCELLED = "cancelled"
+    EXPIRED = "expired"
+
+
+class ShardStatus(enum.StrEnum):
+    PENDING = "pending"
+    RUNNING = "running"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+class JobSource(enum.StrEnum):
+    KAFKA = "kafka"
+    S3 = "s3"
+    CLI = "cli"
+    SCHEDULE = "schedule"
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+def _one_of(column: str, values: type[enum.StrEnum]) -> str:
+    return f"{column} IN ({', '.join(repr(v.value) for v in values)})"
+
+
+class UTCDateTime(TypeDecorator):
+    """Timezone-aware UTC datetimes on every backend (SQLite stores them naive, in UTC)."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError(f"naive datetime {value!r}: use timezone-aware UTC times")
+        value = value.astimezone(UTC)
+        return value.replace(tzinfo=None) if dialect.name == "sqlite" else value
+
+    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
+# SQLite only auto-increments an INTEGER PRIMARY KEY.
+BigIntId = BigInteger().with_variant(Integer(), "sqlite")
+
+
+class Job(Base):
+    """One batch job; one timestamp column per status (`<status>_at`), set by `storage.states.transition`."""
+
+    __tablename__ = "jobs"
+    __table_args__ = (
+        CheckConstraint(_one_of("status", JobStatus), name="status"),
+        CheckConstraint(_one_of("source", JobSource), name="source"),
+    )
+
+    id: Mapped[str] = mapped_column(String(36), primary_key=True, default=lambda: str(uuid.uuid4()))
+    idempotency_key: Mapped[str] = mapped_column(String(255), unique=True)
+    source: Mapped[str] = mapped_column(String(16), default=JobSource.CLI.value)
+    source_ref: Mapped[str | None] = mapped_column(Text)  # e.g. topic/partition/offset or bucket/key@etag
+    status: Mapped[str] = mapped_column(String(16), default=JobStatus.VALIDATING.value, index=True)
+    model: Mapped[str] = mapped_column(String(512))
+    input_uri: Mapped[str] = mapped_column(Text)
+    output_uri: Mapped[str] = mapped_column(Text)
+    settings: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)  # sampling, engine, shard size, limits
+    priority: Mapped[int] = mapped_column(Integer, default=0)
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    worker: Mapped[str | None] = mapped_column(String(255))
+    error: Mapped[str | None] = mapped_column(Text)
+
+    requests_total: Mapped[int] = mapped_column(BigInteger, default=0)
+    requests_completed: Mapped[int] = mapped_column(BigInteger, default=0)
+    requests_failed: Mapped[int] = mapped_column(BigInteger, default=0)
+    prompt_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    completion_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    cached_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, index=True)
+    expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime)  # deadline; past it the job may expire
+    validating_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    queued_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    in_progress_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    finalizing_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    completed_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    failed_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    cancelling_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    cancelled_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    expired_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+
+    shards: Mapped[list[Shard]] = relationship(back_populates="job", order_by="Shard.index",
+                                               cascade="all, delete-orphan", passive_deletes=True)
+
+    def __repr__(self) -> str:
+        return f"Job(id={self.id!r}, status={self.status!r})"
+
+
+class Shard(Base):
+    """Rows [row_start, row_end) of a job's input, run and written as one part file."""
+
+    __tablename__ = "shards"
+    __table_args__ = (
+        UniqueConstraint("job_id", "index"),
+        CheckConstraint(_one_of("status", ShardStatus), name="status"),
+        CheckConstraint("row_end >= row_start", name="row_range"),
+    )
+
+    id: Mapped[int] = mapped_column(BigIntId, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    index: Mapped[int] = mapped_column(Integer)
+    row_start: Mapped[int] = mapped_column(BigInteger)
+    row_end: Mapped[int] = mapped_column(BigInteger)  # exclusive
+    status: Mapped[str] = mapped_column(String(16), default=ShardStatus.PENDING.value)
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    worker: Mapped[str | None] = mapped_column(String(255))
+    lease_expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    started_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    rows_completed: Mapped[int] = mapped_column(Integer, default=0)
+    rows_failed: Mapped[int] = mapped_column(Integer, default=0)
+    prompt_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    completion_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    cached_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    output_key: Mapped[str | None] = mapped_column(String(1024))  # relative to the job's output URI
+    error: Mapped[str | None] = mapped_column(Text)
+
+    job: Mapped[Job] = relationship(back_populates="shards")
+
+    @property
+    def num_rows(self) -> int:
+        return self.row_end - self.row_start
+
+    def __repr__(self) -> str:
+        return f"Shard(job_id={self.job_id!r}, index={self.index}, status={self.status!r})"
+
+
+class FailedRow(Base):
+    """A row that failed on its own (bad value, prompt too long); written with its shard, exported to errors.jsonl."""
+
+    __tablename__ = "row_errors"
+    __table_args__ = (UniqueConstraint("job_id", "row_index"), Index("ix_row_errors_job_id_shard", "job_id", "shard"))
+
+    id: Mapped[int] = mapped_column(BigIntId, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    shard: Mapped[int] = mapped_column(Integer)
+    row_index: Mapped[int] = mapped_column(BigInteger)
+    custom_id: Mapped[str | None] = mapped_column(Text)  # None when the row had no usable custom_id
+    code: Mapped[str] = mapped_column(String(64))
+    message: Mapped[str] = mapped_column(Text)

@@ -1,0 +1,331 @@
+"""Object storage behind one interface: a local folder (`file://` or a plain path) or S3 via boto3.
+
+Writes are all-or-nothing: locally a temp file in the same folder renamed over the target, on S3 a single
+PUT or a multipart upload (S3 shows neither until it completes). Reads are seekable file objects, so
+pyarrow can read a Parquet footer and then single row groups without fetching the whole object.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import posixpath
+import tempfile
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import IO, Any
+from urllib.parse import unquote, urlparse
+
+ALLOWED_OUTPUT_PREFIXES_ENV = "TOKENMILL_ALLOWED_OUTPUT_PREFIXES"
+TMP_PREFIX = ".tmp-"
+MULTIPART_THRESHOLD = 64 << 20
+READ_BUFFER = 1 << 20
+
+
+def _current_umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+FILE_MODE = 0o666 & ~_current_umask()  # what open() would give; mkstemp alone makes files 0600
+
+
+class UnsafeURI(ValueError):
+    """An output URI that is malformed, climbs with `..`, or lies outside the allowed prefixes."""
+
+
+@dataclass(frozen=True)
+class S3Options:
+    """Where S3 is; anything left None comes from the standard AWS settings (env, config files, roles).
+    Secrets are never stored here: credentials come from the environment or a named profile."""
+
+    endpoint_url: str | None = None
+    region: str | None = None
+    profile: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | None) -> S3Options:
+        return cls(**(data or {}))
+
+
+# ---- URIs ------------------------------------------------------------------------------------------
+
+def has_dot_dot(uri: str) -> bool:
+    path = urlparse(uri).path if "://" in uri else uri
+    return ".." in unquote(path).replace(os.sep, "/").split("/")
+
+
+def normalize_uri(uri: str) -> str:
+    """`s3://bucket/prefix` or `file:///absolute/path`, without a trailing slash."""
+    if not uri or not uri.strip():
+        raise UnsafeURI("empty URI")
+    if uri.startswith("s3://"):
+        parsed = urlparse(uri)
+        if not parsed.netloc:
+            raise UnsafeURI(f"{uri!r} has no bucket (expected s3://BUCKET/PREFIX)")
+        path = posixpath.normpath("/" + parsed.path.strip("/")).strip("/")
+        return f"s3://{parsed.netloc}/{path}".rstrip("/") if path not in ("", ".") else f"s3://{parsed.netloc}"
+    if "://" in uri and not uri.startswith("file://"):
+        raise UnsafeURI(f"unsupported URI scheme in {uri!r} (use a path, file:// or s3://)")
+    path = unquote(urlparse(uri).path) if uri.startswith("file://") else uri
+    return "file://" + os.path.abspath(os.path.expanduser(path))
+
+
+def is_under(uri: str, prefix: str) -> bool:
+    """Segment-wise prefix test: s3://b/out is under s3://b but not under s3://b/o."""
+    uri, prefix = normalize_uri(uri), normalize_uri(prefix)
+    return uri == prefix or uri.startswith(prefix.rstrip("/") + "/")
+
+
+def allowed_output_prefixes() -> list[str]:
+    """From `$TOKENMILL_ALLOWED_OUTPUT_PREFIXES` (comma-separated); empty means anywhere."""
+    raw = os.environ.get(ALLOWED_OUTPUT_PREFIXES_ENV, "")
+    return [p.strip() for p in raw.split(",") if p.strip()]
+
+
+def check_output_uri(uri: str, allowed_prefixes: Iterable[str] | None = None) -> str:
+    """The normalized output URI, or UnsafeURI when it has `..` segments or is outside the allowed prefixes."""
+    if has_dot_dot(uri):
+        raise UnsafeURI(f"output URI {uri!r} contains a '..' segment; give the folder without '..'")
+    normalized = normalize_uri(uri)
+    prefixes = list(allowed_output_prefixes() if allowed_prefixes is None else allowed_prefixes)
+    if prefixes and not any(is_under(normalized, p) for p in prefixes):
+        raise UnsafeURI(f"output URI {uri!r} is outside the allowed prefixes ({', '.join(prefixes)}; "
+                        f"set by {ALLOWED_OUTPUT_PREFIXES_ENV})")
+    return normalized
+
+
+def split_uri(uri: str) -> tuple[str, str]:
+    """(parent URI, last segment): where a single input file lives and its name."""
+    normalized = normalize_uri(uri)
+    parent, _, name = normalized.rpartition("/")
+    if not name or parent in ("s3:/", "file:/"):
+        raise UnsafeURI(f"{uri!r} does not name a file")
+    return parent if parent != "file://" else "file:///", name
+
+
+# ---- stores ----------------------------------------------------------------------------------------
+
+class ObjectStore(ABC):
+    """Keys are '/'-separated and relative to the store's root URI."""
+
+    uri: str
+
+    def uri_of(self, key: str) -> str:
+        return f"{self.uri.rstrip('/')}/{key}"
+
+    @abstractmethod
+    def put_bytes(self, key: str, data: bytes) -> None: ...
+
+    @abstractmethod
+    def put_file(self, key: str, path: str | Path) -> None: ...
+
+    @abstractmethod
+    def open(self, key: str) -> IO[bytes]:
+        """A seekable binary reader that fetches what is read, not the whole object."""
+
+    @abstractmethod
+    def exists(self, key: str) -> bool: ...
+
+    @abstractmethod
+    def list(self, prefix: str = "") -> list[str]:
+        """Keys under prefix, sorted; unfinished temp files are not listed."""
+
+    @abstractmethod
+    def fingerprint(self, key: str) -> dict[str, Any]:
+        """Size and version (mtime or ETag): changes when the object is replaced."""
+
+    def get_bytes(self, key: str) -> bytes:
+        with self.open(key) as f:
+            return f.read()
+
+    def size(self, key: str) -> int:
+        return int(self.fingerprint(key)["size"])
+
+
+class LocalStore(ObjectStore):
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root)
+        self.uri = "file://" + str(self.root.resolve())
+
+    def path(self, key: str) -> Path:
+        return self.root / key
+
+    def put_bytes(self, key: str, data: bytes) -> None:
+        self._atomic_write(key, lambda f: f.write(data))
+
+    def put_file(self, key: str, path: str | Path) -> None:
+        def copy(f: IO[bytes]) -> None:
+            with open(path, "rb") as source:
+                while chunk := source.read(READ_BUFFER):
+                    f.write(chunk)
+
+        self._atomic_write(key, copy)
+
+    def _atomic_write(self, key: str, write) -> None:
+        target = self.path(key)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX, dir=target.parent)
+        try:
+            os.fchmod(fd, FILE_MODE)
+            with os.fdopen(fd, "wb") as f:
+                write(f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, target)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        _fsync_dir(target.parent)
+
+    def open(self, key: str) -> IO[bytes]:
+        return open(self.path(key), "rb")
+
+    def exists(self, key: str) -> bool:
+        return self.path(key).is_file()
+
+    def list(self, prefix: str = "") -> list[str]:
+        if not self.root.is_dir():
+            return []
+        keys = (p.relative_to(self.root).as_posix() for p in self.root.rglob("*") if p.is_file())
+        return sorted(k for k in keys if k.startswith(prefix) and not posixpath.basename(k).startswith(TMP_PREFIX))
+
+    def fingerprint(self, key: str) -> dict[str, Any]:
+        stat = self.path(key).stat()
+        return {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class S3Store(ObjectStore):
+    def __init__(self, bucket: str, prefix: str = "", options: S3Options | None = None, client=None) -> None:
+        self.bucket, self.prefix = bucket, prefix.strip("/")
+        self.options = options or S3Options()
+        self.client = client or s3_client(self.options)
+        self.uri = f"s3://{bucket}/{self.prefix}".rstrip("/")
+
+    def key(self, key: str) -> str:
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def put_bytes(self, key: str, data: bytes) -> None:
+        self.client.upload_fileobj(io.BytesIO(data), self.bucket, self.key(key), Config=_transfer_config())
+
+    def put_file(self, key: str, path: str | Path) -> None:
+        self.client.upload_file(str(path), self.bucket, self.key(key), Config=_transfer_config())
+
+    def open(self, key: str) -> IO[bytes]:
+        return io.BufferedReader(S3RangeReader(self.client, self.bucket, self.key(key)), buffer_size=READ_BUFFER)
+
+    def exists(self, key: str) -> bool:
+        return self._head(key) is not None
+
+    def list(self, prefix: str = "") -> list[str]:
+        root = f"{self.prefix}/" if self.prefix else ""
+        keys = []
+        for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=root + prefix):
+            keys.extend(obj["Key"][len(root):] for obj in page.get("Contents", []))
+        return sorted(keys)
+
+    def fingerprint(self, key: str) -> dict[str, Any]:
+        head = self._head(key)
+        if head is None:
+            raise FileNotFoundError(f"no object {self.uri_of(key)}")
+        return {"size": head["ContentLength"], "etag": head.get("ETag", "").strip('"')}
+
+    def _head(self, key: str) -> dict | None:
+        from botocore.exceptions import ClientError
+
+        try:
+            return self.client.head_object(Bucket=self.bucket, Key=self.key(key))
+        except ClientError as error:
+            if error.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+                return None
+            raise
+
+
+class S3RangeReader(io.RawIOBase):
+    """Seekable reads of one S3 object by HTTP range requests."""
+
+    def __init__(self, client, bucket: str, key: str) -> None:
+        from botocore.exceptions import ClientError
+
+        super().__init__()
+        self.client, self.bucket, self.key = client, bucket, key
+        self.position = 0
+        try:
+            self.length = client.head_object(Bucket=bucket, Key=key)["ContentLength"]
+        except ClientError as error:
+            if error.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+                raise FileNotFoundError(f"no object s3://{bucket}/{key}") from None
+            raise
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.position
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.position, io.SEEK_END: self.length}[whence]
+        self.position = max(0, base + offset)
+        return self.position
+
+    def readinto(self, buffer) -> int:
+        end = min(self.position + len(buffer), self.length)
+        if end <= self.position:
+            return 0
+        body = self.client.get_object(Bucket=self.bucket, Key=self.key, Range=f"bytes={self.position}-{end - 1}")
+        data = body["Body"].read()
+        buffer[:len(data)] = data
+        self.position += len(data)
+        return len(data)
+
+
+def _transfer_config():
+    from boto3.s3.transfer import TransferConfig
+
+    return TransferConfig(multipart_threshold=MULTIPART_THRESHOLD, multipart_chunksize=MULTIPART_THRESHOLD)
+
+
+def s3_client(options: S3Options):
+    import boto3
+    from botocore.config import Config
+
+    session = boto3.session.Session(profile_name=options.profile, region_name=options.region)
+    custom_endpoint = options.endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get(
+        "AWS_ENDPOINT_URL")
+    config = Config(retries={"max_attempts": 5, "mode": "standard"},
+                    # S3-compatible servers want path-style URLs and only the checksums S3 requires
+                    **({"s3": {"addressing_style": "path"}, "request_checksum_calculation": "when_required",
+                        "response_checksum_validation": "when_required"} if custom_endpoint else {}))
+    return session.client("s3", endpoint_url=options.endpoint_url, config=config)
+
+
+def open_store(uri: str, s3: S3Options | None = None) -> ObjectStore:
+    """The store rooted at uri (a folder or an S3 prefix)."""
+    normalized = normalize_uri(uri)
+    if normalized.startswith("s3://"):
+        parsed = urlparse(normalized)
+        return S3Store(parsed.netloc, parsed.path, s3)
+    return LocalStore(normalized[len("file://"):])
+
+
+def open_file_store(uri: str, s3: S3Options | None = None) -> tuple[ObjectStore, str]:
+    """(store of the file's folder, the file's key) for a single-object URI such as a job's input."""
+    parent, name = split_uri(uri)
+    return open_store(parent, s3), name

@@ -1,0 +1,121 @@
+"""Queries and updates of job state. Every function takes a Session; the caller owns the transaction."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from datetime import datetime
+
+from sqlalchemy import delete, func, select
+from sqlalchemy.orm import Session
+
+from storage.models import FailedRow, Job, Shard, ShardStatus, utcnow
+
+
+class JobNotFound(LookupError):
+    pass
+
+
+def get_job(session: Session, job_id: str, *, for_update: bool = False) -> Job:
+    query = select(Job).where(Job.id == job_id)
+    job = session.scalars(query.with_for_update() if for_update else query).one_or_none()
+    if job is None:
+        raise JobNotFound(f"no job {job_id!r}")
+    return job
+
+
+def job_by_key(session: Session, idempotency_key: str) -> Job | None:
+    return session.scalars(select(Job).where(Job.idempotency_key == idempotency_key)).one_or_none()
+
+
+def find_job(session: Session, ref: str) -> Job:
+    """A job by its id or by a unique prefix of it (as `tokenmill status 3f2a` allows)."""
+    if job := session.get(Job, ref):
+        return job
+    matches = session.scalars(select(Job).where(Job.id.startswith(ref, autoescape=True)).limit(2)).all()
+    if len(matches) == 1:
+        return matches[0]
+    if matches:
+        raise JobNotFound(f"{ref!r} matches several jobs; give more of the id")
+    raise JobNotFound(f"no job matches {ref!r}")
+
+
+def list_jobs(session: Session, *, limit: int = 50, status: str | None = None) -> list[Job]:
+    query = select(Job).order_by(Job.created_at.desc(), Job.id).limit(limit)
+    if status:
+        query = query.where(Job.status == status)
+    return list(session.scalars(query))
+
+
+def job_status(session: Session, job_id: str) -> str | None:
+    """Just the status column (cheap enough to poll between engine steps)."""
+    return session.scalar(select(Job.status).where(Job.id == job_id))
+
+
+def shards(session: Session, job_id: str) -> list[Shard]:
+    return list(session.scalars(select(Shard).where(Shard.job_id == job_id).order_by(Shard.index)))
+
+
+def get_shard(session: Session, job_id: str, index: int) -> Shard:
+    shard = session.scalars(select(Shard).where(Shard.job_id == job_id, Shard.index == index)).one_or_none()
+    if shard is None:
+        raise LookupError(f"job {job_id} has no shard {index}")
+    return shard
+
+
+def add_shards(session: Session, job: Job, ranges: Iterable[tuple[int, int]]) -> list[Shard]:
+    created = [Shard(job_id=job.id, index=i, row_start=start, row_end=end) for i, (start, end) in enumerate(ranges)]
+    session.add_all(created)
+    return created
+
+
+def start_shard(shard: Shard, worker: str, lease_until: datetime) -> None:
+    shard.status = ShardStatus.RUNNING.value
+    shard.attempts += 1
+    shard.worker = worker
+    shard.started_at = utcnow()
+    shard.finished_at = None
+    shard.lease_expires_at = lease_until
+    shard.error = None
+
+
+def complete_shard(session: Session, shard: Shard, totals: dict[str, int], output_key: str,
+                   errors: Iterable[FailedRow]) -> None:
+    """Mark shard completed with its counts and its failed rows, then refresh the job's totals."""
+    session.execute(delete(FailedRow).where(FailedRow.job_id == shard.job_id, FailedRow.shard == shard.index))
+    session.add_all(errors)
+    for name, value in totals.items():
+        setattr(shard, name, value)
+    shard.status = ShardStatus.COMPLETED.value
+    shard.output_key = output_key
+    shard.finished_at = utcnow()
+    shard.lease_expires_at = None
+    session.flush()
+    refresh_job_totals(session, get_job(session, shard.job_id))
+
+
+def reset_unfinished_shards(session: Session, job_id: str) -> int:
+    """Shards left running (by a dead worker), failed or cancelled go back to pending. Returns how many."""
+    count = 0
+    for shard in shards(session, job_id):
+        if shard.status != ShardStatus.COMPLETED and shard.status != ShardStatus.PENDING:
+            shard.status = ShardStatus.PENDING.value
+            shard.lease_expires_at = None
+            count += 1
+    return count
+
+
+def refresh_job_totals(session: Session, job: Job) -> None:
+    """Request and token counts of the job = sums over its completed shards (idempotent)."""
+    columns = ("rows_completed", "rows_failed", "prompt_tokens", "completion_tokens", "cached_tokens")
+    sums = session.execute(
+        select(*(func.coalesce(func.sum(getattr(Shard, c)), 0) for c in columns))
+        .where(Shard.job_id == job.id, Shard.status == ShardStatus.COMPLETED.value)).one()
+    (job.requests_completed, job.requests_failed, job.prompt_tokens, job.completion_tokens,
+     job.cached_tokens) = (int(v) for v in sums)
+
+
+def failed_rows(session: Session, job_id: str, shard: int | None = None) -> Iterator[FailedRow]:
+    query = select(FailedRow).where(FailedRow.job_id == job_id).order_by(FailedRow.row_index)
+    if shard is not None:
+        query = query.where(FailedRow.shard == shard)
+    yield from session.scalars(query.execution_options(yield_per=1000))

@@ -1,0 +1,61 @@
+"""Crash test: `tokenmill run` is SIGKILLed mid-job; the same command again resumes the same job, does not
+recompute finished shards, and the outputs hold every custom_id exactly once."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from storage.objectstore import LocalStore
+from tests.jobs.jobhelpers import (
+    assert_each_id_once,
+    prompt_rows,
+    shard_rows,
+    wait_for_a_completed_shard,
+    write_parquet,
+)
+
+pytestmark = pytest.mark.real_model
+ROWS, SHARD_SIZE = 40, 4
+
+
+def test_sigkill_mid_job_then_the_same_command_resumes(tmp_path: Path) -> None:
+    columns = prompt_rows(ROWS)
+    source = write_parquet(tmp_path / "prompts.parquet", columns)
+    output, database = tmp_path / "out", tmp_path / "jobs.db"
+    command = [sys.executable, "-m", "tokenmill", "run", str(source), "--output", str(output),
+               "--database-url", f"sqlite:///{database}", "--shard-size", str(SHARD_SIZE), "--max-tokens", "4",
+               "--threads", "2", "--kv-cache-memory", "0.25"]
+    with open(tmp_path / "first.log", "w") as log:
+        first = subprocess.Popen(command, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            wait_for_a_completed_shard(first, database)
+        finally:
+            os.kill(first.pid, signal.SIGKILL)
+            first.wait()
+
+    before = shard_rows(database)
+    completed = {i: row for i, row in before.items() if row[0] == "completed"}
+    interrupted = [i for i, row in before.items() if row[0] == "running"]
+    assert 0 < len(completed) < len(before) == ROWS // SHARD_SIZE, "the kill must land mid-job"
+    assert not (output / "manifest.json").exists()
+    part_mtimes = {i: (output / f"part-{i:05d}.parquet").stat().st_mtime_ns for i in completed}
+
+    second = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "(resumed)" in second.stdout and f"completed: {ROWS} rows, {ROWS} completed, 0 failed" in second.stdout
+    assert f"{len(completed)} of {len(before)} shards already completed" in second.stderr
+
+    after = shard_rows(database)
+    assert all(row[0] == "completed" for row in after.values())
+    for index, row in completed.items():
+        assert after[index] == row, f"shard {index} was recomputed"
+        assert (output / f"part-{index:05d}.parquet").stat().st_mtime_ns == part_mtimes[index]
+    for index in interrupted:
+        assert after[index][1] == 2, f"interrupted shard {index} should have been redone once"
+    assert_each_id_once(LocalStore(output), columns["custom_id"])

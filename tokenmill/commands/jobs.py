@@ -1,0 +1,307 @@
+"""`tokenmill run | jobs | status | cancel | db`: batch jobs in process, with their state in SQL."""
+
+from __future__ import annotations
+
+import argparse
+from importlib import resources
+from pathlib import Path
+
+from tokenmill.options import add_engine_options, add_sampling_options, engine_kwargs, sampling_kwargs
+
+DATABASE_HELP = ("SQLAlchemy database URL, e.g. postgresql+psycopg://user@host/db (default: $TOKENMILL_DATABASE_URL, "
+                 "else SQLite at $TOKENMILL_DATA/tokenmill.db, $TOKENMILL_DATA defaulting to ~/.local/share/tokenmill)")
+RUN_DESCRIPTION = """\
+Run a batch job in this process: validate the input, split it into shards of rows, generate a completion
+for every row and write the results under --output as part-NNNNN.parquet files, errors.jsonl and, last,
+manifest.json. The job's state is kept in the database, so running the same command again (same input,
+same output) resumes the job where it stopped and never repeats a finished shard.
+
+INPUT is a Parquet file (custom_id plus prompt or messages, optional per-row max_tokens, temperature,
+top_p, top_k, seed, stop) or an OpenAI Batch JSONL file, as a path, file:// or s3:// URI. Without INPUT
+the bundled sample of 40 chat prompts runs."""
+
+
+def register(commands: argparse._SubParsersAction) -> None:
+    _register_run(commands)
+    _register_jobs(commands)
+    _register_status(commands)
+    _register_cancel(commands)
+    _register_db(commands)
+
+
+def _friendly(handler):
+    """Known operational errors print as one line (exit 2) instead of a traceback."""
+    def wrapper(args: argparse.Namespace) -> int:
+        import logging
+        import sys
+
+        if not logging.getLogger().isEnabledFor(logging.DEBUG):  # alembic logs at INFO, even on import
+            logging.getLogger("alembic").setLevel(logging.WARNING)
+        from storage.migrate import SchemaOutOfDate
+        from storage.repository import JobNotFound
+        from workers.jobs import JobBusy
+
+        try:
+            return handler(args)
+        except (JobNotFound, JobBusy, SchemaOutOfDate) as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 2
+
+    return wrapper
+
+
+def _add_database_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--database-url", metavar="URL", help=DATABASE_HELP)
+
+
+def _register_run(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser("run", help="run a batch job in process (resumes it when run again)",
+                                 description=RUN_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("input", nargs="?", metavar="INPUT", help="input file or URI (default: the bundled sample)")
+    parser.add_argument("--output", "-o", metavar="DIR_OR_S3_URI",
+                        help="where results go (default: ./tokenmill-output/<input name>)")
+    parser.add_argument("--shard-size", type=int, default=None, metavar="ROWS",
+                        help="rows per shard, the unit of progress and of resuming (default: 500)")
+    parser.add_argument("--openai-output", action="store_true",
+                        help="also write batch_output.jsonl in the OpenAI Batch output format")
+    _add_database_option(parser)
+    limits = parser.add_argument_group("input limits (checked against the Parquet footer before reading)")
+    limits.add_argument("--max-input-rows", type=int, metavar="N", help="most rows a job may have (default: 1000000)")
+    limits.add_argument("--max-input-bytes", type=int, metavar="BYTES",
+                        help="largest uncompressed Parquet data or JSONL file (default: 8 GiB)")
+    s3 = parser.add_argument_group("S3 (default: the standard AWS settings: AWS_ENDPOINT_URL, AWS_REGION, "
+                                   "AWS_ACCESS_KEY_ID, ~/.aws/...)")
+    s3.add_argument("--s3-endpoint-url", metavar="URL", help="S3-compatible endpoint, e.g. http://127.0.0.1:8333")
+    s3.add_argument("--s3-region", metavar="REGION", help="S3 region")
+    s3.add_argument("--s3-profile", metavar="NAME", help="AWS profile whose credentials to use")
+    add_sampling_options(parser, max_tokens=64)
+    add_engine_options(parser)
+    parser.set_defaults(handler=_friendly(run))
+
+
+def _register_jobs(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser("jobs", help="list jobs, newest first",
+                                 description="List jobs with their status, progress and tokens, newest first.")
+    parser.add_argument("--status", help="only jobs with this status (e.g. in_progress, failed)")
+    parser.add_argument("--limit", type=int, default=50, help="how many jobs to show (default: 50)")
+    _add_database_option(parser)
+    parser.set_defaults(handler=_friendly(list_jobs))
+
+
+def _register_status(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser("status", help="show one job and its shards",
+                                 description="Show a job's state, counts, tokens and timings, and its shards.")
+    parser.add_argument("job", metavar="JOB", help="job id (a unique prefix is enough)")
+    parser.add_argument("--json", action="store_true", help="print the job row and its shards as JSON")
+    _add_database_option(parser)
+    parser.set_defaults(handler=_friendly(show_status))
+
+
+def _register_cancel(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser("cancel", help="cancel a job (finished shards are kept)",
+                                 description="Cancel a job. A running `tokenmill run` notices within a second, "
+                                             "stops at its next engine step and ends the job `cancelled`, keeping "
+                                             "the shards it finished; running the same command again resumes it.")
+    parser.add_argument("job", metavar="JOB", help="job id (a unique prefix is enough)")
+    _add_database_option(parser)
+    parser.set_defaults(handler=_friendly(cancel))
+
+
+def _register_db(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser("db", help="create or migrate the job database",
+                                 description="Alembic migrations of the job database (SQLite or PostgreSQL). "
+                                             "`tokenmill run` upgrades the embedded SQLite database by itself.")
+    actions = parser.add_subparsers(dest="db_command", metavar="ACTION", required=True)
+    upgrade = actions.add_parser("upgrade", help="migrate to the latest schema (or to REVISION)")
+    upgrade.add_argument("revision", nargs="?", default="head", help="target revision (default: head)")
+    downgrade = actions.add_parser("downgrade", help="migrate back to REVISION ('base' drops everything)")
+    downgrade.add_argument("revision", help="target revision, e.g. -1 or base")
+    current = actions.add_parser("current", help="show the database's revision")
+    for action, handler in ((upgrade, db_upgrade), (downgrade, db_downgrade), (current, db_current)):
+        _add_database_option(action)
+        action.set_defaults(handler=_friendly(handler))
+
+
+# ---- handlers --------------------------------------------------------------------------------------
+
+def sample_input() -> str:
+    return str(resources.files("tokenmill").joinpath("data/sample.parquet"))
+
+
+def default_output(input_uri: str | None) -> str:
+    name = Path(input_uri.rstrip("/")).stem if input_uri else "sample"
+    return str(Path("tokenmill-output") / name)
+
+
+def _sessions(url: str):
+    from storage import db, migrate
+
+    migrate.ensure_schema(url)
+    return db.session_factory(db.make_engine(url))
+
+
+def _job_spec(args: argparse.Namespace):
+    from storage.formats import Limits
+    from storage.objectstore import S3Options
+    from workers.jobs import DEFAULT_SHARD_SIZE, JobSpec
+
+    limits = Limits.from_env(max_rows=args.max_input_rows, max_uncompressed_bytes=args.max_input_bytes,
+                             max_file_bytes=args.max_input_bytes)
+    return JobSpec(input_uri=args.input or sample_input(), output_uri=args.output or default_output(args.input),
+                   model=args.model, sampling=sampling_kwargs(args), engine=engine_kwargs(args),
+                   shard_size=args.shard_size or DEFAULT_SHARD_SIZE, limits=limits,
+                   s3=S3Options(args.s3_endpoint_url, args.s3_region, args.s3_profile),
+                   openai_output=args.openai_output)
+
+
+def _load_engine(settings: dict):
+    from engine import EngineConfig, LLMEngine
+
+    return LLMEngine(EngineConfig.from_kwargs(**settings))
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from storage import db
+    from tokenmill.progress import JobProgressBar
+    from workers.jobs import run_job, submit
+
+    console = Console(soft_wrap=True)
+    url = db.resolve_url(args.database_url)
+    sessions = _sessions(url)
+    submission = submit(sessions, _job_spec(args))
+    job = submission.job
+    console.print(f"job [bold]{job.id}[/bold] ({submission.outcome}): {_where(job.input_uri)} -> "
+                  f"{_where(job.output_uri)}", highlight=False)
+    with JobProgressBar(Console(stderr=True)) as progress:
+        job = run_job(sessions, job.id, _load_engine, progress)
+    _print_summary(console, job, url)
+    return 0 if job.status == "completed" else 1
+
+
+def _print_summary(console, job, url: str) -> None:
+    from storage import db
+
+    color = {"completed": "green", "failed": "red"}.get(job.status, "yellow")
+    console.print(f"job {job.id} [bold {color}]{job.status}[/bold {color}]: {job.requests_total} rows, "
+                  f"{job.requests_completed} completed, {job.requests_failed} failed; "
+                  f"{job.prompt_tokens} prompt + {job.completion_tokens} generated tokens")
+    if job.error:
+        console.print(f"[red]error:[/red] {job.error}", highlight=False)
+    console.print(f"outputs:  {_where(job.output_uri)}", highlight=False)
+    console.print(f"database: {db.describe(url)}  (try: tokenmill status {job.id[:8]}, or SQL: "
+                  f"SELECT * FROM job_status)", highlight=False)
+
+
+def _where(uri: str, relative: bool = False) -> str:
+    """A local path for file:// URIs (relative to the current folder when under it and asked), else the URI."""
+    import os
+
+    if not uri.startswith("file://"):
+        return uri
+    path = uri[len("file://"):]
+    if relative and Path(path).is_relative_to(Path.cwd()):
+        return os.path.relpath(path)
+    return path
+
+
+def list_jobs(args: argparse.Namespace) -> int:
+    from rich import box
+    from rich.console import Console
+    from rich.table import Table
+
+    from storage import db
+    from storage import repository as repo
+
+    sessions = _sessions(db.resolve_url(args.database_url))
+    with sessions() as session:
+        jobs = repo.list_jobs(session, limit=args.limit, status=args.status)
+    table = Table(box=box.SIMPLE_HEAD)
+    for name in ("id", "status", "rows done", "failed", "tokens", "created"):
+        table.add_column(name, no_wrap=True)
+    table.add_column("output", overflow="fold", ratio=1)
+    for job in jobs:
+        table.add_row(job.id[:8], job.status, f"{job.requests_completed + job.requests_failed}/{job.requests_total}",
+                      str(job.requests_failed), str(job.completion_tokens),
+                      job.created_at.strftime("%m-%d %H:%M"), _where(job.output_uri, relative=True))
+    Console().print(table if jobs else "no jobs yet: start one with `tokenmill run`")
+    return 0
+
+
+def _row_dict(row) -> dict:
+    from datetime import datetime
+
+    from sqlalchemy import inspect
+
+    values = {attr.key: getattr(row, attr.key) for attr in inspect(row).mapper.column_attrs}
+    return {k: v.isoformat() if isinstance(v, datetime) else v for k, v in values.items()}
+
+
+def show_status(args: argparse.Namespace) -> int:
+    import json
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from storage import db
+    from storage import repository as repo
+
+    sessions = _sessions(db.resolve_url(args.database_url))
+    with sessions() as session:
+        job = repo.find_job(session, args.job)
+        shards = repo.shards(session, job.id)
+    if args.json:
+        print(json.dumps({"job": _row_dict(job), "shards": [_row_dict(s) for s in shards]}, indent=2))
+        return 0
+    console = Console()
+    details = Table(show_header=False, box=None)
+    for key, value in _row_dict(job).items():
+        if value not in (None, "", {}):
+            details.add_row(key, json.dumps(value) if isinstance(value, dict) else str(value))
+    console.print(details)
+    table = Table("shard", "rows", "status", "attempts", "ok", "failed", "tokens out", "finished")
+    for s in shards:
+        table.add_row(str(s.index), f"{s.row_start}-{s.row_end - 1}", s.status, str(s.attempts),
+                      str(s.rows_completed), str(s.rows_failed), str(s.completion_tokens),
+                      s.finished_at.strftime("%H:%M:%S") if s.finished_at else "")
+    console.print(table)
+    return 0
+
+
+def cancel(args: argparse.Namespace) -> int:
+    from storage import db
+    from workers.jobs import cancel_job
+
+    job = cancel_job(_sessions(db.resolve_url(args.database_url)), args.job)
+    note = "; the running process stops at its next step" if job.status == "cancelling" else ""
+    print(f"job {job.id} {job.status}{note}")
+    return 0
+
+
+def db_upgrade(args: argparse.Namespace) -> int:
+    from storage import db, migrate
+
+    url = db.resolve_url(args.database_url)
+    migrate.upgrade(url, args.revision)
+    print(f"{db.describe(url)}: at revision {migrate.current_revision(url)}")
+    return 0
+
+
+def db_downgrade(args: argparse.Namespace) -> int:
+    from storage import db, migrate
+
+    url = db.resolve_url(args.database_url)
+    migrate.downgrade(url, args.revision)
+    print(f"{db.describe(url)}: at revision {migrate.current_revision(url) or 'base (empty)'}")
+    return 0
+
+
+def db_current(args: argparse.Namespace) -> int:
+    from storage import db, migrate
+
+    url = db.resolve_url(args.database_url)
+    current, head = migrate.current_revision(url), migrate.head_revision()
+    state = "up to date" if current == head else f"head is {head}: run `tokenmill db upgrade`"
+    print(f"{db.describe(url)}: at revision {current or 'base (empty)'} ({state})")
+    return 0

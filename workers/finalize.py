@@ -1,0 +1,94 @@
+"""The last step of a job: `errors.jsonl`, the optional OpenAI Batch output, then `manifest.json`."""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterator
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy.orm import Session, sessionmaker
+
+from storage import repository as repo
+from storage.formats import (
+    BATCH_OUTPUT_KEY,
+    ERRORS_KEY,
+    batch_output_line,
+    read_part,
+    write_jsonl,
+    write_manifest,
+)
+from storage.models import Job, Shard
+from storage.objectstore import ObjectStore
+
+
+class RowCountMismatch(RuntimeError):
+    pass
+
+
+def check_row_counts(job: Job, shards: list[Shard]) -> None:
+    """Every input row is in exactly one part file or the error file, or the job must not complete."""
+    done = sum(s.rows_completed + s.rows_failed for s in shards)
+    planned = sum(s.num_rows for s in shards)
+    if not done == planned == job.requests_total:
+        raise RowCountMismatch(f"job {job.id}: {done} rows written, {planned} planned, {job.requests_total} in input")
+
+
+def error_records(sessions: sessionmaker[Session], job_id: str, shard: int) -> list[dict[str, Any]]:
+    with sessions() as session:
+        return [{"custom_id": e.custom_id, "row_index": e.row_index, "code": e.code, "message": e.message}
+                for e in repo.failed_rows(session, job_id, shard)]
+
+
+def all_error_records(sessions: sessionmaker[Session], job_id: str, shards: list[Shard]) -> Iterator[dict[str, Any]]:
+    for shard in shards:  # one short read per shard, in input order
+        yield from error_records(sessions, job_id, shard.index)
+
+
+def batch_output_lines(sessions: sessionmaker[Session], job: Job, shards: list[Shard],
+                       store: ObjectStore) -> Iterator[dict[str, Any]]:
+    """Results and errors merged back into input order, as OpenAI Batch output lines."""
+    for shard in shards:
+        results = read_part(store, shard.output_key).to_pylist()
+        errors = error_records(sessions, job.id, shard.index)
+        for record in heapq.merge(results, errors, key=lambda r: r["row_index"]):
+            yield batch_output_line(job.id, job.model, record)
+
+
+def manifest(job: Job, shards: list[Shard], files: dict[str, Any], finished_at: datetime) -> dict[str, Any]:
+    started = job.in_progress_at or job.created_at
+    duration = max((finished_at - started).total_seconds(), 0.0)
+    return {
+        "job_id": job.id,
+        "status": "completed",
+        "model": job.model,
+        "input_uri": job.input_uri,
+        "output_uri": job.output_uri,
+        "created_at": job.created_at.isoformat(),
+        "started_at": started.isoformat(),
+        "finished_at": finished_at.isoformat(),
+        "duration_s": round(duration, 3),
+        "counts": {"total": job.requests_total, "completed": job.requests_completed, "failed": job.requests_failed},
+        "tokens": {"prompt": job.prompt_tokens, "completion": job.completion_tokens, "cached": job.cached_tokens},
+        "completion_tokens_per_s": round(job.completion_tokens / duration, 3) if duration else None,
+        "settings": {k: v for k, v in job.settings.items() if k != "s3"},
+        "files": files,
+    }
+
+
+def finalize_outputs(sessions: sessionmaker[Session], job: Job, shards: list[Shard], store: ObjectStore,
+                     finished_at: datetime) -> dict[str, Any]:
+    """Write the error file, the optional batch output and, last, the manifest. Returns the manifest."""
+    check_row_counts(job, shards)
+    files: dict[str, Any] = {
+        "parts": [{"key": s.output_key, "shard": s.index, "row_start": s.row_start, "row_end": s.row_end,
+                   "rows": s.rows_completed} for s in shards],
+        "errors": {"key": ERRORS_KEY, "rows": write_jsonl(store, ERRORS_KEY, all_error_records(sessions, job.id,
+                                                                                                 shards))},
+    }
+    if job.settings.get("openai_output"):
+        lines = write_jsonl(store, BATCH_OUTPUT_KEY, batch_output_lines(sessions, job, shards, store))
+        files["batch_output"] = {"key": BATCH_OUTPUT_KEY, "rows": lines}
+    document = manifest(job, shards, files, finished_at)
+    write_manifest(store, document)
+    return document
