@@ -109,6 +109,7 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, enable_caching)
         self.watermark_blocks = watermark_blocks
         self.stats = PrefixCacheStats()
+        self.pending_copies: list[tuple[int, int]] = []  # (src, dst) copy-on-write block copies for the runner
 
     @property
     def enable_caching(self) -> bool:
@@ -160,15 +161,36 @@ class KVCacheManager:
         seq.num_computed_tokens = len(cached_blocks) * self.block_size
 
     def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
-        """Make seq's block table cover its next `num_new_tokens` tokens; False when blocks run out."""
+        """Make seq's block table cover its next `num_new_tokens` tokens; False when blocks run out.
+
+        The first block written may be shared with a forked sample: it is copied first (copy-on-write)."""
         total = seq.num_computed_tokens + num_new_tokens
-        missing = self.blocks_needed(total) - len(seq.block_table)
-        if missing > 0:
-            if missing > self.pool.num_free_blocks:
-                return False
+        missing = max(self.blocks_needed(total) - len(seq.block_table), 0)
+        write_index = seq.num_computed_tokens // self.block_size
+        shared = write_index < len(seq.block_table) and self.pool.ref_counts[seq.block_table[write_index]] > 1
+        if missing + shared > self.pool.num_free_blocks:
+            return False
+        if shared:
+            self._copy_on_write(seq, write_index)
+        if missing:
             seq.block_table.extend(self.pool.allocate(missing))
         self._register_full_blocks(seq, total)
         return True
+
+    def _copy_on_write(self, seq: Sequence, index: int) -> None:
+        (copy,) = self.pool.allocate(1)
+        shared = seq.block_table[index]
+        self.pending_copies.append((shared, copy))
+        self.pool.free([shared])
+        seq.block_table[index] = copy
+
+    def share_blocks(self, seq: Sequence) -> None:
+        """Give a forked sample its own references on the blocks it shares with its parent."""
+        self.pool.touch(seq.block_table)
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
 
     def _register_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
         """Enter blocks that will be full once `num_tokens` tokens are computed."""

@@ -29,6 +29,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     attention_backend: str = "auto"  # auto: triton on CUDA, torch on CPU
+    enforce_eager: bool = False  # CUDA: run decode steps eagerly instead of replaying CUDA graphs
     seed: int = 0
     num_threads: int | None = None  # torch CPU threads; default: torch's own choice
     speculative_config: dict[str, Any] | None = None

@@ -35,7 +35,12 @@ class _Request:
 
     @property
     def finished(self) -> bool:
-        return all(s.is_finished for s in self.seqs)
+        return all(s.is_finished for s in self.seqs) and len(self.seqs) == self.seqs[0].params.n
+
+    def add_sample(self, seq: Sequence, tokenizer) -> None:
+        self.seqs.append(seq)
+        if seq.params.stop:
+            self.detokenizers[seq.seq_id] = IncrementalDetokenizer(tokenizer, seq.prompt_token_ids)
 
 
 class LLMEngine:
@@ -55,10 +60,11 @@ class LLMEngine:
                             watermark_blocks=max(1, self.runner.num_blocks // 100))
         limits = SchedulerLimits(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
                                  config.enable_chunked_prefill)
-        self.scheduler = Scheduler(limits, kv, frozenset(eos_token_ids(self.model_dir, self.tokenizer)))
+        self._seq_ids = itertools.count()
+        self.scheduler = Scheduler(limits, kv, frozenset(eos_token_ids(self.model_dir, self.tokenizer)),
+                                   next_seq_id=self._seq_ids.__next__)
         self.requests: dict[str, _Request] = {}
         self.stats = EngineStats()
-        self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
         self._rejected: list[_Request] = []
 
@@ -80,15 +86,12 @@ class LLMEngine:
     def add_request(self, request_id: str | None, prompt: Prompt, params: SamplingParams | None = None) -> str:
         """Queue a request. One that can never run comes back from the next `step()` with an error."""
         params = params or SamplingParams()
-        if params.n != 1:
-            raise NotImplementedError("n > 1 (parallel sampling) is not supported yet")
         request_id = str(next(self._request_ids)) if request_id is None else request_id
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in the engine")
         seq = Sequence(next(self._seq_ids), request_id, self.encode(prompt), params)
-        request = _Request(request_id, prompt if isinstance(prompt, str) else None, [seq])
-        if params.stop:
-            request.detokenizers[seq.seq_id] = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids)
+        request = _Request(request_id, prompt if isinstance(prompt, str) else None, [])
+        request.add_sample(seq, self.tokenizer)
         self.requests[request_id] = request
         if not self.scheduler.add(seq):
             self._rejected.append(request)
@@ -125,6 +128,10 @@ class LLMEngine:
                                 if s.num_new_tokens == 1 and s.seq.num_computed_tokens >= s.seq.num_prompt_tokens)
         tokens = self.runner.execute(plan)
         finished = self.scheduler.update(plan, tokens)
+        for children in plan.forks.values():
+            request = self.requests.get(children[0].request_id)
+            for child in children if request is not None else []:
+                request.add_sample(child, self.tokenizer)
         self._check_stop_strings(plan, finished)
         self._record(plan, plan.num_batched_tokens - num_decode_tokens, len(tokens), started)
         for seq in finished:
@@ -134,9 +141,9 @@ class LLMEngine:
         return done
 
     def _check_stop_strings(self, plan, finished: list[Sequence]) -> None:
-        for seq, _, sample in plan.scheduled:
+        for seq in (s for _, group in plan.sample_groups() for s in group):
             request = self.requests.get(seq.request_id)
-            if not sample or request is None or seq.seq_id not in request.detokenizers:
+            if request is None or seq.seq_id not in request.detokenizers:
                 continue
             detok = request.detokenizers[seq.seq_id]
             new_text = detok.update(seq.token_ids)
@@ -178,7 +185,7 @@ class LLMEngine:
         self.requests.pop(request.request_id, None)
         outputs = []
         error = None
-        for index, seq in enumerate(request.seqs):
+        for seq in sorted(request.seqs, key=lambda s: s.sample_index):
             detok = request.detokenizers.get(seq.seq_id)
             if detok is not None:
                 detok.update(seq.token_ids)
@@ -186,7 +193,7 @@ class LLMEngine:
             else:
                 text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
             reason = seq.finish_reason.value if seq.finish_reason else None
-            outputs.append(CompletionOutput(index, text, seq.output_token_ids, reason, seq.stop_reason))
+            outputs.append(CompletionOutput(seq.sample_index, text, seq.output_token_ids, reason, seq.stop_reason))
             error = error or seq.error
         if error:
             self.stats.num_requests_failed += 1

@@ -10,7 +10,14 @@ from pathlib import Path
 
 import torch
 
-from engine.attention.base import AttentionBackend, PrefillGroup, StepBatch, allocate_kv_pool, zero_blocks
+from engine.attention.base import (
+    AttentionBackend,
+    PrefillGroup,
+    StepBatch,
+    allocate_kv_pool,
+    shared_prefix_blocks,
+    zero_blocks,
+)
 from engine.block_pool import NULL_BLOCK
 from engine.config import EngineConfig
 from engine.models.llama import LlamaForCausalLM, head_dim_of, rope_tables
@@ -107,6 +114,11 @@ class ModelRunner:
         self.zeroed_blocks = 0  # blocks [0, zeroed_blocks) are initialised; the pool hands out ids in order
         self.ensure_zeroed(1)  # the null block
         self.sampler = Sampler(config.seed)
+        self.graphs = None  # decode steps as CUDA graphs (engine/cuda_graphs.py): CUDA and the Triton backend only
+        if self.device.type == "cuda" and self.attention.name == "triton" and not config.enforce_eager:
+            from engine.cuda_graphs import DecodeGraphs
+
+            self.graphs = DecodeGraphs.for_runner(self)
 
     @property
     def num_blocks(self) -> int:
@@ -179,12 +191,18 @@ class ModelRunner:
             positions.extend(range(start, start + num_new))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + num_new))
             last_row[seq.seq_id] = len(input_ids) - 1
-        sample_rows = [last_row[s.seq.seq_id] for s in plan.scheduled if s.sample]
+        sample_rows = [last_row[row_seq.seq_id] for row_seq, seqs in plan.sample_groups() for _ in seqs]
         self.ensure_zeroed(1 + max(max(s.seq.block_table) for s in plan.scheduled))
 
         def tables(group) -> torch.Tensor:
             width = max(len(s.seq.block_table) for s in group)
             return self._tensor([s.seq.block_table + [NULL_BLOCK] * (width - len(s.seq.block_table)) for s in group])
+
+        def shared(group) -> int:
+            if len(group) < 2:
+                return 0
+            return shared_prefix_blocks([s.seq.block_table for s in group], [s.seq.num_computed_tokens for s in group],
+                                        bs)
 
         prefill = None
         if prefills:
@@ -192,6 +210,7 @@ class ModelRunner:
                 query_lens=[n for _, n, _ in prefills],
                 context_lens=[s.num_computed_tokens + n for s, n, _ in prefills],
                 block_tables=tables(prefills),
+                shared_blocks=shared(prefills),
             )
         decode_lens = [s.num_computed_tokens + 1 for s, _, _ in decodes]
         return StepBatch(
@@ -204,6 +223,7 @@ class ModelRunner:
             decode_max_context_len=max(decode_lens, default=0),
             prefill=prefill,
             sample_indices=self._tensor(sample_rows),
+            decode_shared_blocks=shared(decodes),
         )
 
     def ensure_zeroed(self, end: int) -> None:
@@ -212,15 +232,30 @@ class ModelRunner:
             self.zeroed_blocks = end
 
     def _tensor(self, values) -> torch.Tensor:
+        if self.device.type == "cuda":  # through pinned host memory: an async copy, no pageable bounce
+            return torch.tensor(values, dtype=torch.long, pin_memory=True).to(self.device, non_blocking=True)
         return torch.tensor(values, dtype=torch.long, device=self.device)
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write: duplicate whole blocks (all layers, K and V) before they are written."""
+        src = self._tensor([s for s, _ in copies])
+        dst = self._tensor([d for _, d in copies])
+        self.ensure_zeroed(1 + max(d for _, d in copies))  # before the copy, or zeroing would undo it
+        for cache in self.attention.k_caches + self.attention.v_caches:
+            cache[:, dst] = cache[:, src]
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> list[int]:
-        """Run one step; returns the sampled token of every `sample` entry, in plan order."""
+        """Run one step; returns one sampled token per sequence of `plan.sample_groups()`, in order."""
+        if plan.block_copies:
+            self.copy_blocks(plan.block_copies)
         batch = self.prepare(plan)
-        self.attention.begin_step(batch)
-        hidden = self.model(batch.input_ids, batch.positions, self.attention.forward)
-        sampled_seqs = [s.seq for s in plan.scheduled if s.sample]
+        if self.graphs is not None and self.graphs.can_run(batch):  # decode-only step: replay a CUDA graph
+            hidden = self.graphs.run(batch)
+        else:
+            self.attention.begin_step(batch)
+            hidden = self.model(batch.input_ids, batch.positions, self.attention.forward)
+        sampled_seqs = [seq for _, seqs in plan.sample_groups() for seq in seqs]
         if not sampled_seqs:
             return []
         logits = self.model.compute_logits(hidden.index_select(0, batch.sample_indices))

@@ -36,7 +36,7 @@ class Sampler:
         """logits: [len(seqs), vocab] float32 -> one token per sequence."""
         params = [s.params for s in seqs]
         if all(p.temperature == 0 for p in params):
-            return logits.argmax(dim=-1).tolist()
+            return logits.max(dim=-1).indices.tolist()  # first maximum, like argmax, and faster on CPU
         logits = logits.float()
         greedy_tokens = logits.argmax(dim=-1)
         temperature = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params])
@@ -48,9 +48,9 @@ class Sampler:
         probs = scaled.softmax(dim=-1)
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
         for row, seq in enumerate(seqs):
-            if seq.params.seed is not None:
+            if seq.sample_seed is not None:
                 if seq.generator is None:
-                    seq.generator = torch.Generator().manual_seed(seq.params.seed)
+                    seq.generator = torch.Generator().manual_seed(seq.sample_seed)
                 noise[row].exponential_(generator=seq.generator)
         sampled = (probs / noise).argmax(dim=-1)
         is_greedy = torch.tensor([p.temperature == 0 for p in params])

@@ -4,7 +4,9 @@ under a token budget; recompute preemption of the most recently admitted sequenc
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -22,6 +24,16 @@ class ScheduledSeq(NamedTuple):
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    forks: dict[int, list[Sequence]] = field(default_factory=dict)  # parent seq_id -> samples 1..n-1
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst) blocks
+
+    def sample_groups(self) -> list[tuple[Sequence, list[Sequence]]]:
+        """Each sampled row with the sequences that draw from it, in order (a forking parent feeds n)."""
+        return [(s.seq, [s.seq, *self.forks.get(s.seq.seq_id, [])]) for s in self.scheduled if s.sample]
+
+    @property
+    def num_samples(self) -> int:
+        return sum(len(seqs) for _, seqs in self.sample_groups())
 
     @property
     def num_batched_tokens(self) -> int:
@@ -43,10 +55,12 @@ class SchedulerLimits:
 class Scheduler:
     """Owns the waiting queue and the running list; mutates sequences' block tables and counters."""
 
-    def __init__(self, limits: SchedulerLimits, kv: KVCacheManager, eos_token_ids: frozenset[int] = frozenset()):
+    def __init__(self, limits: SchedulerLimits, kv: KVCacheManager, eos_token_ids: frozenset[int] = frozenset(),
+                 next_seq_id: Callable[[], int] | None = None):
         self.limits = limits
         self.kv = kv
         self.eos_token_ids = eos_token_ids
+        self.next_seq_id = next_seq_id or itertools.count(1 << 40).__next__
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -99,8 +113,10 @@ class Scheduler:
                 budget -= num_new
                 index += 1
 
-        while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.limits.max_num_seqs:
+        while self.waiting and budget > 0 and not out.preempted:
             seq = self.waiting[0]
+            if len(self.running) + (seq.params.n if seq.fork_pending else 1) > self.limits.max_num_seqs:
+                break
             cached = self.kv.find_cached_prefix(seq)
             num_new = seq.num_tokens - len(cached) * self.kv.block_size
             if num_new > budget and not self.limits.enable_chunked_prefill:
@@ -118,6 +134,10 @@ class Scheduler:
             self.running.append(seq)
             out.scheduled.append(self._scheduled(seq, num_new))
             budget -= num_new
+        for seq, _, sample in out.scheduled:
+            if sample and seq.fork_pending:
+                out.forks[seq.seq_id] = [seq.fork(self.next_seq_id(), i) for i in range(1, seq.params.n)]
+        out.block_copies = self.kv.take_copies()
         return out
 
     @staticmethod
@@ -135,19 +155,29 @@ class Scheduler:
 
     def update(self, out: SchedulerOutput, sampled: list[int]) -> list[Sequence]:
         """Advance the counters of every scheduled sequence and append the sampled tokens (one per
-        `sample` entry, in order). Returns the sequences that finished; their blocks are freed."""
+        sequence of `out.sample_groups()`, in order); forked samples join the running list here.
+        Returns the sequences that finished; their blocks are freed."""
         tokens = iter(sampled)
         finished = []
         for seq, num_new, sample in out.scheduled:
             seq.num_computed_tokens += num_new
             if not sample:
                 continue
-            token = next(tokens)
-            seq.append_token(token)
-            reason = self._finish_reason(seq, token)
-            if reason is not None:
-                self.finish(seq, reason)
-                finished.append(seq)
+            children = out.forks.get(seq.seq_id, [])
+            if children:
+                seq.children = children
+            for child in children:
+                child.num_computed_tokens = seq.num_computed_tokens
+                child.status = SequenceStatus.RUNNING
+                self.kv.share_blocks(child)
+                self.running.append(child)
+            for member in (seq, *children):
+                token = next(tokens)
+                member.append_token(token)
+                reason = self._finish_reason(member, token)
+                if reason is not None:
+                    self.finish(member, reason)
+                    finished.append(member)
         return finished
 
     def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:

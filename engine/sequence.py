@@ -51,9 +51,37 @@ class Sequence:
     stop_text_offset: int | None = None  # where a stop string was found in the output text
     stop_reason: str | int | None = None  # the stop string or stop token that finished it
     generator: Any = None  # the seeded random stream of a request with `seed`, kept by the sampler
+    sample_index: int = 0  # which of the request's n samples this is
+    children: list[Sequence] = field(default_factory=list)  # samples 1..n-1, forked after the prefill
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def fork_pending(self) -> bool:
+        """The first sample of an n > 1 request, not yet forked: its next sampled row feeds all n."""
+        return self.params.n > 1 and self.sample_index == 0 and not self.children
+
+    @property
+    def sample_seed(self) -> int | None:
+        """Seed of this sample's own random stream (distinct per sample of a seeded request)."""
+        seed = self.params.seed
+        if seed is None or self.sample_index == 0:
+            return seed
+        return (seed * 0x9E3779B1 + self.sample_index * 0x85EBCA77) % (1 << 63)
+
+    def fork(self, seq_id: int, sample_index: int) -> Sequence:
+        """A new sample sharing this sequence's tokens and KV blocks (the caller takes the block references)."""
+        child = Sequence(seq_id, self.request_id, self.prompt_token_ids, self.params, self.arrival_time)
+        child.sample_index = sample_index
+        child.token_ids = list(self.token_ids)
+        child.num_computed_tokens = self.num_computed_tokens
+        child.block_table = list(self.block_table)
+        child.block_hashes = list(self.block_hashes)
+        child.num_registered_blocks = self.num_registered_blocks
+        child.num_cached_tokens = self.num_cached_tokens
+        child.status = self.status
+        return child
 
     @property
     def num_prompt_tokens(self) -> int:

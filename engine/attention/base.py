@@ -18,6 +18,7 @@ class PrefillGroup:
     query_lens: list[int]
     context_lens: list[int]  # tokens in the KV pool once this step's are written
     block_tables: torch.Tensor  # [num_seqs, max_blocks], padded with the null block
+    shared_blocks: int = 0  # leading blocks common to every sequence and before every query (see below)
 
 
 @dataclass
@@ -33,6 +34,21 @@ class StepBatch:
     decode_max_context_len: int
     prefill: PrefillGroup | None
     sample_indices: torch.Tensor  # rows whose logits are needed, in scheduler order
+    # Leading block-table entries that every decode sequence shares (a common prefix from the prefix
+    # cache or a fork) and that lie wholly before each query: attention over them needs no mask, so a
+    # backend may read them once for the whole group (cascade attention). 0 when there is none.
+    decode_shared_blocks: int = 0
+
+
+def shared_prefix_blocks(tables: list[list[int]], first_query_positions: list[int], block_size: int) -> int:
+    """Number of leading block ids common to all tables and wholly before every sequence's first query."""
+    limit = min(min(first_query_positions) // block_size, min(len(t) for t in tables))
+    first = tables[0]
+    for index in range(limit):
+        block = first[index]
+        if any(t[index] != block for t in tables):
+            return index
+    return limit
 
 
 class AttentionBackend:

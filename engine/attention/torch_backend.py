@@ -1,17 +1,23 @@
 """Reference paged attention in plain torch (the CPU backend).
 
-Each group of sequences gathers its blocks per KV head with one `index_select`, pads queries to the
-group's longest, and runs one masked `scaled_dot_product_attention` per layer: no per-sequence loop.
+Each group of sequences (decodes, prefills) gathers its blocks per KV head with one `index_select`,
+pads queries to the group's longest, and runs one masked attention per layer: no per-sequence loop.
+When the group shares leading blocks (a common prompt prefix), those are read once for the whole group
+and attended with one dense matmul (cascade attention), then merged with each sequence's own suffix
+through the log-sum-exp of both parts.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from engine.attention.base import AttentionBackend, StepBatch
+
+MIN_SHARED_BLOCKS = 4  # below this, reading the shared prefix per sequence costs less than a second pass
 
 
 @dataclass
@@ -20,17 +26,40 @@ class _Group:
     num_tokens: int
     num_seqs: int
     max_query_len: int
-    max_context_len: int
-    gather_index: torch.Tensor  # [Hkv * num_seqs * max_blocks] rows of the [Hkv*NB, bs*D] pool view
-    mask: torch.Tensor  # bool, broadcastable to [Hkv, num_seqs, G * max_query_len, context]
+    suffix_len: int  # padded key length of the per-sequence part
+    gather_index: torch.Tensor  # [Hkv * num_seqs * blocks] rows of the [Hkv*NB, bs*D] pool view
+    mask: torch.Tensor  # additive (0 / -inf), broadcastable to [Hkv, num_seqs, G * max_query_len, suffix_len]
     pad_index: torch.Tensor | None  # prefill only: flat token -> padded query row
     unpad_index: torch.Tensor | None  # prefill only: padded row -> flat token
+    prefix_index: torch.Tensor | None = None  # [Hkv * shared blocks] rows read once for the group
+    prefix_len: int = 0
+
+
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def attend_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention over 4-D inputs that also returns each row's log-sum-exp, [..., M, 1] float32."""
+    if _FLASH_CPU is not None and q.device.type == "cpu":
+        out, lse = _FLASH_CPU(q, k, v, 0.0, False, attn_mask=mask)
+        return out.float(), lse.unsqueeze(-1)
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * (1.0 / math.sqrt(q.shape[-1]))
+    if mask is not None:
+        scores = scores + mask.float()
+    lse = torch.logsumexp(scores, dim=-1, keepdim=True)
+    return torch.matmul(torch.exp(scores - lse), v.float()), lse
+
+
+def additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
 
 
 class TorchAttention(AttentionBackend):
     name = "torch"
 
     def begin_step(self, batch: StepBatch) -> None:
+        self.dtype = self.k_caches[0].dtype
         device = batch.slot_mapping.device
         heads = torch.arange(self.num_kv_heads, device=device)
         pool_slots = self.num_blocks * self.block_size
@@ -41,22 +70,31 @@ class TorchAttention(AttentionBackend):
         if batch.prefill is not None:
             self.groups.append(self._prefill_group(batch, heads))
 
-    def _gather_index(self, block_tables: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
+    def _rows(self, block_tables: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
         return (heads[:, None, None] * self.num_blocks + block_tables[None]).reshape(-1)
 
+    def _split_shared(self, tables: torch.Tensor, shared_blocks: int, heads: torch.Tensor):
+        """(suffix tables, prefix rows or None, prefix length in tokens)."""
+        if shared_blocks < MIN_SHARED_BLOCKS:
+            return tables, None, 0
+        prefix_rows = (heads[:, None] * self.num_blocks + tables[0, :shared_blocks][None]).reshape(-1)
+        return tables[:, shared_blocks:], prefix_rows, shared_blocks * self.block_size
+
     def _decode_group(self, batch: StepBatch, heads: torch.Tensor) -> _Group:
-        tables = batch.decode_block_tables
+        tables, prefix_rows, prefix_len = self._split_shared(batch.decode_block_tables, batch.decode_shared_blocks,
+                                                             heads)
         length = tables.shape[1] * self.block_size
-        key_pos = torch.arange(length, device=tables.device)
-        mask = (key_pos[None, :] < batch.decode_context_lens[:, None])[None, :, None, :]
-        return _Group(0, batch.num_decodes, batch.num_decodes, 1, length,
-                      self._gather_index(tables, heads), mask, None, None)
+        key_pos = prefix_len + torch.arange(length, device=tables.device)
+        mask = additive((key_pos[None, :] < batch.decode_context_lens[:, None])[None, :, None, :], self.dtype)
+        return _Group(0, batch.num_decodes, batch.num_decodes, 1, length, self._rows(tables, heads), mask, None, None,
+                      prefix_rows, prefix_len)
 
     def _prefill_group(self, batch: StepBatch, heads: torch.Tensor) -> _Group:
         group = batch.prefill
-        device = group.block_tables.device
+        tables, prefix_rows, prefix_len = self._split_shared(group.block_tables, group.shared_blocks, heads)
+        device = tables.device
         num_seqs, max_q = len(group.query_lens), max(group.query_lens)
-        length = group.block_tables.shape[1] * self.block_size
+        length = tables.shape[1] * self.block_size
         q_lens = torch.tensor(group.query_lens, device=device)
         ctx_lens = torch.tensor(group.context_lens, device=device)
         row = torch.arange(max_q, device=device)
@@ -65,12 +103,12 @@ class TorchAttention(AttentionBackend):
         pad_index = torch.where(valid, starts[:, None] + row[None, :], 0).reshape(-1)
         unpad_index = valid.reshape(-1).nonzero().squeeze(1)
         query_pos = (ctx_lens - q_lens)[:, None] + row[None, :]  # absolute position of each query row
-        key_pos = torch.arange(length, device=device)
+        key_pos = prefix_len + torch.arange(length, device=device)
         mask = key_pos[None, None, :] <= query_pos[:, :, None]  # causal; also bounds the context
         mask = mask[None, :, None].expand(1, num_seqs, self.group, max_q, length)
-        mask = mask.reshape(1, num_seqs, self.group * max_q, length)
-        return _Group(batch.num_decodes, int(q_lens.sum()), num_seqs, max_q, length,
-                      self._gather_index(group.block_tables, heads), mask, pad_index, unpad_index)
+        mask = additive(mask.reshape(1, num_seqs, self.group * max_q, length), self.dtype)
+        return _Group(batch.num_decodes, int(q_lens.sum()), num_seqs, max_q, length, self._rows(tables, heads), mask,
+                      pad_index, unpad_index, prefix_rows, prefix_len)
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         num_tokens = q.shape[0]
@@ -82,18 +120,34 @@ class TorchAttention(AttentionBackend):
         v_rows = v_pool.view(hkv * self.num_blocks, self.block_size * d)
         out = torch.empty_like(q)
         for grp in self.groups:
-            keys = k_rows.index_select(0, grp.gather_index).view(hkv, grp.num_seqs, grp.max_context_len, d)
-            values = v_rows.index_select(0, grp.gather_index).view(hkv, grp.num_seqs, grp.max_context_len, d)
             q_grp = q[grp.start:grp.start + grp.num_tokens]
+            lq = grp.max_query_len
             if grp.pad_index is None:  # decode: one query row per sequence
                 queries = q_grp.view(grp.num_seqs, hkv, g, d).transpose(0, 1)
+            else:
+                queries = q_grp.index_select(0, grp.pad_index).view(grp.num_seqs, lq, hkv, g, d)
+                queries = queries.permute(2, 0, 3, 1, 4).reshape(hkv, grp.num_seqs, g * lq, d)
+            keys = k_rows.index_select(0, grp.gather_index).view(hkv, grp.num_seqs, grp.suffix_len, d)
+            values = v_rows.index_select(0, grp.gather_index).view(hkv, grp.num_seqs, grp.suffix_len, d)
+            if grp.prefix_index is None:
                 attn = F.scaled_dot_product_attention(queries, keys, values, attn_mask=grp.mask)
+            else:
+                attn = self._cascade(queries, keys, values, grp, k_rows, v_rows).to(q.dtype)
+            if grp.pad_index is None:
                 out[grp.start:grp.start + grp.num_tokens] = attn.transpose(0, 1).reshape(grp.num_tokens, -1)
-                continue
-            lq = grp.max_query_len
-            queries = q_grp.index_select(0, grp.pad_index).view(grp.num_seqs, lq, hkv, g, d)
-            queries = queries.permute(2, 0, 3, 1, 4).reshape(hkv, grp.num_seqs, g * lq, d)
-            attn = F.scaled_dot_product_attention(queries, keys, values, attn_mask=grp.mask)
-            attn = attn.view(hkv, grp.num_seqs, g, lq, d).permute(1, 3, 0, 2, 4).reshape(grp.num_seqs * lq, -1)
-            out[grp.start:grp.start + grp.num_tokens] = attn.index_select(0, grp.unpad_index)
+            else:
+                attn = attn.view(hkv, grp.num_seqs, g, lq, d).permute(1, 3, 0, 2, 4).reshape(grp.num_seqs * lq, -1)
+                out[grp.start:grp.start + grp.num_tokens] = attn.index_select(0, grp.unpad_index)
         return out
+
+    def _cascade(self, queries, keys, values, grp: _Group, k_rows, v_rows) -> torch.Tensor:
+        """Shared prefix once for all queries of the group, each suffix on its own, merged by log-sum-exp."""
+        hkv, d = self.num_kv_heads, self.head_dim
+        prefix_k = k_rows.index_select(0, grp.prefix_index).view(hkv, grp.prefix_len, d)
+        prefix_v = v_rows.index_select(0, grp.prefix_index).view(hkv, grp.prefix_len, d)
+        flat_q = queries.reshape(hkv, 1, -1, d)
+        out_prefix, lse_prefix = attend_with_lse(flat_q, prefix_k[:, None], prefix_v[:, None], None)
+        out_prefix, lse_prefix = out_prefix.view(queries.shape), lse_prefix.view(*queries.shape[:-1], 1)
+        out_suffix, lse_suffix = attend_with_lse(queries, keys, values, grp.mask)
+        lse = torch.logaddexp(lse_prefix, lse_suffix)
+        return out_prefix * torch.exp(lse_prefix - lse) + out_suffix * torch.exp(lse_suffix - lse)

@@ -25,6 +25,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:  # fused kernel; bit-identical to the float32 formula below
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -85,14 +87,14 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: Attention) -> torch.Tensor:
         tokens = x.shape[0]
-        q, k, v = self.qkv_proj(self.input_layernorm(x)).split(self.split, dim=-1)
-        q = q.reshape(tokens, self.num_heads, self.head_dim)
-        k = k.reshape(tokens, self.num_kv_heads, self.head_dim)
+        q_size = self.split[0]
+        qkv = self.qkv_proj(self.input_layernorm(x))
+        qk, v = qkv[:, :-self.split[2]], qkv[:, -self.split[2]:]
+        qk = qk.reshape(tokens, self.num_heads + self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
-        attn = attention(self.index, q.reshape(tokens, -1), k.reshape(tokens, -1), v)
+            qk = torch.cat([self.q_norm(qk[:, :self.num_heads]), self.k_norm(qk[:, self.num_heads:])], dim=1)
+        qk = (qk * cos + rotate_half(qk) * sin).reshape(tokens, -1)  # RoPE on queries and keys at once
+        attn = attention(self.index, qk[:, :q_size], qk[:, q_size:], v)
         x = x + self.o_proj(attn)
         gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).split(self.intermediate_size, dim=-1)
         return x + self.down_proj(F.silu(gate) * up)

@@ -116,3 +116,40 @@ def test_caching_off_never_hits():
     kv.allocate_slots(a, 9)
     assert kv.find_cached_prefix(make_seq(1, list(range(9)))) == []
     assert kv.pool.cached == {}
+
+
+def test_copy_on_write_copies_exactly_the_shared_partial_block():
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    parent = make_seq(0, list(range(6)))  # one full block + a partial one
+    kv.admit(parent, [])
+    assert kv.allocate_slots(parent, 6)
+    parent.num_computed_tokens = 6
+    parent.append_token(100)
+    child = parent.fork(1, sample_index=1)
+    child.token_ids[-1] = 200
+    kv.share_blocks(child)
+    assert child.block_table == parent.block_table == [1, 2]
+    assert kv.pool.ref_counts[1] == 2 and kv.pool.ref_counts[2] == 2
+
+    assert kv.allocate_slots(parent, 1)  # parent writes position 6, inside the shared partial block
+    assert kv.take_copies() == [(2, 3)]
+    assert parent.block_table == [1, 3] and kv.pool.ref_counts[2] == 1
+    assert kv.allocate_slots(child, 1)  # the child now holds block 2 alone: no copy
+    assert kv.take_copies() == [] and child.block_table == [1, 2]
+    assert kv.pool.ref_counts[1] == 2  # the full block stays shared
+    kv.free(parent)
+    kv.free(child)
+    assert all(count == 0 for count in kv.pool.ref_counts) and kv.pool.num_free_blocks == 15
+
+
+def test_copy_on_write_waits_when_no_block_is_free():
+    kv = KVCacheManager(num_blocks=3, block_size=4)
+    parent = make_seq(0, [1, 2, 3, 4, 5])
+    kv.admit(parent, [])
+    kv.allocate_slots(parent, 5)
+    parent.num_computed_tokens = 5
+    child = parent.fork(1, 1)
+    kv.share_blocks(child)
+    assert kv.pool.num_free_blocks == 0
+    assert not kv.allocate_slots(parent, 1)
+    assert kv.take_copies() == [] and parent.block_table == [1, 2]

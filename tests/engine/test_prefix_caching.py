@@ -1,0 +1,96 @@
+"""Prefix caching and parallel sampling on the real model."""
+
+import pytest
+
+from engine import LLM, SamplingParams
+from tests.engine.identity import PASSAGE, compare, hf_greedy
+
+MAX_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def shared_prompts(tokenizer):
+    from engine.bench.workload import chat_ids, questions
+
+    system = "Use this background when it helps.\n" + PASSAGE * 4
+    prompts = []
+    for question in questions()[:10]:
+        encoded = tokenizer.apply_chat_template(
+            [{"role": "system", "content": system}, {"role": "user", "content": question}],
+            add_generation_prompt=True,
+            tokenize=True,
+        )
+        prompts.append(list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded))
+    assert chat_ids(tokenizer, "x")  # the helper renders like the engine's chat()
+    return prompts
+
+
+@pytest.fixture(scope="module")
+def reference(hf_model, shared_prompts):
+    return hf_greedy(hf_model, shared_prompts, MAX_TOKENS)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        dict(enable_prefix_caching=True),
+        dict(enable_prefix_caching=False),
+        dict(enable_prefix_caching=True, num_kv_blocks=100, block_size=4, max_num_batched_tokens=128),
+    ],
+    ids=["on", "off", "on-kv-pressure"],
+)
+def test_greedy_is_identical_with_prefix_caching_on_and_off(config, model_dir, shared_prompts, reference):
+    llm = LLM(str(model_dir), num_threads=2, **config)
+    outputs = llm.generate(shared_prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0))
+    failures, allowances = compare([o.outputs[0].token_ids for o in outputs], reference)
+    assert not failures, failures
+    assert allowances <= 1
+    stats = llm.engine.get_stats()
+    prompt_len = min(map(len, shared_prompts))
+    if config["enable_prefix_caching"]:
+        assert stats.prefix_cache_hits > 0
+        assert all(o.num_cached_tokens > 0 for o in outputs[1:])
+        assert stats.computed_prefill_tokens < sum(map(len, shared_prompts)) - 5 * prompt_len // 2
+    else:
+        assert stats.prefix_cache_hits == 0 and all(o.num_cached_tokens == 0 for o in outputs)
+        assert stats.computed_prefill_tokens >= sum(map(len, shared_prompts))
+    if "num_kv_blocks" in config:
+        assert stats.num_preemptions > 0
+    kv = llm.engine.kv_manager
+    assert kv.pool.num_free_blocks == kv.usable_blocks and not any(kv.pool.ref_counts)
+
+
+def test_hits_are_counted_in_tokens(model_dir, tokenizer):
+    llm = LLM(str(model_dir), num_threads=2, kv_cache_memory=64 << 20)
+    prompt = tokenizer.encode(PASSAGE)  # well over 3 blocks
+    first = llm.generate([prompt], SamplingParams(max_tokens=2, temperature=0))[0]
+    again = llm.generate([prompt], SamplingParams(max_tokens=2, temperature=0))[0]
+    assert first.num_cached_tokens == 0
+    assert again.num_cached_tokens == (len(prompt) - 1) // 16 * 16
+    stats = llm.engine.get_stats()
+    assert stats.prefix_cache_queries == 2 * len(prompt) and stats.prefix_cache_hits == again.num_cached_tokens
+
+
+def test_n_samples_share_the_prompt_blocks_and_are_reproducible(model_dir, tokenizer):
+    llm = LLM(str(model_dir), num_threads=2, kv_cache_memory=64 << 20)
+    engine = llm.engine
+    prompt = tokenizer.encode(PASSAGE)[:40]  # 2 full blocks and a partial one of 8 tokens
+    params = SamplingParams(n=4, max_tokens=20, temperature=1.0, seed=11, ignore_eos=True)
+    engine.add_request("fan", prompt, params)
+    peak, copies, outputs = 0, 0, []
+    pool = engine.kv_manager.pool
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+        peak = max(peak, engine.kv_manager.usable_blocks - pool.num_free_blocks)
+    (out,) = outputs
+    # per sample: 60 tokens = 4 blocks; shared: the 2 full prompt blocks; own: 2 blocks each
+    assert peak <= 2 + 4 * 2
+    assert [c.index for c in out.outputs] == [0, 1, 2, 3]
+    texts = [c.text for c in out.outputs]
+    assert len(set(texts)) == 4
+    again = llm.generate([prompt], params)[0]
+    assert [c.text for c in again.outputs] == texts
+    assert pool.num_free_blocks == engine.kv_manager.usable_blocks
+    greedy = llm.generate([prompt], SamplingParams(n=3, max_tokens=8, temperature=0))[0]
+    assert len({tuple(c.token_ids) for c in greedy.outputs}) == 1
+    del copies
