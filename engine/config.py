@@ -28,6 +28,7 @@ class EngineConfig:
     cpu_kv_cache_space: int = 4 << 30  # CPU: largest KV pool taken by default (bytes)
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    admission_lookahead: int = 32  # prefix-aware admission window (1: strict first come, first served)
     attention_backend: str = "auto"  # auto: triton on CUDA, torch on CPU
     enforce_eager: bool = False  # CUDA: run decode steps eagerly instead of replaying CUDA graphs
     seed: int = 0

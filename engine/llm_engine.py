@@ -59,7 +59,7 @@ class LLMEngine:
         kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
                             watermark_blocks=max(1, self.runner.num_blocks // 100))
         limits = SchedulerLimits(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
-                                 config.enable_chunked_prefill)
+                                 config.enable_chunked_prefill, config.admission_lookahead)
         self._seq_ids = itertools.count()
         self.scheduler = Scheduler(limits, kv, frozenset(eos_token_ids(self.model_dir, self.tokenizer)),
                                    next_seq_id=self._seq_ids.__next__)

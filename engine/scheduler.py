@@ -50,6 +50,7 @@ class SchedulerLimits:
     max_num_batched_tokens: int
     max_model_len: int
     enable_chunked_prefill: bool = True
+    admission_lookahead: int = 1  # waiting requests searched for the longest cached prefix (1: strict FCFS)
 
 
 class Scheduler:
@@ -114,17 +115,16 @@ class Scheduler:
                 index += 1
 
         while self.waiting and budget > 0 and not out.preempted:
-            seq = self.waiting[0]
+            seq, cached = self._next_waiting()
             if len(self.running) + (seq.params.n if seq.fork_pending else 1) > self.limits.max_num_seqs:
                 break
-            cached = self.kv.find_cached_prefix(seq)
             num_new = seq.num_tokens - len(cached) * self.kv.block_size
             if num_new > budget and not self.limits.enable_chunked_prefill:
                 break
             num_new = min(num_new, budget)
             if not self.kv.can_admit(seq, cached, num_new):
                 break
-            self.waiting.popleft()
+            self._take_waiting(seq)
             self.kv.admit(seq, cached)
             if not self.kv.allocate_slots(seq, num_new):
                 raise RuntimeError("admission check and allocation disagree")
@@ -139,6 +139,33 @@ class Scheduler:
                 out.forks[seq.seq_id] = [seq.fork(self.next_seq_id(), i) for i in range(1, seq.params.n)]
         out.block_copies = self.kv.take_copies()
         return out
+
+    def _next_waiting(self) -> tuple[Sequence, list[int]]:
+        """The waiting sequence to admit next, with its cached prefix blocks.
+
+        First come, first served, except that within the first `admission_lookahead` waiting requests
+        the one with the longest prefix already in the cache goes first: rows sharing a prefix are
+        admitted together while that prefix is resident, instead of being interleaved with rows that
+        would evict it. A preempted sequence, or one passed over too often, is never overtaken."""
+        head = self.waiting[0]
+        head_cached = self.kv.find_cached_prefix(head)
+        lookahead = self.limits.admission_lookahead
+        overtaken_enough = head.admission_skips >= 4 * lookahead
+        if lookahead <= 1 or not self.kv.enable_caching or head.num_preemptions or overtaken_enough:
+            return head, head_cached
+        best, best_cached = head, head_cached
+        for seq in itertools.islice(self.waiting, 1, lookahead):
+            cached = self.kv.find_cached_prefix(seq)
+            if len(cached) > len(best_cached):
+                best, best_cached = seq, cached
+        return best, best_cached
+
+    def _take_waiting(self, seq: Sequence) -> None:
+        if self.waiting[0] is seq:
+            self.waiting.popleft()
+            return
+        self.waiting[0].admission_skips += 1
+        self.waiting.remove(seq)
 
     @staticmethod
     def _scheduled(seq: Sequence, num_new: int) -> ScheduledSeq:

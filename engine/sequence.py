@@ -46,6 +46,7 @@ class Sequence:
     error: str | None = None
     num_cached_tokens: int = -1  # prefix-cache hit length at first admission; -1 until admitted
     num_preemptions: int = 0
+    admission_skips: int = 0  # times a later request with a longer cached prefix was admitted first
     first_token_time: float | None = None
     finish_time: float | None = None
     stop_text_offset: int | None = None  # where a stop string was found in the output text

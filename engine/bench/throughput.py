@@ -26,6 +26,8 @@ class Result:
     seconds: float
     useful_tokens: int
     note: str = ""
+    prefill_tokens: int | None = None  # prompt tokens actually run through the model (tokenmill only)
+    preemptions: int | None = None
 
     @property
     def tokens_per_second(self) -> float:
@@ -108,7 +110,8 @@ def hf_continuous(model_dir, workload: Workload, dtype: str) -> Result:
     return Result("HF continuous batching", dtype, seconds, workload.useful_tokens, "init_continuous_batching")
 
 
-def tokenmill_run(model: str, workload: Workload, dtype: str, **engine_kwargs) -> TokenmillRun:
+def tokenmill_run(model: str, workload: Workload, dtype: str, label: str = "tokenmill",
+                  **engine_kwargs) -> TokenmillRun:
     from engine import LLM, SamplingParams
 
     llm = LLM(model=model, dtype=dtype, **engine_kwargs)
@@ -122,6 +125,7 @@ def tokenmill_run(model: str, workload: Workload, dtype: str, **engine_kwargs) -
 
     llm.generate(workload.prompts[:2], SamplingParams(max_tokens=2, temperature=0))  # warm-up
     llm.engine.kv_manager.pool.reset_prefix_cache()
+    before = llm.engine.get_stats().snapshot()
     runner.execute = recording_execute
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in workload.output_lens]
     started = time.perf_counter()
@@ -131,11 +135,13 @@ def tokenmill_run(model: str, workload: Workload, dtype: str, **engine_kwargs) -
     for out, length in zip(outputs, workload.output_lens, strict=True):
         if len(out.outputs[0].token_ids) != length:
             raise RuntimeError(f"tokenmill generated {len(out.outputs[0].token_ids)} tokens, expected {length}")
-    stats = llm.engine.get_stats()
-    note = f"{len(steps)} steps, {stats.num_preemptions} preemptions"
+    stats = llm.engine.get_stats().snapshot()
+    prefill = stats["computed_prefill_tokens"] - before["computed_prefill_tokens"]
+    preemptions = stats["num_preemptions"] - before["num_preemptions"]
+    note = f"{len(steps)} steps, {preemptions} preemptions"
     del llm
     gc.collect()
-    return TokenmillRun(Result("tokenmill", dtype, seconds, workload.useful_tokens, note), steps)
+    return TokenmillRun(Result(label, dtype, seconds, workload.useful_tokens, note, prefill, preemptions), steps)
 
 
 def dense_pass(matrices: list[list[torch.Tensor]], lm_head: torch.Tensor, x: torch.Tensor, h: torch.Tensor,

@@ -136,3 +136,38 @@ def test_requests_that_can_never_fit_are_rejected_with_a_reason():
     assert too_long.finish_reason is FinishReason.ERROR and "max_model_len (40)" in too_long.error
     assert "needs 6 KV blocks but the pool has only 4" in too_big_for_pool.error
     assert not sched.has_unfinished
+
+
+def test_admission_prefers_a_request_whose_prefix_is_cached_within_the_lookahead():
+    kv = KVCacheManager(64, 4, enable_caching=True)
+    sched = Scheduler(SchedulerLimits(2, 64, 128, admission_lookahead=4), kv, frozenset({EOS}))
+    template_a = list(range(100, 112))
+    first_a = Sequence(0, "a0", template_a + [1], SamplingParams(max_tokens=2))
+    other_b = Sequence(1, "b0", list(range(200, 212)) + [1], SamplingParams(max_tokens=2))
+    second_a = Sequence(2, "a1", template_a + [2], SamplingParams(max_tokens=2))
+    sched.add(first_a)
+    step(sched)  # a0 computes and caches template A
+    sched.add(other_b)
+    sched.add(second_a)
+    out, _ = step(sched)
+    admitted = [s.seq.seq_id for s in out.scheduled if s.seq is not first_a]
+    assert admitted == [2] and second_a.num_cached_tokens == 12
+    assert other_b.admission_skips == 1 and list(sched.waiting) == [other_b]
+
+
+def test_strict_fcfs_and_preempted_heads_are_not_overtaken():
+    kv = KVCacheManager(64, 4, enable_caching=True)
+    sched = Scheduler(SchedulerLimits(8, 64, 128, admission_lookahead=1), kv, frozenset({EOS}))
+    template = list(range(100, 112))
+    cached = Sequence(0, "a0", template + [1], SamplingParams(max_tokens=2))
+    sched.add(cached)
+    step(sched)
+    head = Sequence(1, "b0", list(range(200, 212)), SamplingParams(max_tokens=2))
+    hit = Sequence(2, "a1", template + [2], SamplingParams(max_tokens=2))
+    sched.add(head)
+    sched.add(hit)
+    assert sched._next_waiting()[0] is head
+    sched.limits.admission_lookahead = 8
+    assert sched._next_waiting()[0] is hit
+    head.num_preemptions = 1
+    assert sched._next_waiting()[0] is head
