@@ -204,6 +204,13 @@ class KVCacheManager:
             self.pool.register(seq.block_table[index], seq.block_hashes[index])
         seq.num_registered_blocks = full
 
+    def trim(self, seq: Sequence) -> None:
+        """Release blocks beyond what seq's tokens need (slots taken for drafts that were rejected)."""
+        keep = self.blocks_needed(seq.num_tokens)
+        if len(seq.block_table) > keep:
+            self.pool.free(reversed(seq.block_table[keep:]))
+            del seq.block_table[keep:]
+
     def free(self, seq: Sequence) -> None:
         """Release seq's blocks, tail first, so a prefix outlives its own continuation in the LRU."""
         self.pool.free(reversed(seq.block_table))

@@ -20,6 +20,8 @@ from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerLimits
 from engine.sequence import FinishReason, Sequence
+from engine.spec_decode.config import SpeculativeConfig
+from engine.spec_decode.decoder import SpecDecoder
 
 log = logging.getLogger("tokenmill.engine")
 
@@ -65,6 +67,9 @@ class LLMEngine:
                                    next_seq_id=self._seq_ids.__next__)
         self.requests: dict[str, _Request] = {}
         self.stats = EngineStats()
+        self.spec = None
+        if config.speculative_config:
+            self.spec = SpecDecoder(SpeculativeConfig.from_dict(config.speculative_config), self.runner)
         self._request_ids = itertools.count()
         self._rejected: list[_Request] = []
 
@@ -119,21 +124,26 @@ class LLMEngine:
         started = time.perf_counter()
         done = [self._finalize(r) for r in self._rejected]
         self._rejected = []
-        plan = self.scheduler.schedule()
+        plan = self.scheduler.schedule(self.spec.lookahead(self.scheduler.running) if self.spec else 0)
         if plan.is_empty:
             if self.scheduler.has_unfinished:
                 raise RuntimeError("the scheduler could not schedule any work; the KV pool is too small")
             return done
+        if self.spec:
+            self.spec.propose(plan)
         num_decode_tokens = sum(1 for s in plan.scheduled
                                 if s.num_new_tokens == 1 and s.seq.num_computed_tokens >= s.seq.num_prompt_tokens)
         tokens = self.runner.execute(plan)
+        if self.spec:
+            sampled = [seq for _, group in plan.sample_groups() for seq in group]
+            self.spec.record(plan, {seq.seq_id: len(t) for seq, t in zip(sampled, tokens, strict=True)})
         finished = self.scheduler.update(plan, tokens)
         for children in plan.forks.values():
             request = self.requests.get(children[0].request_id)
             for child in children if request is not None else []:
                 request.add_sample(child, self.tokenizer)
         self._check_stop_strings(plan, finished)
-        self._record(plan, plan.num_batched_tokens - num_decode_tokens, len(tokens), started)
+        self._record(plan, plan.num_batched_tokens - num_decode_tokens, sum(map(len, tokens)), started)
         for seq in finished:
             request = self.requests.get(seq.request_id)
             if request is not None and request.finished:

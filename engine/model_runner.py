@@ -10,19 +10,13 @@ from pathlib import Path
 
 import torch
 
-from engine.attention.base import (
-    AttentionBackend,
-    PrefillGroup,
-    StepBatch,
-    allocate_kv_pool,
-    shared_prefix_blocks,
-    zero_blocks,
-)
-from engine.block_pool import NULL_BLOCK
+from engine.attention.base import AttentionBackend, StepBatch, allocate_kv_pool
+from engine.batch import BatchItem, PoolZeroing, build_step_batch
 from engine.config import EngineConfig
 from engine.models.llama import LlamaForCausalLM, head_dim_of, rope_tables
 from engine.sampler import Sampler
 from engine.scheduler import SchedulerOutput
+from engine.spec_decode.verifier import verify_drafts
 
 log = logging.getLogger("tokenmill.engine")
 
@@ -111,8 +105,7 @@ class ModelRunner:
         k, v = allocate_kv_pool(self.num_layers, self.num_kv_heads, self.kv_plan.num_blocks, self.block_size,
                                 self.head_dim, self.dtype, self.device)
         self.attention = self.make_backend(k, v)
-        self.zeroed_blocks = 0  # blocks [0, zeroed_blocks) are initialised; the pool hands out ids in order
-        self.ensure_zeroed(1)  # the null block
+        self.zeroing = PoolZeroing(k + v)
         self.sampler = Sampler(config.seed)
         self.graphs = None  # decode steps as CUDA graphs (engine/cuda_graphs.py): CUDA and the Triton backend only
         if self.device.type == "cuda" and self.attention.name == "triton" and not config.enforce_eager:
@@ -124,17 +117,18 @@ class ModelRunner:
     def num_blocks(self) -> int:
         return self.kv_plan.num_blocks
 
-    def make_backend(self, k: list[torch.Tensor], v: list[torch.Tensor]) -> AttentionBackend:
+    def make_backend(self, k: list[torch.Tensor], v: list[torch.Tensor],
+                     num_heads: int | None = None) -> AttentionBackend:
         name = self.config.attention_backend
         if name == "auto":
             name = "triton" if self.device.type == "cuda" else "torch"
         if name == "triton":
             from engine.attention.triton_backend import TritonAttention
 
-            return TritonAttention(k, v, self.num_heads)
+            return TritonAttention(k, v, num_heads or self.num_heads)
         from engine.attention.torch_backend import TorchAttention
 
-        return TorchAttention(k, v, self.num_heads)
+        return TorchAttention(k, v, num_heads or self.num_heads)
 
     def bytes_per_block(self) -> int:
         element = torch.tensor([], dtype=self.dtype).element_size()
@@ -175,61 +169,24 @@ class ModelRunner:
         log.info(plan.describe(self.block_size, self.max_model_len))
         return plan
 
-    def prepare(self, plan: SchedulerOutput) -> StepBatch:
-        """Flat batch with single-token sequences first; sample rows keep the scheduler's order."""
-        bs = self.block_size
-        decodes = [s for s in plan.scheduled if s.num_new_tokens == 1]
-        prefills = [s for s in plan.scheduled if s.num_new_tokens > 1]
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        last_row: dict[int, int] = {}
-        for seq, num_new, _ in decodes + prefills:
-            start = seq.num_computed_tokens
-            table = seq.block_table
-            input_ids.extend(seq.token_ids[start:start + num_new])
-            positions.extend(range(start, start + num_new))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + num_new))
-            last_row[seq.seq_id] = len(input_ids) - 1
-        sample_rows = [last_row[row_seq.seq_id] for row_seq, seqs in plan.sample_groups() for _ in seqs]
-        self.ensure_zeroed(1 + max(max(s.seq.block_table) for s in plan.scheduled))
-
-        def tables(group) -> torch.Tensor:
-            width = max(len(s.seq.block_table) for s in group)
-            return self._tensor([s.seq.block_table + [NULL_BLOCK] * (width - len(s.seq.block_table)) for s in group])
-
-        def shared(group) -> int:
-            if len(group) < 2:
-                return 0
-            return shared_prefix_blocks([s.seq.block_table for s in group], [s.seq.num_computed_tokens for s in group],
-                                        bs)
-
-        prefill = None
-        if prefills:
-            prefill = PrefillGroup(
-                query_lens=[n for _, n, _ in prefills],
-                context_lens=[s.num_computed_tokens + n for s, n, _ in prefills],
-                block_tables=tables(prefills),
-                shared_blocks=shared(prefills),
-            )
-        decode_lens = [s.num_computed_tokens + 1 for s, _, _ in decodes]
-        return StepBatch(
-            input_ids=self._tensor(input_ids),
-            positions=self._tensor(positions),
-            slot_mapping=self._tensor(slots),
-            num_decodes=len(decodes),
-            decode_context_lens=self._tensor(decode_lens),
-            decode_block_tables=tables(decodes) if decodes else self._tensor([[NULL_BLOCK]]),
-            decode_max_context_len=max(decode_lens, default=0),
-            prefill=prefill,
-            sample_indices=self._tensor(sample_rows),
-            decode_shared_blocks=shared(decodes),
-        )
-
-    def ensure_zeroed(self, end: int) -> None:
-        if end > self.zeroed_blocks:
-            zero_blocks(self.attention.k_caches + self.attention.v_caches, self.zeroed_blocks, end)
-            self.zeroed_blocks = end
+    def prepare(self, plan: SchedulerOutput) -> tuple[StepBatch, list[int]]:
+        """The flat batch (drafts ride along after each decoding sequence's token) and the rows whose
+        logits are needed, in `plan.sample_groups()` order: one row per sample, or every row of a
+        sequence with drafts (the target at each draft position and one beyond)."""
+        items = [BatchItem(s.seq, s.seq.num_computed_tokens,
+                           s.seq.token_ids[s.seq.num_computed_tokens:s.seq.num_computed_tokens + s.num_new_tokens]
+                           + s.seq.spec_token_ids) for s in plan.scheduled]
+        self.zeroing.cover(items)
+        batch, rows = build_step_batch(items, self.block_size, self._tensor)
+        sample_rows: list[int] = []
+        for row_seq, seqs in plan.sample_groups():
+            r = rows[row_seq.seq_id]
+            if row_seq.spec_token_ids:
+                sample_rows.extend(range(r.first, r.first + r.count))
+            else:
+                sample_rows.extend([r.last] * len(seqs))
+        batch.sample_indices = self._tensor(sample_rows)
+        return batch, sample_rows
 
     def _tensor(self, values) -> torch.Tensor:
         if self.device.type == "cuda":  # through pinned host memory: an async copy, no pageable bounce
@@ -240,23 +197,42 @@ class ModelRunner:
         """Copy-on-write: duplicate whole blocks (all layers, K and V) before they are written."""
         src = self._tensor([s for s, _ in copies])
         dst = self._tensor([d for _, d in copies])
-        self.ensure_zeroed(1 + max(d for _, d in copies))  # before the copy, or zeroing would undo it
+        self.zeroing.ensure(1 + max(d for _, d in copies))  # before the copy, or zeroing would undo it
         for cache in self.attention.k_caches + self.attention.v_caches:
             cache[:, dst] = cache[:, src]
 
     @torch.inference_mode()
-    def execute(self, plan: SchedulerOutput) -> list[int]:
-        """Run one step; returns one sampled token per sequence of `plan.sample_groups()`, in order."""
+    def execute(self, plan: SchedulerOutput) -> list[list[int]]:
+        """Run one step; returns the new tokens of each sequence of `plan.sample_groups()`, in order:
+        one sampled token, or the accepted drafts and then one recovered or bonus token."""
         if plan.block_copies:
             self.copy_blocks(plan.block_copies)
-        batch = self.prepare(plan)
+        batch, sample_rows = self.prepare(plan)
         if self.graphs is not None and self.graphs.can_run(batch):  # decode-only step: replay a CUDA graph
             hidden = self.graphs.run(batch)
         else:
             self.attention.begin_step(batch)
             hidden = self.model(batch.input_ids, batch.positions, self.attention.forward)
-        sampled_seqs = [seq for _, seqs in plan.sample_groups() for seq in seqs]
-        if not sampled_seqs:
+        if not sample_rows:
             return []
         logits = self.model.compute_logits(hidden.index_select(0, batch.sample_indices))
-        return self.sampler(logits, sampled_seqs)
+        return self.sample(plan, logits)
+
+    def sample(self, plan: SchedulerOutput, logits: torch.Tensor) -> list[list[int]]:
+        plain_rows, plain_seqs, spec_slices, spec_seqs = [], [], [], []
+        row = 0
+        for row_seq, seqs in plan.sample_groups():
+            if row_seq.spec_token_ids:
+                spec_slices.append(logits[row:row + 1 + len(row_seq.spec_token_ids)])
+                spec_seqs.append(row_seq)
+                row += 1 + len(row_seq.spec_token_ids)
+                continue
+            for seq in seqs:
+                plain_rows.append(row)
+                plain_seqs.append(seq)
+                row += 1
+        plain = self.sampler(logits[plain_rows], plain_seqs) if plain_seqs else []
+        verified = verify_drafts(spec_slices, spec_seqs, self.sampler) if spec_seqs else []
+        by_seq = dict(zip((s.seq_id for s in plain_seqs), ([t] for t in plain), strict=True))
+        by_seq.update(zip((s.seq_id for s in spec_seqs), verified, strict=True))
+        return [by_seq[seq.seq_id] for _, seqs in plan.sample_groups() for seq in seqs]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 
 
@@ -39,19 +40,42 @@ class Sampler:
             return logits.max(dim=-1).indices.tolist()  # first maximum, like argmax, and faster on CPU
         logits = logits.float()
         greedy_tokens = logits.argmax(dim=-1)
+        probs = self.probabilities(logits, params)
+        sampled = (probs / self.exponential(seqs, probs.shape[-1])).argmax(dim=-1)
+        is_greedy = torch.tensor([p.temperature == 0 for p in params])
+        return torch.where(is_greedy, greedy_tokens, sampled).tolist()
+
+    @staticmethod
+    def probabilities(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        """Each row's sampling distribution after temperature, top-k and top-p (greedy rows: T = 1)."""
         temperature = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params])
-        scaled = logits / temperature[:, None]
+        scaled = logits.float() / temperature[:, None]
         if any(p.top_k > 0 for p in params):
             scaled = apply_top_k(scaled, torch.tensor([max(p.top_k, 0) for p in params]))
         if any(p.top_p < 1 for p in params):
             scaled = apply_top_p(scaled, torch.tensor([p.top_p for p in params]))
-        probs = scaled.softmax(dim=-1)
-        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        return scaled.softmax(dim=-1)
+
+    def generator_of(self, seq: Sequence) -> torch.Generator:
+        """The sequence's own seeded stream, or the engine-wide one."""
+        if seq.sample_seed is None:
+            return self.generator
+        if seq.generator is None:
+            seq.generator = torch.Generator().manual_seed(seq.sample_seed)
+        return seq.generator
+
+    def exponential(self, seqs: list[Sequence], width: int) -> torch.Tensor:
+        """Exp(1) noise, one row per sequence, each from that sequence's stream."""
+        noise = torch.empty(len(seqs), width).exponential_(generator=self.generator)
         for row, seq in enumerate(seqs):
             if seq.sample_seed is not None:
-                if seq.generator is None:
-                    seq.generator = torch.Generator().manual_seed(seq.sample_seed)
-                noise[row].exponential_(generator=seq.generator)
-        sampled = (probs / noise).argmax(dim=-1)
-        is_greedy = torch.tensor([p.temperature == 0 for p in params])
-        return torch.where(is_greedy, greedy_tokens, sampled).tolist()
+                noise[row].exponential_(generator=self.generator_of(seq))
+        return noise
+
+    def uniform(self, seqs: list[Sequence], width: int) -> torch.Tensor:
+        """U(0, 1) draws, one row per sequence, each from that sequence's stream."""
+        draws = torch.rand(len(seqs), width, generator=self.generator)
+        for row, seq in enumerate(seqs):
+            if seq.sample_seed is not None:
+                draws[row] = torch.rand(width, generator=self.generator_of(seq))
+        return draws

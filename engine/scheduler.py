@@ -25,6 +25,8 @@ class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     forks: dict[int, list[Sequence]] = field(default_factory=dict)  # parent seq_id -> samples 1..n-1
+    spec_lookahead: dict[int, int] = field(default_factory=dict)  # seq_id -> draft tokens it has slots for
+    spec_drafts: dict[int, int] = field(default_factory=dict)  # seq_id -> drafts actually proposed
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst) blocks
 
     def sample_groups(self) -> list[tuple[Sequence, list[Sequence]]]:
@@ -96,14 +98,21 @@ class Scheduler:
         self.waiting.append(seq)
         return True
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, num_spec_tokens: int = 0) -> SchedulerOutput:
+        """Plan one step. With `num_spec_tokens`, decoding sequences also get KV slots (and budget) for up
+        to that many draft tokens, recorded in `spec_lookahead`; drafts are dropped before anything is
+        preempted for them."""
         out = SchedulerOutput()
         budget = self.limits.max_num_batched_tokens
         index = 0
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
             num_new = min(seq.num_uncomputed_tokens, budget)
-            while not self.kv.allocate_slots(seq, num_new):
+            lookahead = self._spec_room(seq, num_spec_tokens, budget - num_new)
+            while not self.kv.allocate_slots(seq, num_new + lookahead):
+                if lookahead:
+                    lookahead = 0
+                    continue
                 victim = self.running.pop()
                 self._preempt(victim)
                 out.preempted.append(victim)
@@ -111,7 +120,9 @@ class Scheduler:
                     break
             else:
                 out.scheduled.append(self._scheduled(seq, num_new))
-                budget -= num_new
+                if lookahead:
+                    out.spec_lookahead[seq.seq_id] = lookahead
+                budget -= num_new + lookahead
                 index += 1
 
         while self.waiting and budget > 0 and not out.preempted:
@@ -167,6 +178,13 @@ class Scheduler:
         self.waiting[0].admission_skips += 1
         self.waiting.remove(seq)
 
+    def _spec_room(self, seq: Sequence, wanted: int, budget: int) -> int:
+        """Draft tokens a decoding sequence can verify this step (0 for prefills and forks)."""
+        if not wanted or seq.num_uncomputed_tokens != 1 or seq.num_output_tokens == 0 or seq.fork_pending:
+            return 0
+        left = min(seq.params.max_tokens - seq.num_output_tokens, self.limits.max_model_len - seq.num_tokens)
+        return max(min(wanted, budget, left - 1), 0)
+
     @staticmethod
     def _scheduled(seq: Sequence, num_new: int) -> ScheduledSeq:
         return ScheduledSeq(seq, num_new, seq.num_computed_tokens + num_new == seq.num_tokens)
@@ -175,16 +193,19 @@ class Scheduler:
         """Recompute preemption: drop seq's KV and send it to the front of the waiting queue."""
         self.kv.free(seq)
         seq.num_computed_tokens = 0
+        seq.draft_computed_tokens = 0
+        seq.spec_token_ids, seq.spec_draft_probs = [], None
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    def update(self, out: SchedulerOutput, sampled: list[int]) -> list[Sequence]:
-        """Advance the counters of every scheduled sequence and append the sampled tokens (one per
-        sequence of `out.sample_groups()`, in order); forked samples join the running list here.
-        Returns the sequences that finished; their blocks are freed."""
-        tokens = iter(sampled)
+    def update(self, out: SchedulerOutput, sampled: list[list[int]]) -> list[Sequence]:
+        """Advance the counters of every scheduled sequence and append the new tokens (one list per
+        sequence of `out.sample_groups()`, in order: the accepted drafts, then one sampled token);
+        forked samples join the running list here. Returns the sequences that finished; their blocks
+        are freed. Slots taken for drafts that were not accepted are released."""
+        token_lists = iter(sampled)
         finished = []
         for seq, num_new, sample in out.scheduled:
             seq.num_computed_tokens += num_new
@@ -199,13 +220,25 @@ class Scheduler:
                 self.kv.share_blocks(child)
                 self.running.append(child)
             for member in (seq, *children):
-                token = next(tokens)
-                member.append_token(token)
-                reason = self._finish_reason(member, token)
-                if reason is not None:
-                    self.finish(member, reason)
+                new_tokens = next(token_lists)
+                member.num_computed_tokens += len(new_tokens) - 1  # accepted drafts were computed too
+                if self._append(member, new_tokens):
                     finished.append(member)
+            if seq.seq_id in out.spec_lookahead:
+                seq.spec_token_ids, seq.spec_draft_probs = [], None
+                if not seq.is_finished:
+                    self.kv.trim(seq)
         return finished
+
+    def _append(self, seq: Sequence, tokens: list[int]) -> bool:
+        """Append tokens up to the first that finishes seq; True when it finished."""
+        for token in tokens:
+            seq.append_token(token)
+            reason = self._finish_reason(seq, token)
+            if reason is not None:
+                self.finish(seq, reason)
+                return True
+        return False
 
     def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
         params = seq.params

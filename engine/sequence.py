@@ -52,6 +52,9 @@ class Sequence:
     stop_text_offset: int | None = None  # where a stop string was found in the output text
     stop_reason: str | int | None = None  # the stop string or stop token that finished it
     generator: Any = None  # the seeded random stream of a request with `seed`, kept by the sampler
+    spec_token_ids: list[int] = field(default_factory=list)  # draft tokens verified in this step
+    spec_draft_probs: Any = None  # [len(spec_token_ids), vocab] draft-model probabilities, None for n-gram
+    draft_computed_tokens: int = 0  # tokens whose KV the draft model holds (draft proposers only)
     sample_index: int = 0  # which of the request's n samples this is
     children: list[Sequence] = field(default_factory=list)  # samples 1..n-1, forked after the prefill
 

@@ -121,12 +121,14 @@ class LlamaForCausalLM(nn.Module):
     def lm_head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: Attention) -> torch.Tensor:
-        """Hidden states after the final norm, [num_tokens, hidden]."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: Attention,
+                num_layers: int | None = None) -> torch.Tensor:
+        """Hidden states after the final norm, [num_tokens, hidden]; `num_layers` runs only the first
+        layers (a self-speculative draft)."""
         x = self.embed_tokens(input_ids)
         cos = self.rope_cos.index_select(0, positions).to(x.dtype)[:, None, :]
         sin = self.rope_sin.index_select(0, positions).to(x.dtype)[:, None, :]
-        for layer in self.layers:
+        for layer in self.layers[:num_layers]:
             x = layer(x, cos, sin, attention)
         return self.norm(x)
 

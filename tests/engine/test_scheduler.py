@@ -24,7 +24,7 @@ def plan_of(out):
 
 def step(sched, token=5):
     out = sched.schedule()
-    finished = sched.update(out, [token] * sum(1 for s in out.scheduled if s.sample))
+    finished = sched.update(out, [[token]] * sum(1 for s in out.scheduled if s.sample))
     return out, finished
 
 
@@ -112,7 +112,7 @@ def test_finish_on_eos_stop_token_and_length():
     for seq in (eos_seq, stop_seq, length_seq):
         sched.add(seq)
     out = sched.schedule()
-    finished = sched.update(out, [EOS, 7, 5])
+    finished = sched.update(out, [[EOS], [7], [5]])
     assert [s.finish_reason for s in finished] == [FinishReason.STOP, FinishReason.STOP, FinishReason.LENGTH]
     assert eos_seq.stop_reason == EOS and stop_seq.stop_reason == 7
     assert sched.kv.pool.num_free_blocks == sched.kv.usable_blocks and not sched.running
@@ -124,7 +124,7 @@ def test_ignore_eos_keeps_going():
     sched.add(seq)
     for _ in range(3):
         out = sched.schedule()
-        sched.update(out, [EOS])
+        sched.update(out, [[EOS]])
     assert seq.output_token_ids == [EOS] * 3 and seq.finish_reason is FinishReason.LENGTH
 
 
@@ -171,3 +171,33 @@ def test_strict_fcfs_and_preempted_heads_are_not_overtaken():
     assert sched._next_waiting()[0] is hit
     head.num_preemptions = 1
     assert sched._next_waiting()[0] is head
+
+
+def test_draft_slots_are_taken_for_decodes_only_and_rejected_ones_released():
+    sched = make_scheduler(block_size=4, budget=32)
+    seq = make_seq(0, 4, max_tokens=20)
+    sched.add(seq)
+    out = sched.schedule(num_spec_tokens=3)
+    assert out.spec_lookahead == {}  # a prefill gets no drafts
+    sched.update(out, [[5]])
+    out = sched.schedule(num_spec_tokens=3)
+    assert out.spec_lookahead == {0: 3} and len(seq.block_table) == 2  # positions 4..7
+    seq.spec_token_ids = [6, 7, 8]
+    sched.update(out, [[6, 9]])  # one draft accepted, then a recovered token
+    assert seq.output_token_ids == [5, 6, 9] and seq.num_computed_tokens == 6 and seq.spec_token_ids == []
+    assert len(seq.block_table) == 2
+    out = sched.schedule(num_spec_tokens=3)  # positions 6..9: a third block for the drafts
+    assert out.spec_lookahead == {0: 3} and len(seq.block_table) == 3
+    sched.update(out, [[1]])  # every draft rejected: the third block goes back
+    assert len(seq.block_table) == 2 and sched.kv.pool.num_free_blocks == sched.kv.usable_blocks - 2
+
+
+def test_drafts_stop_at_max_tokens_and_at_a_finishing_token():
+    sched = make_scheduler(block_size=4)
+    seq = make_seq(0, 4, max_tokens=3)
+    sched.add(seq)
+    sched.update(sched.schedule(), [[5]])
+    out = sched.schedule(num_spec_tokens=8)
+    assert out.spec_lookahead == {0: 1}  # room for 2 more tokens: 1 draft + 1 sampled
+    finished = sched.update(out, [[EOS, 7]])
+    assert finished == [seq] and seq.output_token_ids == [5, EOS] and seq.finish_reason is FinishReason.STOP

@@ -1,0 +1,43 @@
+"""`speculative_config`, as in vLLM: {"method": "ngram" | "draft" | "self", "num_speculative_tokens": k, ...}."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+METHODS = ("ngram", "draft", "self")
+
+
+@dataclass
+class SpeculativeConfig:
+    method: str
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4  # n-gram: longest suffix matched
+    prompt_lookup_min: int = 2  # n-gram: shortest suffix matched
+    model: str | None = None  # draft: a causal LM with the target's tokenizer (name or directory)
+    draft_layers: int | None = None  # self: leading target layers used as the draft (default: a quarter)
+    max_verify_tokens: int = 32  # adaptive: speculate while decodes x (1 + k) stays within this many tokens
+    min_acceptance: float = 0.3  # adaptive: pause below this draft acceptance rate (moving average)
+    probe_every: int = 32  # adaptive: while paused, try a speculative step this often
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"speculative_config method must be one of {METHODS}, got {self.method!r}")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError(f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
+        if self.method == "draft" and not self.model:
+            raise ValueError('speculative_config method "draft" needs "model" (a model name or directory)')
+        if not 0 <= self.min_acceptance <= 1:
+            raise ValueError(f"min_acceptance must be in [0, 1], got {self.min_acceptance}")
+
+    @classmethod
+    def from_dict(cls, settings: dict[str, Any]) -> SpeculativeConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(settings) - known)
+        if unknown:
+            raise ValueError(f"unknown speculative_config key(s) {unknown}; known: {sorted(known)}")
+        if "method" not in settings:
+            raise ValueError('speculative_config needs "method" ("ngram", "draft" or "self")')
+        return cls(**settings)

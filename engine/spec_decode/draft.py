@@ -1,0 +1,82 @@
+"""Draft-model proposers: a separate causal LM with the target's tokenizer, or the target's own first
+layers and head (self-speculative). The draft keeps its own paged KV pool over the target's block ids."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.attention.base import allocate_kv_pool
+from engine.batch import BatchItem, PoolZeroing, build_step_batch
+from engine.models.llama import head_dim_of
+from engine.sequence import Sequence
+from engine.spec_decode.config import SpeculativeConfig
+
+
+class DraftProposer:
+    def __init__(self, config: SpeculativeConfig, runner) -> None:
+        from transformers import AutoConfig
+
+        from engine.model_loader import resolve_model
+        from engine.model_runner import load_model
+
+        self.runner = runner
+        if config.method == "self":
+            self.model = runner.model
+            total = runner.num_layers
+            self.num_layers = config.draft_layers or max(1, total // 4)
+            if not 1 <= self.num_layers < total:
+                raise ValueError(f"draft_layers must be in [1, {total - 1}], got {self.num_layers}")
+            hf_config = runner.model.config
+        else:
+            draft_dir = resolve_model(config.model)
+            hf_config = AutoConfig.from_pretrained(draft_dir)
+            if hf_config.vocab_size != runner.vocab_size:
+                raise ValueError(f"the draft model's vocabulary ({hf_config.vocab_size}) differs from the "
+                                 f"target's ({runner.vocab_size}): it must share the target's tokenizer")
+            self.model = load_model(draft_dir, hf_config, runner.max_model_len, runner.dtype, runner.device)
+            self.num_layers = hf_config.num_hidden_layers
+        k, v = allocate_kv_pool(self.num_layers, hf_config.num_key_value_heads, runner.num_blocks, runner.block_size,
+                                head_dim_of(hf_config), runner.dtype, runner.device)
+        self.attention = runner.make_backend(k, v, hf_config.num_attention_heads)
+        self.zeroing = PoolZeroing(k + v)
+
+    def _run(self, items: list[BatchItem]) -> torch.Tensor:
+        """Draft logits at each item's last token."""
+        self.zeroing.cover(items)
+        batch, rows = build_step_batch(items, self.runner.block_size, self.runner._tensor)
+        self.attention.begin_step(batch)
+        hidden = self.model(batch.input_ids, batch.positions, self.attention.forward, self.num_layers)
+        last = self.runner._tensor([rows[i.seq.seq_id].last for i in items])
+        return self.model.compute_logits(hidden.index_select(0, last))
+
+    @torch.inference_mode()
+    def propose(self, work: list[tuple[Sequence, int]]) -> None:
+        """Catch the draft's KV up with each sequence's tokens, then draft k tokens autoregressively."""
+        sampler = self.runner.sampler
+        items = [BatchItem(seq, seq.draft_computed_tokens, seq.token_ids[seq.draft_computed_tokens:])
+                 for seq, _ in work]
+        drafts: dict[int, list[int]] = {seq.seq_id: [] for seq, _ in work}
+        probs: dict[int, list[torch.Tensor]] = {seq.seq_id: [] for seq, _ in work}
+        active = work
+        while active:
+            logits = self._run(items)
+            for row, (seq, _) in enumerate(active):
+                token, distribution = self._draw(logits[row], seq, sampler)
+                drafts[seq.seq_id].append(token)
+                if distribution is not None:
+                    probs[seq.seq_id].append(distribution)
+            active = [(seq, k) for seq, k in active if len(drafts[seq.seq_id]) < k]
+            items = [BatchItem(seq, seq.num_tokens + len(drafts[seq.seq_id]) - 1, drafts[seq.seq_id][-1:])
+                     for seq, _ in active]
+        for seq, _ in work:
+            seq.draft_computed_tokens = seq.num_tokens
+            seq.spec_token_ids = drafts[seq.seq_id]
+            seq.spec_draft_probs = torch.stack(probs[seq.seq_id]) if probs[seq.seq_id] else None
+
+    @staticmethod
+    def _draw(logits: torch.Tensor, seq: Sequence, sampler) -> tuple[int, torch.Tensor | None]:
+        if seq.params.temperature == 0:
+            return int(logits.argmax()), None
+        distribution = sampler.probabilities(logits[None], [seq.params])[0]
+        noise = torch.empty_like(distribution).exponential_(generator=sampler.generator_of(seq))
+        return int((distribution / noise).argmax()), distribution
