@@ -26,6 +26,11 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--attention-backend", choices=BACKENDS, default="auto",
                        help="paged attention implementation (auto: triton on CUDA, torch on CPU)")
     group.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's choice)")
+    group.add_argument("--speculative-method", choices=("ngram", "draft", "self"),
+                       help="speculative decoding proposer: ngram (prompt lookup), draft (--draft-model) or self "
+                            "(the model's own first layers); adaptive, so large batches are not slowed (default: off)")
+    group.add_argument("--num-speculative-tokens", type=int, default=5, help="draft tokens per step (default: 5)")
+    group.add_argument("--draft-model", help="draft model name or directory for --speculative-method draft")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -37,6 +42,11 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     )
     if args.kv_cache_memory is not None:
         kwargs["kv_cache_memory"] = int(args.kv_cache_memory * 2**30)
+    if args.speculative_method:
+        kwargs["speculative_config"] = {"method": args.speculative_method,
+                                        "num_speculative_tokens": args.num_speculative_tokens}
+        if args.draft_model:
+            kwargs["speculative_config"]["model"] = args.draft_model
     return kwargs
 
 

@@ -98,3 +98,40 @@ def interleaved_templates_workload(tokenizer, num_templates: int = 4, per_templa
     prompts = [_chat(tokenizer, systems[i % num_templates], pool[(i // num_templates) % len(pool)])
                for i in range(num_templates * per_template)]
     return Workload(prompts, [output_len] * len(prompts))
+
+
+PASSAGES = [
+    "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined movable "
+    "metal type, oil-based ink and a wooden screw press into a system that could reproduce pages quickly and "
+    "cheaply. Before that, books were copied by hand, mostly in monasteries, and a single volume could take months.",
+    "Honeybees live in colonies of tens of thousands. A single queen lays the eggs, worker bees gather nectar and "
+    "pollen, build the comb and care for the young, and drones exist only to mate. In winter the colony clusters "
+    "together and shivers its flight muscles to keep the hive warm.",
+    "A compiler translates a program written in a high-level language into machine code. It first reads the source "
+    "text into tokens, then parses the tokens into a syntax tree, checks the types, optimises an intermediate "
+    "representation, and finally emits instructions for the target processor.",
+    "The water cycle moves water between the oceans, the air and the land. Sunlight evaporates water from the sea, "
+    "the vapour rises and cools into clouds, the clouds release rain or snow, and rivers carry the water back to "
+    "the sea, where the cycle begins again.",
+    "Chess is played on a board of sixty-four squares. Each player starts with sixteen pieces: a king, a queen, two "
+    "rooks, two bishops, two knights and eight pawns. The goal is to checkmate the opposing king, which means "
+    "attacking it so that it has no legal way to escape.",
+    "Photosynthesis lets plants turn light into chemical energy. Chlorophyll in the leaves absorbs sunlight, which "
+    "drives the splitting of water and the capture of carbon dioxide from the air. The plant builds sugars from the "
+    "carbon and releases oxygen as a by-product.",
+]
+
+
+def copy_workload(tokenizer, num_prompts: int = 6, output_len: int = 128) -> Workload:
+    """Requests whose answers repeat their prompt: rewrite a given passage word for word."""
+    instruction = "Copy the following passage exactly, word for word:\n\n"
+    prompts = [chat_ids(tokenizer, instruction + PASSAGES[i % len(PASSAGES)]) for i in range(num_prompts)]
+    return Workload(prompts, [output_len] * num_prompts)
+
+
+def long_tail_workload(tokenizer, num_short: int = 24, num_long: int = 4, short_len: int = 16,
+                       long_len: int = 160) -> Workload:
+    """A job whose tail runs with few requests: many short answers, then a few long copying ones."""
+    mixed = mixed_chat_workload(tokenizer, num_short, short_len, short_len)
+    copies = copy_workload(tokenizer, num_long, long_len)
+    return Workload(mixed.prompts + copies.prompts, mixed.output_lens + copies.output_lens)

@@ -52,6 +52,27 @@ def register(commands: argparse._SubParsersAction) -> None:
     px.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     px.set_defaults(handler=run_prefix)
 
+    sp = benches.add_parser(
+        "spec", help="speculative decoding: copying at batch 1, the mixed batch, a long-tail job",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Three scenarios, in one run, greedy:\n"
+                    "a. one request at a time, answers that copy their prompt: tokenmill without and with "
+                    "speculation, and Hugging Face greedy vs its prompt-lookup decoding;\n"
+                    "b. the 64-request mixed chat workload of `bench throughput`: none vs adaptive speculation;\n"
+                    "c. a job whose tail runs with few requests (many short answers, a few long copying ones).")
+    sp.add_argument("--model", default="smollm2-135m", help="model name or directory (default: smollm2-135m)")
+    sp.add_argument("--method", default="ngram", choices=("ngram", "self", "draft"), help="proposer (default: ngram)")
+    sp.add_argument("--draft-model", help="draft model for --method draft")
+    sp.add_argument("--num-speculative-tokens", type=int, default=5, help="k (default: 5)")
+    sp.add_argument("--scenarios", default="a,b,c", help="comma-separated subset of a,b,c (default: all)")
+    sp.add_argument("--copy-prompts", type=int, default=6, help="requests in scenario a (default: 6)")
+    sp.add_argument("--copy-tokens", type=int, default=128, help="max tokens in scenarios a and c (default: 128)")
+    sp.add_argument("--num-prompts", type=int, default=64, help="requests in scenario b (default: 64)")
+    sp.add_argument("--no-hf", action="store_true", help="skip the Hugging Face rows of scenario a")
+    sp.add_argument("--threads", type=int, default=2, help="torch CPU threads (default: 2)")
+    sp.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    sp.set_defaults(handler=run_spec)
+
 
 def run_throughput(args: argparse.Namespace) -> int:
     import json
@@ -154,6 +175,70 @@ def run_prefix(args: argparse.Namespace) -> int:
             json.dump([{**r.__dict__, "tokens_per_second": r.tokens_per_second} for r in results + grouped], f,
                       indent=2)
     return 0
+
+
+def run_spec(args: argparse.Namespace) -> int:
+    import json
+
+    import torch
+    from rich.console import Console
+    from transformers import AutoTokenizer
+
+    from engine.bench import spec
+    from engine.bench.workload import copy_workload, long_tail_workload, mixed_chat_workload
+    from engine.model_loader import resolve_model
+
+    torch.set_num_threads(args.threads)
+    console = Console(width=max(Console().width, 150))
+    model_dir = resolve_model(args.model)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    config = {"method": args.method, "num_speculative_tokens": args.num_speculative_tokens}
+    if args.draft_model:
+        config["model"] = args.draft_model
+    scenarios = {s.strip() for s in args.scenarios.split(",")}
+    results: list[spec.SpecResult] = []
+
+    def compare(scenario: str, workload, one_at_a_time: bool, ignore_eos: bool) -> None:
+        plain, plain_tokens = spec.tokenmill_spec(str(model_dir), workload, scenario, "tokenmill, no speculation",
+                                                  None, one_at_a_time, ignore_eos, num_threads=args.threads)
+        sped, sped_tokens = spec.tokenmill_spec(str(model_dir), workload, scenario, f"tokenmill, {args.method}",
+                                                config, one_at_a_time, ignore_eos, num_threads=args.threads)
+        same = sum(a == b for a, b in zip(plain_tokens, sped_tokens, strict=True))
+        console.print(f"scenario {scenario}: {same}/{len(plain_tokens)} outputs identical with and without speculation")
+        results.extend([plain, sped])
+
+    if "a" in scenarios:
+        copies = copy_workload(tokenizer, args.copy_prompts, args.copy_tokens)
+        compare("a", copies, one_at_a_time=True, ignore_eos=False)
+        if not args.no_hf:
+            results.append(spec.hf_one_at_a_time(model_dir, copies, "a", None))
+            results.append(spec.hf_one_at_a_time(model_dir, copies, "a", 10))
+    if "b" in scenarios:
+        compare("b", mixed_chat_workload(tokenizer, args.num_prompts), one_at_a_time=False, ignore_eos=True)
+    if "c" in scenarios:
+        compare("c", long_tail_workload(tokenizer, long_len=args.copy_tokens), one_at_a_time=False, ignore_eos=False)
+    console.print(spec_table(results))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([{**r.__dict__, "tokens_per_second": r.tokens_per_second} for r in results], f, indent=2)
+    return 0
+
+
+def spec_table(results):
+    from rich.table import Table
+
+    table = Table("scenario", "system", "seconds", "tokens", "tok/s", "acceptance", "speedup",
+                  title="speculative decoding (speedup: against the same system without speculation)")
+    baselines = {}
+    for r in results:
+        if "no speculation" in r.system or r.system == "HF greedy":
+            baselines[(r.scenario, r.system.split(",")[0].split(" ")[0])] = r
+    for r in results:
+        base = baselines.get((r.scenario, r.system.split(",")[0].split(" ")[0]))
+        acceptance = "-" if r.acceptance is None else f"{100 * r.acceptance:.0f}%"
+        table.add_row(r.scenario, r.system, f"{r.seconds:.1f}", str(r.tokens), f"{r.tokens_per_second:.1f}",
+                      acceptance, speedup(r, base))
+    return table
 
 
 def prefix_table(results, title: str, baseline_system: str):
