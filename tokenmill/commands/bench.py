@@ -73,6 +73,27 @@ def register(commands: argparse._SubParsersAction) -> None:
     sp.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     sp.set_defaults(handler=run_spec)
 
+    cap = benches.add_parser(
+        "capacity", help="requests that fit in a KV budget: contiguous reservation vs paged blocks",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Fill a KV budget with requests at their full length, through the engine's block pool: once "
+                    "reserving the whole context per request (contiguous), once in blocks (paged). Requests cycle "
+                    "through --requests sampled lengths: a fixed prompt plus a Pareto-distributed output.\n"
+                    "Default: Llama-3-8B in bf16 (131,072 bytes of KV per token), 70 GiB of KV (an 80 GiB card).")
+    cap.add_argument("--requests", type=int, default=100, help="sampled request lengths (default: 100)")
+    cap.add_argument("--mean-output", type=float, default=150, help="mean output length (default: 150)")
+    cap.add_argument("--max-output", type=int, default=4096, help="output length cap (default: 4096)")
+    cap.add_argument("--prompt-tokens", type=int, default=128, help="prompt length (default: 128)")
+    cap.add_argument("--context", type=int, default=4096, help="max context per request (default: 4096)")
+    cap.add_argument("--block-size", type=int, default=16, help="paged block size in tokens (default: 16)")
+    cap.add_argument("--kv-gib", type=float, default=70.0, help="KV budget in GiB (default: 70)")
+    cap.add_argument("--kv-bytes", type=int, help="KV budget in bytes (overrides --kv-gib)")
+    cap.add_argument("--model-shape", default="llama-3-8b",
+                     help="model whose KV bytes per token set the scale (llama-3-8b, llama-3-70b, smollm2-135m)")
+    cap.add_argument("--bytes-per-token", type=int, help="KV bytes per token (overrides --model-shape)")
+    cap.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
+    cap.set_defaults(handler=run_capacity)
+
 
 def run_throughput(args: argparse.Namespace) -> int:
     import json
@@ -221,6 +242,37 @@ def run_spec(args: argparse.Namespace) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump([{**r.__dict__, "tokens_per_second": r.tokens_per_second} for r in results], f, indent=2)
+    return 0
+
+
+def run_capacity(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from engine.bench import capacity
+
+    if args.bytes_per_token is None and args.model_shape not in capacity.MODEL_SHAPES:
+        raise ValueError(f"unknown --model-shape {args.model_shape!r}; known: {sorted(capacity.MODEL_SHAPES)}")
+    per_token = args.bytes_per_token or capacity.bytes_per_token(args.model_shape)
+    budget_bytes = args.kv_bytes if args.kv_bytes is not None else int(args.kv_gib * 2**30)
+    budget_tokens = budget_bytes // per_token
+    outputs = capacity.pareto_lengths(args.requests, args.mean_output, min(args.max_output, args.context
+                                                                           - args.prompt_tokens), args.seed)
+    contiguous, paged = capacity.compare(budget_tokens, args.context, args.block_size,
+                                         [args.prompt_tokens + n for n in outputs])
+    console = Console(width=max(Console().width, 140))
+    console.print(f"KV budget: {budget_bytes / 2**30:.1f} GiB at {per_token:,} bytes/token = {budget_tokens:,} tokens; "
+                  f"{args.requests} sampled requests: prompt {args.prompt_tokens} + output mean "
+                  f"{sum(outputs) / len(outputs):.0f} (max {max(outputs)}), context {args.context}")
+    table = Table("allocation", "requests at once", "KV used (tokens)", "KV reserved (tokens)", "wasted KV",
+                  "waste per request (tokens)", title="capacity")
+    for row in (contiguous, paged):
+        share = row.wasted_tokens / row.reserved_tokens if row.reserved_tokens else 0.0
+        table.add_row(row.scheme, f"{row.requests:,}", f"{row.used_tokens:,}", f"{row.reserved_tokens:,}",
+                      f"{row.wasted_tokens:,} ({100 * share:.0f}%)", f"{row.waste_per_request:.1f}")
+    console.print(table)
+    console.print(f"paged fits {paged.requests / max(contiguous.requests, 1):.1f}x the requests; its waste per request "
+                  f"is {paged.waste_per_request:.1f} tokens, under one {args.block_size}-token block")
     return 0
 
 
