@@ -157,6 +157,7 @@ class ModelRunner:
             if self.config.kv_cache_memory is not None:
                 budget = self.config.kv_cache_memory
             elif self.device.type == "cuda":
+                torch.cuda.empty_cache()  # memory cached by torch but free would otherwise count as used
                 free, total = torch.cuda.mem_get_info(self.device)
                 budget = int(total * self.config.memory_utilization) - (total - free) - activation
             else:

@@ -1,0 +1,60 @@
+"""Paged attention with Triton kernels (the CUDA backend; on CPU it runs under Triton's interpreter).
+
+Per layer: one kernel writes the step's K/V into the pool, one attends the decode tokens, one the prefill
+tokens. A decode-only step reads nothing from the host after `begin_step`, so it can be replayed as a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.attention.base import AttentionBackend, StepBatch
+
+try:
+    from engine.attention import triton_kernels as kernels
+except ImportError as error:  # triton missing or broken
+    raise ImportError(
+        f"attention_backend='triton' needs the `triton` package ({error}); install it "
+        "(pip install 'tokenmill[gpu]') or choose attention_backend='torch'") from error
+
+
+class TritonAttention(AttentionBackend):
+    name = "triton"
+
+    def __init__(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], num_q_heads: int):
+        super().__init__(k_caches, v_caches, num_q_heads)
+        if k_caches[0].device.type == "cpu" and not kernels.INTERPRETED:
+            raise RuntimeError("the Triton backend runs on CPU tensors only in Triton's interpreter: set "
+                               "TRITON_INTERPRET=1 before starting (slow; for tests), or use attention_backend='torch'")
+        kernels.check_head_dim(self.head_dim)
+        if num_q_heads % self.num_kv_heads:
+            raise ValueError(f"{num_q_heads} query heads are not a multiple of {self.num_kv_heads} KV heads")
+
+    def begin_step(self, batch: StepBatch) -> None:
+        self.slot_mapping = batch.slot_mapping
+        self.num_decodes = batch.num_decodes
+        self.decode_tables = batch.decode_block_tables
+        self.decode_context_lens = batch.decode_context_lens
+        self.prefill = batch.prefill
+        if batch.prefill is None:
+            return
+        device = batch.slot_mapping.device
+        starts = [0]
+        for length in batch.prefill.query_lens:
+            starts.append(starts[-1] + length)
+        self.query_starts = torch.tensor(starts, dtype=torch.long, device=device)
+        self.prefill_context_lens = torch.tensor(batch.prefill.context_lens, dtype=torch.long, device=device)
+        self.max_query_len = max(batch.prefill.query_lens)
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        k_pool, v_pool = self.k_caches[layer], self.v_caches[layer]
+        kernels.write_kv(k, v, k_pool, v_pool, self.slot_mapping)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        nd = self.num_decodes
+        if nd:
+            kernels.paged_decode_attention(q[:nd], k_pool, v_pool, out[:nd], self.decode_tables,
+                                           self.decode_context_lens)
+        if self.prefill is not None:
+            kernels.paged_prefill_attention(q[nd:], k_pool, v_pool, out[nd:], self.prefill.block_tables,
+                                            self.query_starts, self.prefill_context_lens, self.max_query_len)
+        return out
