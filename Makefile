@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml ops/constraints.txt
 	touch $(STAMP)
 
 demo: setup
-	$(VENV)/bin/tokenmill generate
+	$(VENV)/bin/tokenmill run
 
 test: setup
 	./ops/ensure_services.sh
