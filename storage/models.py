@@ -1,4 +1,5 @@
-"""SQLAlchemy models for job state: jobs, their shards (row ranges) and the rows that failed.
+"""SQLAlchemy models for job state: jobs, their shards (row ranges) and the rows that failed; and for the
+service around them: nightly schedules and their runs, rejected Kafka messages, objects seen in the S3 inbox.
 
 Alembic owns the schema (see `migrations/`); these classes are what autogenerate compares against.
 """
@@ -7,13 +8,15 @@ from __future__ import annotations
 
 import enum
 import uuid
-from datetime import UTC, datetime
+from datetime import UTC, date, datetime
 from typing import Any
 
 from sqlalchemy import (
     JSON,
     BigInteger,
+    Boolean,
     CheckConstraint,
+    Date,
     DateTime,
     ForeignKey,
     Index,
@@ -202,3 +205,68 @@ class FailedRow(Base):
     custom_id: Mapped[str | None] = mapped_column(Text)  # None when the row had no usable custom_id
     code: Mapped[str] = mapped_column(String(64))
     message: Mapped[str] = mapped_column(Text)
+
+
+class Schedule(Base):
+    """A recurring job: at each `cron` time (UTC) a job is made from the patterns, `{date}` being that day."""
+
+    __tablename__ = "schedules"
+
+    id: Mapped[int] = mapped_column(BigIntId, primary_key=True, autoincrement=True)
+    name: Mapped[str] = mapped_column(String(255), unique=True)
+    cron: Mapped[str] = mapped_column(String(255))
+    input_pattern: Mapped[str] = mapped_column(Text)  # e.g. s3://bucket/daily/{date}/prompts.parquet
+    output_pattern: Mapped[str] = mapped_column(Text)
+    model: Mapped[str] = mapped_column(String(512))
+    settings: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)  # job settings: sampling, shard_size...
+    enabled: Mapped[bool] = mapped_column(Boolean, default=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+    runs: Mapped[list[ScheduleRun]] = relationship(back_populates="schedule", cascade="all, delete-orphan",
+                                                   passive_deletes=True)
+
+
+class ScheduleRun(Base):
+    """The job a schedule made for one date; unique per (schedule, date), however often beat fires."""
+
+    __tablename__ = "schedule_runs"
+    __table_args__ = (UniqueConstraint("schedule_id", "run_date"),)
+
+    id: Mapped[int] = mapped_column(BigIntId, primary_key=True, autoincrement=True)
+    schedule_id: Mapped[int] = mapped_column(ForeignKey("schedules.id", ondelete="CASCADE"))
+    run_date: Mapped[date] = mapped_column(Date)
+    job_id: Mapped[str | None] = mapped_column(ForeignKey("jobs.id", ondelete="SET NULL"))
+    fired_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+    schedule: Mapped[Schedule] = relationship(back_populates="runs")
+
+
+class RejectedMessage(Base):
+    """A job-topic message that was not JSON or not a valid job spec, kept with where it came from."""
+
+    __tablename__ = "rejected_messages"
+    __table_args__ = (UniqueConstraint("topic", "partition", "offset"),)
+
+    id: Mapped[int] = mapped_column(BigIntId, primary_key=True, autoincrement=True)
+    topic: Mapped[str] = mapped_column(String(255))
+    partition: Mapped[int] = mapped_column(Integer)
+    offset: Mapped[int] = mapped_column(BigInteger)
+    key: Mapped[str | None] = mapped_column(Text)
+    payload: Mapped[str] = mapped_column(Text)  # UTF-8 with replacement characters, truncated
+    error: Mapped[str] = mapped_column(Text)
+    received_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class InboxObject(Base):
+    """An object seen under the S3 inbox: the job it became, or why it could not become one."""
+
+    __tablename__ = "inbox_objects"
+    __table_args__ = (UniqueConstraint("bucket", "key", "etag"),)
+
+    id: Mapped[int] = mapped_column(BigIntId, primary_key=True, autoincrement=True)
+    bucket: Mapped[str] = mapped_column(String(255))
+    key: Mapped[str] = mapped_column(String(1024))
+    etag: Mapped[str] = mapped_column(String(255))
+    job_id: Mapped[str | None] = mapped_column(ForeignKey("jobs.id", ondelete="SET NULL"))
+    error: Mapped[str | None] = mapped_column(Text)
+    seen_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)

@@ -15,9 +15,14 @@ class JobNotFound(LookupError):
     pass
 
 
+def _by_id(session: Session, model, row_id, for_update: bool):
+    """The row of model with this primary key, locked for the transaction when asked; None if absent."""
+    query = select(model).where(model.id == row_id)
+    return session.scalars(query.with_for_update() if for_update else query).one_or_none()
+
+
 def get_job(session: Session, job_id: str, *, for_update: bool = False) -> Job:
-    query = select(Job).where(Job.id == job_id)
-    job = session.scalars(query.with_for_update() if for_update else query).one_or_none()
+    job = _by_id(session, Job, job_id, for_update)
     if job is None:
         raise JobNotFound(f"no job {job_id!r}")
     return job
@@ -46,6 +51,11 @@ def list_jobs(session: Session, *, limit: int = 50, status: str | None = None) -
     return list(session.scalars(query))
 
 
+def jobs_in(session: Session, statuses: Iterable[str], *, for_update: bool = False) -> list[Job]:
+    query = select(Job).where(Job.status.in_([str(s) for s in statuses])).order_by(Job.created_at)
+    return list(session.scalars(query.with_for_update() if for_update else query))
+
+
 def job_status(session: Session, job_id: str) -> str | None:
     """Just the status column (cheap enough to poll between engine steps)."""
     return session.scalar(select(Job.status).where(Job.id == job_id))
@@ -59,6 +69,13 @@ def get_shard(session: Session, job_id: str, index: int) -> Shard:
     shard = session.scalars(select(Shard).where(Shard.job_id == job_id, Shard.index == index)).one_or_none()
     if shard is None:
         raise LookupError(f"job {job_id} has no shard {index}")
+    return shard
+
+
+def get_shard_by_id(session: Session, shard_id: int, *, for_update: bool = False) -> Shard:
+    shard = _by_id(session, Shard, shard_id, for_update)
+    if shard is None:
+        raise LookupError(f"no shard with id {shard_id}")
     return shard
 
 

@@ -16,6 +16,7 @@ COMMAND_MODULES = [
     "tokenmill.commands.generate",
     "tokenmill.commands.bench",
     "tokenmill.commands.jobs",
+    "tokenmill.commands.service",
 ]
 
 DESCRIPTION = """\

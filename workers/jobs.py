@@ -38,6 +38,7 @@ __all__ = ["DEFAULT_SHARD_SIZE", "JobBusy", "JobSpec", "NoProgress", "Progress",
 log = logging.getLogger("tokenmill.jobs")
 
 DEFAULT_SHARD_SIZE = 500
+LOCAL, CELERY = "local", "celery"
 S = JobStatus
 
 
@@ -56,18 +57,21 @@ class JobSpec:
     source_ref: str | None = None
     priority: int = 0
     idempotency_key: str | None = None  # default: derived from the input and output URIs
+    job_id: str | None = None  # default: a new UUID
+    executor: str = LOCAL  # who runs it: `tokenmill run` in process (local), or the Celery workers (celery)
 
     def settings(self) -> dict[str, Any]:
         if self.shard_size < 1:
             raise ValueError(f"shard size must be >= 1 row, got {self.shard_size}")
         return {"sampling": self.sampling, "engine": self.engine, "shard_size": self.shard_size,
-                "limits": self.limits.to_dict(), "s3": self.s3.to_dict(), "openai_output": self.openai_output}
+                "limits": self.limits.to_dict(), "s3": self.s3.to_dict(), "openai_output": self.openai_output,
+                "executor": self.executor}
 
 
 @dataclass
 class Submission:
     job: Job
-    outcome: str  # created | resumed | retried | finished
+    outcome: str  # created | resumed | retried | finished | duplicate
 
 
 def idempotency_key(input_uri: str, output_uri: str) -> str:
@@ -76,8 +80,9 @@ def idempotency_key(input_uri: str, output_uri: str) -> str:
     return "cli-" + hashlib.sha256(canonical.encode()).hexdigest()[:40]
 
 
-def submit(sessions: sessionmaker[Session], spec: JobSpec) -> Submission:
-    """Create the job, or find it again by its idempotency key (a failed or cancelled one is retried)."""
+def submit(sessions: sessionmaker[Session], spec: JobSpec, reopen: bool = True) -> Submission:
+    """Create the job, or find it again by its idempotency key. With `reopen` (the CLI's resubmission) a failed
+    or cancelled job is retried; without it (a redelivered message) the job found is left as it is."""
     output_uri = check_output_uri(spec.output_uri)
     input_uri = normalize_uri(spec.input_uri)
     key = spec.idempotency_key or idempotency_key(input_uri, output_uri)
@@ -85,16 +90,26 @@ def submit(sessions: sessionmaker[Session], spec: JobSpec) -> Submission:
         with sessions.begin() as session:
             job = repo.job_by_key(session, key)
             if job is not None:
-                return Submission(job, _reopen(job, spec))
+                return Submission(job, _reopen(job, spec) if reopen else "duplicate")
+            _check_id_free(session, spec.job_id)
             now = utcnow()
-            job = Job(id=str(uuid.uuid4()), idempotency_key=key, source=spec.source, source_ref=spec.source_ref,
-                      status=S.VALIDATING.value, model=spec.model, input_uri=input_uri, output_uri=output_uri,
-                      settings=spec.settings(), priority=spec.priority, created_at=now, validating_at=now)
+            job = Job(id=spec.job_id or str(uuid.uuid4()), idempotency_key=key, source=spec.source,
+                      source_ref=spec.source_ref, status=S.VALIDATING.value, model=spec.model,
+                      input_uri=input_uri, output_uri=output_uri, settings=spec.settings(), priority=spec.priority,
+                      created_at=now, validating_at=now)
             session.add(job)
             return Submission(job, "created")
     except IntegrityError:  # submitted concurrently by someone else: that one wins
         with sessions() as session:
-            return Submission(repo.job_by_key(session, key), "resumed")
+            job = repo.job_by_key(session, key)
+        if job is None:  # the clash was on the job id, not the key
+            raise
+        return Submission(job, "resumed" if reopen else "duplicate")
+
+
+def _check_id_free(session: Session, job_id: str | None) -> None:
+    if job_id is not None and session.get(Job, job_id) is not None:
+        raise ValueError(f"job id {job_id} is taken by a job with another idempotency key")
 
 
 def _reopen(job: Job, spec: JobSpec) -> str:

@@ -1,5 +1,9 @@
-"""Takes one job as far as it goes in this process: claim it, validate the input and plan shards, run
-the unfinished shards in order, finalize. Completed shards are skipped, interrupted ones redone."""
+"""The steps of one job, each in its own transactions: validate the input and plan shards, run one shard
+through an engine, finalize. `JobSteps` holds them; the in-process `JobRunner` below takes a job through
+them in order, and the Celery tasks (`workers.tasks`) run them as separate tasks on many workers.
+
+Completed shards are skipped, interrupted ones redone. The shard that completes a job's last row range moves
+it to `finalizing` in the same transaction that holds the job row's lock, so exactly one finisher sees it."""
 
 from __future__ import annotations
 
@@ -7,7 +11,7 @@ import logging
 import time
 from collections.abc import Callable
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from sqlalchemy import delete
 from sqlalchemy.orm import Session, sessionmaker
@@ -37,9 +41,15 @@ class JobBusy(RuntimeError):
 
 
 def runner_alive(job: Job) -> bool:
-    """Is some process still running this job (its worker process, or an unexpired shard lease)?"""
-    leases = [s.lease_expires_at for s in job.shards if s.status == ShardStatus.RUNNING and s.lease_expires_at]
-    return worker_alive(job.worker, max(leases, default=None))
+    """Is some process still running this job: its runner (`tokenmill run`), or a worker running one of its
+    shards (its process on this host, its unexpired lease elsewhere)?"""
+    running = [s for s in job.shards if s.status == ShardStatus.RUNNING]
+    leases = [s.lease_expires_at for s in running if s.lease_expires_at]
+    return worker_alive(job.worker, max(leases, default=None)) or any(shard_runner_alive(s) for s in running)
+
+
+def shard_runner_alive(shard: Shard) -> bool:
+    return worker_alive(shard.worker, shard.lease_expires_at)
 
 
 def mark_cancelled(job: Job) -> None:
@@ -70,37 +80,40 @@ class NoProgress:
         pass
 
 
-class JobRunner:
-    def __init__(self, sessions: sessionmaker[Session], job_id: str, engine_provider: EngineProvider,
-                 progress: Progress) -> None:
+class ShardClaim(NamedTuple):
+    """What `JobSteps.claim_shard` decided: `run` (the shard is ours now), `done` (completed before), `busy`
+    (a live worker runs it), `stopped` (the job is not running: cancelled, failed...) or `gave_up` (out of
+    attempts: the shard and the job are now failed)."""
+
+    decision: str
+    shard: Shard | None = None
+    job: Job | None = None
+
+
+class JobSteps:
+    """The steps of one job. Each opens its own transactions and locks the job row before it changes it."""
+
+    def __init__(self, sessions: sessionmaker[Session], job_id: str, progress: Progress | None = None) -> None:
         self.sessions, self.job_id = sessions, job_id
-        self.engine_provider, self.progress = engine_provider, progress
+        self.progress = progress or NoProgress()
         self.worker = worker_id()
         self._reader: InputReader | None = None
-        self._engine: LLMEngine | None = None
 
-    def run(self) -> Job:
-        job = self._claim()
-        try:
-            steps = {S.VALIDATING: self._validate, S.QUEUED: lambda: self._set_status(S.IN_PROGRESS),
-                     S.IN_PROGRESS: self._run_shards, S.CANCELLING: self._finish_cancel, S.FINALIZING: self._finalize}
-            while (step := steps.get(JobStatus(job.status))) is not None:
-                job = step()
-            return job
-        except InputError as error:  # e.g. a corrupt row group found mid-job
-            return self._set_status(S.FAILED, error=str(error))
-        except Exception as error:
-            self._set_status(S.FAILED, error=f"{type(error).__name__}: {error}")
-            raise
-        finally:
-            self._release()
+    def close(self) -> None:
+        if self._reader is not None:
+            self._reader.close()
+            self._reader = None
 
     # -- state ------------------------------------------------------------------------------------
 
     def _job(self, session: Session, lock: bool = True) -> Job:
         return repo.get_job(session, self.job_id, for_update=lock)
 
-    def _set_status(self, status: JobStatus, error: str | None = None) -> Job:
+    def load(self) -> Job:
+        with self.sessions() as session:
+            return self._job(session, lock=False)
+
+    def set_status(self, status: JobStatus, error: str | None = None) -> Job:
         """Transition, unless a cancel request came first (then only cancelled or failed may follow)."""
         with self.sessions.begin() as session:
             job = self._job(session)
@@ -110,25 +123,26 @@ class JobRunner:
                 transition(job, status, error=error)
             return job
 
-    def _claim(self) -> Job:
+    def fail(self, error: str) -> Job:
+        """End the job `failed` with error, unless it already ended."""
         with self.sessions.begin() as session:
             job = self._job(session)
-            if is_terminal(job.status):
-                return job
-            if job.worker not in (None, self.worker) and runner_alive(job):
-                raise JobBusy(f"job {job.id} is being run by {job.worker}")
-            job.worker, job.attempts = self.worker, job.attempts + 1
-            reset = repo.reset_unfinished_shards(session, job.id)
-            done = sum(1 for s in job.shards if s.status == ShardStatus.COMPLETED)
-            if job.attempts > 1:
-                log.info("job %s: resuming (attempt %d, status %s): %d of %d shards already completed, "
-                         "%d interrupted shard(s) will be redone", job.id, job.attempts, job.status, done,
-                         len(job.shards), reset)
+            if not is_terminal(job.status):
+                transition(job, S.FAILED, error=error)
             return job
 
-    def _release(self) -> None:
-        if self._reader is not None:
-            self._reader.close()
+    def claim_step(self, status: JobStatus) -> bool:
+        """Hold the job for one step (validating, finalizing) unless it is past that step or another live
+        process holds it. `release` lets go."""
+        with self.sessions.begin() as session:
+            job = self._job(session)
+            if job.status != status or (job.worker not in (None, self.worker) and worker_alive(job.worker)):
+                return False
+            job.worker = self.worker
+            return True
+
+    def release(self) -> None:
+        self.close()
         with self.sessions.begin() as session:
             job = self._job(session)
             if job.worker == self.worker:
@@ -144,7 +158,8 @@ class JobRunner:
     def _input_location(self, job: Job) -> tuple[ObjectStore, str]:
         return open_file_store(job.input_uri, S3Options.from_dict(job.settings.get("s3")))
 
-    def _validate(self) -> Job:
+    def validate(self) -> Job:
+        """validating -> queued with the shards planned, or -> failed with a message naming the problem."""
         self.progress.phase("validating input")
         with self.sessions() as session:
             job = self._job(session, lock=False)
@@ -158,7 +173,7 @@ class JobRunner:
                 self._check_output_empty(job)
         except InputError as error:
             log.warning("job %s failed validation: %s", job.id, error)
-            return self._set_status(S.FAILED, error=str(error))
+            return self.set_status(S.FAILED, error=str(error))
         return self._plan(reader.num_rows, reader.format, fingerprint, started)
 
     def _check_output_empty(self, job: Job) -> None:
@@ -189,7 +204,169 @@ class JobRunner:
                      -(-num_rows // job.settings["shard_size"]))
             return job
 
-    # -- in progress --------------------------------------------------------------------------------
+    # -- shards -------------------------------------------------------------------------------------
+
+    def claim_shard(self, shard_id: int, max_attempts: int) -> ShardClaim:
+        """For a worker of many: take the shard unless it is done, runs on a live worker, or its job is not
+        running. A shard that already used `max_attempts` (its workers died, or it raised) fails the job."""
+        with self.sessions.begin() as session:
+            job = self._job(session)
+            shard = repo.get_shard_by_id(session, shard_id, for_update=True)
+            if job.status not in (S.QUEUED, S.IN_PROGRESS):
+                _settle(job)
+                return ShardClaim("stopped", shard, job)
+            if shard.status == ShardStatus.COMPLETED:
+                return ShardClaim("done", shard, job)
+            if shard.status == ShardStatus.RUNNING and shard_runner_alive(shard):
+                return ShardClaim("busy", shard, job)
+            if shard.attempts >= max_attempts:
+                give_up(job, shard)
+                return ShardClaim("gave_up", shard, job)
+            if job.status == S.QUEUED:
+                transition(job, S.IN_PROGRESS)
+            repo.start_shard(shard, self.worker, utcnow() + LEASE)
+            return ShardClaim("run", shard, job)
+
+    def execute_shard(self, job: Job, shard: Shard, engine: Callable[[], LLMEngine]) -> ShardOutcome:
+        """Run a shard this process has started (status running, its lease ours): generate, write the part
+        file, mark it completed. A stop request ends it `cancelled`; an error (loading the engine included)
+        ends it `failed` and is raised."""
+        started = time.perf_counter()
+        try:
+            outcome = self._execute(job, shard, engine())
+            if outcome.cancelled:
+                self._end_shard(shard, ShardStatus.CANCELLED)
+                return outcome
+            store = open_store(job.output_uri, S3Options.from_dict(job.settings.get("s3")))
+            key = write_part(store, shard.index, outcome.records)
+        except Exception as error:
+            self._end_shard(shard, ShardStatus.FAILED, f"{type(error).__name__}: {error}")
+            raise
+        outcome.completed_job = self._complete_shard(shard, outcome, key)
+        log.info("job %s: shard %d (rows %d-%d) completed in %.1f s: %d ok, %d failed", job.id, shard.index,
+                 shard.row_start, shard.row_end - 1, time.perf_counter() - started, len(outcome.records),
+                 len(outcome.errors))
+        return outcome
+
+    def _execute(self, job: Job, shard: Shard, engine: LLMEngine) -> ShardOutcome:
+        watch = StatusWatch(self.sessions, job.id, shard.id)
+        execution = ShardExecution(engine, job.settings.get("sampling", {}), f"{job.id[:8]}-{shard.index}-",
+                                   should_stop=watch.should_stop, on_progress=self.progress.advance)
+        return execution.run(self._reader_for(job).read(shard.row_start, shard.row_end))
+
+    def _complete_shard(self, shard: Shard, outcome: ShardOutcome, key: str) -> bool:
+        """Mark the shard completed; True when it was the job's last (the job went to finalizing)."""
+        with self.sessions.begin() as session:
+            job = self._job(session)
+            row = repo.get_shard_by_id(session, shard.id)
+            errors = [FailedRow(job_id=job.id, shard=shard.index, row_index=e.row, custom_id=e.custom_id,
+                                code=e.code, message=e.message) for e in outcome.errors]
+            repo.complete_shard(session, row, outcome.totals(), key, errors)
+            return _settle(job) == S.FINALIZING
+
+    def _end_shard(self, shard: Shard, status: ShardStatus, error: str | None = None) -> None:
+        """A shard that stopped without completing: cancelled, or failed with its error (redone on a retry)."""
+        with self.sessions.begin() as session:
+            job = self._job(session)
+            row = repo.get_shard_by_id(session, shard.id)
+            row.status, row.error, row.lease_expires_at, row.finished_at = status.value, error, None, utcnow()
+            _settle(job)
+
+    def finish_cancel(self) -> Job:
+        with self.sessions.begin() as session:
+            job = self._job(session)
+            if job.status == S.CANCELLING:
+                mark_cancelled(job)
+            log.info("job %s cancelled; %d completed shard(s) kept", job.id,
+                     sum(1 for s in job.shards if s.status == ShardStatus.COMPLETED))
+            return job
+
+    # -- finalizing ---------------------------------------------------------------------------------
+
+    def finalize(self) -> Job:
+        """finalizing -> completed: the error file, the optional batch output, then the manifest. Running it
+        twice writes the same files; a job that is not `finalizing` is left as it is."""
+        job = self.load()
+        if job.status != S.FINALIZING:
+            return job
+        self.progress.phase("writing errors and manifest")
+        with self.sessions() as session:
+            shards = repo.shards(session, job.id)
+        store = open_store(job.output_uri, S3Options.from_dict(job.settings.get("s3")))
+        finished_at = utcnow()
+        finalize_outputs(self.sessions, job, shards, store, finished_at)
+        with self.sessions.begin() as session:
+            job = self._job(session)
+            if job.status == S.FINALIZING:
+                transition(job, S.COMPLETED, at=finished_at)
+            return job
+
+
+def _settle(job: Job) -> JobStatus | None:
+    """After a shard changed (job row locked): the last completed shard moves the job to `finalizing`; a
+    cancel request whose last running shard stopped ends `cancelled`. Returns the new status, if any."""
+    if job.status == S.IN_PROGRESS and job.shards and all(s.status == ShardStatus.COMPLETED for s in job.shards):
+        transition(job, S.FINALIZING)
+        return S.FINALIZING
+    if job.status == S.CANCELLING and not any(s.status == ShardStatus.RUNNING for s in job.shards):
+        mark_cancelled(job)
+        return S.CANCELLED
+    return None
+
+
+def give_up(job: Job, shard: Shard) -> None:
+    """The shard used all its attempts: it fails, and the job with it (job row locked)."""
+    cause = shard.error or f"its worker ({shard.worker}) died while running it"
+    message = (f"shard {shard.index} (rows {shard.row_start}-{shard.row_end - 1}) failed {shard.attempts} "
+               f"attempt(s), the limit; last: {cause}")
+    shard.status, shard.error, shard.lease_expires_at, shard.finished_at = (
+        ShardStatus.FAILED.value, message, None, utcnow())
+    log.error("job %s: %s", job.id, message)
+    if not is_terminal(job.status):
+        transition(job, S.FAILED, error=message)
+
+
+class JobRunner(JobSteps):
+    """Takes one job as far as it goes in this process: claim it, validate, run the unfinished shards in
+    order through one engine, finalize."""
+
+    def __init__(self, sessions: sessionmaker[Session], job_id: str, engine_provider: EngineProvider,
+                 progress: Progress) -> None:
+        super().__init__(sessions, job_id, progress)
+        self.engine_provider = engine_provider
+        self._engine: LLMEngine | None = None
+
+    def run(self) -> Job:
+        job = self._claim()
+        try:
+            steps = {S.VALIDATING: self.validate, S.QUEUED: lambda: self.set_status(S.IN_PROGRESS),
+                     S.IN_PROGRESS: self._run_shards, S.CANCELLING: self.finish_cancel, S.FINALIZING: self.finalize}
+            while (step := steps.get(JobStatus(job.status))) is not None:
+                job = step()
+            return job
+        except InputError as error:  # e.g. a corrupt row group found mid-job
+            return self.set_status(S.FAILED, error=str(error))
+        except Exception as error:
+            self.set_status(S.FAILED, error=f"{type(error).__name__}: {error}")
+            raise
+        finally:
+            self.release()
+
+    def _claim(self) -> Job:
+        with self.sessions.begin() as session:
+            job = self._job(session)
+            if is_terminal(job.status):
+                return job
+            if job.worker not in (None, self.worker) and runner_alive(job):
+                raise JobBusy(f"job {job.id} is being run by {job.worker}")
+            job.worker, job.attempts = self.worker, job.attempts + 1
+            reset = repo.reset_unfinished_shards(session, job.id)
+            done = sum(1 for s in job.shards if s.status == ShardStatus.COMPLETED)
+            if job.attempts > 1:
+                log.info("job %s: resuming (attempt %d, status %s): %d of %d shards already completed, "
+                         "%d interrupted shard(s) will be redone", job.id, job.attempts, job.status, done,
+                         len(job.shards), reset)
+            return job
 
     def _run_shards(self) -> Job:
         with self.sessions() as session:
@@ -203,73 +380,12 @@ class JobRunner:
         self.progress.start(job.requests_total,
                             sum(s.rows_completed + s.rows_failed for s in shards if s not in todo))
         for shard in todo:
-            if self._run_shard(job, shard).cancelled:
+            with self.sessions.begin() as session:
+                repo.start_shard(repo.get_shard_by_id(session, shard.id), self.worker, utcnow() + LEASE)
+            if self.execute_shard(job, shard, lambda: self._engine).cancelled:
                 break
-        with self.sessions() as session:
-            if self._job(session, lock=False).status != S.IN_PROGRESS:
-                return self._job(session, lock=False)
-        return self._set_status(S.FINALIZING)
-
-    def _run_shard(self, job: Job, shard: Shard) -> ShardOutcome:
-        with self.sessions.begin() as session:
-            row = repo.get_shard(session, job.id, shard.index)
-            repo.start_shard(row, self.worker, utcnow() + LEASE)
-        started = time.perf_counter()
-        try:
-            outcome = self._execute(job, shard, row.id)
-            if outcome.cancelled:
-                self._end_shard(job.id, shard.index, ShardStatus.CANCELLED)
-                return outcome
-            store = open_store(job.output_uri, S3Options.from_dict(job.settings.get("s3")))
-            key = write_part(store, shard.index, outcome.records)
-        except Exception as error:
-            self._end_shard(job.id, shard.index, ShardStatus.FAILED, f"{type(error).__name__}: {error}")
-            raise
-        with self.sessions.begin() as session:
-            row = repo.get_shard(session, job.id, shard.index)
-            errors = [FailedRow(job_id=job.id, shard=shard.index, row_index=e.row, custom_id=e.custom_id,
-                                code=e.code, message=e.message) for e in outcome.errors]
-            repo.complete_shard(session, row, outcome.totals(), key, errors)
-        log.info("job %s: shard %d (rows %d-%d) completed in %.1f s: %d ok, %d failed", job.id, shard.index,
-                 shard.row_start, shard.row_end - 1, time.perf_counter() - started, len(outcome.records),
-                 len(outcome.errors))
-        return outcome
-
-    def _execute(self, job: Job, shard: Shard, shard_id: int) -> ShardOutcome:
-        watch = StatusWatch(self.sessions, job.id, shard_id)
-        execution = ShardExecution(self._engine, job.settings.get("sampling", {}), f"{job.id[:8]}-{shard.index}-",
-                                   should_stop=watch.should_stop, on_progress=self.progress.advance)
-        return execution.run(self._reader_for(job).read(shard.row_start, shard.row_end))
-
-    def _end_shard(self, job_id: str, index: int, status: ShardStatus, error: str | None = None) -> None:
-        """A shard that stopped without completing: cancelled, or failed with its error (redone on a retry)."""
-        with self.sessions.begin() as session:
-            row = repo.get_shard(session, job_id, index)
-            row.status, row.error, row.lease_expires_at, row.finished_at = status.value, error, None, utcnow()
-
-    def _finish_cancel(self) -> Job:
-        with self.sessions.begin() as session:
-            job = self._job(session)
-            mark_cancelled(job)
-            log.info("job %s cancelled; %d completed shard(s) kept", job.id,
-                     sum(1 for s in job.shards if s.status == ShardStatus.COMPLETED))
-            return job
-
-    # -- finalizing ---------------------------------------------------------------------------------
-
-    def _finalize(self) -> Job:
-        self.progress.phase("writing errors and manifest")
-        with self.sessions() as session:
-            job = self._job(session, lock=False)
-            shards = repo.shards(session, job.id)
-        store = open_store(job.output_uri, S3Options.from_dict(job.settings.get("s3")))
-        finished_at = utcnow()
-        finalize_outputs(self.sessions, job, shards, store, finished_at)
-        with self.sessions.begin() as session:
-            job = self._job(session)
-            transition(job, S.COMPLETED, at=finished_at)
-            return job
-
+        job = self.load()
+        return self.set_status(S.FINALIZING) if job.status == S.IN_PROGRESS else job
 
 class StatusWatch:
     """Between engine steps: is the job still in progress? Asks the database at most once a second and

@@ -20,6 +20,7 @@ class ShardOutcome:
     records: list[dict[str, Any]] = field(default_factory=list)  # rows of the part file
     errors: list[RowError] = field(default_factory=list)
     cancelled: bool = False
+    completed_job: bool = False  # this shard was the job's last to complete: the job is now finalizing
 
     def totals(self) -> dict[str, int]:
         return {

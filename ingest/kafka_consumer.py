@@ -1,0 +1,109 @@
+"""The job topic's consumer: each message is a JSON job spec (see `ingest.spec`).
+
+At-least-once: a message is first recorded durably (its job created, or the message stored as rejected), and
+only then is its offset committed. A message delivered again, or a duplicate of one (same content or same
+idempotency key), finds its job and changes nothing. A message that is not JSON or not a valid spec is kept in
+`rejected_messages` with its topic, partition, offset and the error, and the consumer goes on. When the
+database or S3 is down, the message is retried (from the same offset) until they are back.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from sqlalchemy import select
+from sqlalchemy.exc import IntegrityError
+
+from ingest.intake import Intake, content_key
+from ingest.spec import SpecError, parse_request
+from storage.models import JobSource, RejectedMessage
+
+log = logging.getLogger("tokenmill.consumer")
+
+PAYLOAD_LIMIT = 64 << 10  # characters of a rejected message kept
+RETRY_DELAY_S = 2.0
+
+
+def kafka_consumer(bootstrap: str, topic: str, group: str):
+    from kafka import KafkaConsumer
+
+    # short poll interval and session: group joins and rebalances stay quick (tansu needs it too)
+    return KafkaConsumer(topic, bootstrap_servers=bootstrap, group_id=group, enable_auto_commit=False,
+                         auto_offset_reset="earliest", max_poll_records=20, max_poll_interval_ms=10_000,
+                         session_timeout_ms=10_000, heartbeat_interval_ms=1_000)
+
+
+class JobConsumer:
+    def __init__(self, intake: Intake, bootstrap: str, topic: str, group: str) -> None:
+        self.intake, self.bootstrap, self.topic, self.group = intake, bootstrap, topic, group
+
+    def run(self, stop: threading.Event | None = None) -> None:
+        stop = stop or threading.Event()
+        consumer = kafka_consumer(self.bootstrap, self.topic, self.group)
+        log.info("consuming %s on %s as group %s", self.topic, self.bootstrap, self.group)
+        try:
+            while not stop.is_set():
+                taken = [self._take_all(consumer, records) for records in consumer.poll(timeout_ms=1000).values()]
+                if not all(taken):
+                    stop.wait(RETRY_DELAY_S)
+        finally:
+            consumer.close()
+
+    def _take_all(self, consumer, records) -> bool:
+        """Record then commit one partition's messages in order; on a failure, rewind the partition to the
+        message and return False."""
+        from kafka import TopicPartition
+        from kafka.structs import OffsetAndMetadata
+
+        for record in records:
+            partition = TopicPartition(record.topic, record.partition)
+            try:
+                self.handle(record)
+            except Exception:  # noqa: BLE001 - the database or S3 is down: try this message again
+                log.exception("could not record %s/%d/%d; retrying", record.topic, record.partition, record.offset)
+                consumer.seek(partition, record.offset)
+                return False
+            consumer.commit({partition: OffsetAndMetadata(record.offset + 1, "", -1)})
+        return True
+
+    def handle(self, record) -> str:
+        """Record one message durably: the job's id, or 'rejected'."""
+        ref = f"{record.topic}/{record.partition}/{record.offset}"
+        try:
+            request = parse_request(record.value)
+            submission = self.intake.accept(request, source=JobSource.KAFKA.value, source_ref=ref,
+                                            default_key=content_key("kafka", request.model_dump_json()))
+        except SpecError as error:
+            self._reject(record, str(error))
+            log.warning("rejected %s: %s", ref, error)
+            return "rejected"
+        log.info("%s: job %s (%s)", ref, submission.job.id, submission.outcome)
+        return submission.job.id
+
+    def _reject(self, record, error: str) -> None:
+        key = record.key.decode("utf-8", "replace") if record.key else None
+        payload = (record.value or b"").decode("utf-8", "replace")[:PAYLOAD_LIMIT]
+        try:
+            with self.intake.sessions.begin() as session:
+                if session.scalar(select(RejectedMessage.id).where(
+                        RejectedMessage.topic == record.topic, RejectedMessage.partition == record.partition,
+                        RejectedMessage.offset == record.offset)) is None:
+                    session.add(RejectedMessage(topic=record.topic, partition=record.partition, offset=record.offset,
+                                                key=key, payload=payload, error=error))
+        except IntegrityError:  # stored by a consumer that had this partition before a rebalance
+            pass
+
+
+def run_forever(consumer: JobConsumer) -> None:
+    """Run until interrupted; a broker that is down (or not up yet) is waited for."""
+    from kafka.errors import KafkaError
+
+    while True:
+        try:
+            consumer.run()
+            return
+        except KafkaError as error:
+            log.warning("Kafka at %s: %s; retrying", consumer.bootstrap, error)
+            time.sleep(RETRY_DELAY_S)

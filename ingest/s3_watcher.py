@@ -1,0 +1,125 @@
+"""The S3 inbox: every new object under the inbox prefix becomes a job. An object is known by (bucket, key,
+ETag), so an object seen before is skipped and one replaced with new content is a new job.
+
+An optional sidecar `NAME.job.json` next to `NAME.parquet` (or `NAME.jsonl`) carries the job's settings as in
+`ingest.spec` (output_uri, model, sampling, ...; not input_uri). Without an output_uri the results go to
+`<results prefix>/NAME-<etag>`. Objects younger than `settle_s` wait for the next scan, so a sidecar uploaded
+just after its input file is still seen; upload the sidecar first to be sure.
+"""
+
+from __future__ import annotations
+
+import logging
+import posixpath
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from sqlalchemy import select
+from sqlalchemy.exc import IntegrityError
+
+from ingest.intake import Intake
+from ingest.spec import SpecError, parse_request
+from storage.models import InboxObject, JobSource, utcnow
+from storage.objectstore import TMP_PREFIX, S3Store, normalize_uri
+
+log = logging.getLogger("tokenmill.watcher")
+
+SIDECAR_SUFFIX = ".job.json"
+
+
+@dataclass(frozen=True)
+class InboxEntry:
+    key: str  # the full object key in the bucket
+    etag: str
+    modified: datetime
+
+    @property
+    def stem(self) -> str:
+        """prompts for inbox/prompts.parquet."""
+        return posixpath.splitext(posixpath.basename(self.key))[0]
+
+    @property
+    def sidecar_key(self) -> str:
+        return posixpath.join(posixpath.dirname(self.key), self.stem + SIDECAR_SUFFIX)
+
+
+class InboxWatcher:
+    def __init__(self, intake: Intake, inbox_uri: str, results_uri: str, settle_s: float = 5.0) -> None:
+        self.intake = intake
+        inbox = normalize_uri(inbox_uri)
+        if not inbox.startswith("s3://"):
+            raise ValueError(f"the inbox must be an s3:// prefix, got {inbox_uri!r}")
+        self.store = S3Store(*_bucket_and_prefix(inbox), options=intake.s3)
+        self.results_uri = normalize_uri(results_uri)
+        self.settle = timedelta(seconds=settle_s)
+
+    def run(self, stop: threading.Event | None = None, interval_s: float = 2.0) -> None:
+        stop = stop or threading.Event()
+        log.info("watching %s every %.0f s", self.store.uri, interval_s)
+        while not stop.is_set():
+            try:
+                self.scan()
+            except Exception:  # noqa: BLE001 - S3 or the database is down: the next scan tries again
+                log.exception("scan of %s failed", self.store.uri)
+            stop.wait(interval_s)
+
+    def scan(self) -> list[str]:
+        """One pass over the inbox: the ids of the jobs made from new objects."""
+        entries = [e for e in self._list() if utcnow() - e.modified >= self.settle]
+        seen = self._seen(entries)
+        return [job_id for entry in entries if (entry.key, entry.etag) not in seen
+                if (job_id := self._take(entry)) is not None]
+
+    def _list(self) -> Iterator[InboxEntry]:
+        prefix = f"{self.store.prefix}/" if self.store.prefix else ""
+        pages = self.store.client.get_paginator("list_objects_v2").paginate(Bucket=self.store.bucket, Prefix=prefix)
+        for page in pages:
+            for obj in page.get("Contents", []):
+                name = posixpath.basename(obj["Key"])
+                if name and not name.endswith(SIDECAR_SUFFIX) and not name.startswith((TMP_PREFIX, ".")):
+                    yield InboxEntry(obj["Key"], obj["ETag"].strip('"'), obj["LastModified"])
+
+    def _seen(self, entries: list[InboxEntry]) -> set[tuple[str, str]]:
+        if not entries:
+            return set()
+        with self.intake.sessions() as session:
+            rows = session.execute(select(InboxObject.key, InboxObject.etag).where(
+                InboxObject.bucket == self.store.bucket, InboxObject.key.in_([e.key for e in entries])))
+            return {(key, etag) for key, etag in rows}
+
+    def _take(self, entry: InboxEntry) -> str | None:
+        uri = f"s3://{self.store.bucket}/{entry.key}"
+        try:
+            request = parse_request(self._sidecar(entry), input_uri=uri,
+                                    output_uri=f"{self.results_uri}/{entry.stem}-{entry.etag[:12]}")
+            if request.input_uri != normalize_uri(uri):
+                raise SpecError(f"{entry.sidecar_key}: a sidecar cannot name another input_uri or give rows")
+            job = self.intake.accept(request, source=JobSource.S3.value, source_ref=f"{uri}@{entry.etag}",
+                                     default_key=f"s3-{self.store.bucket}/{entry.key}@{entry.etag}").job
+        except SpecError as error:
+            log.warning("%s cannot become a job: %s", uri, error)
+            self._remember(entry, None, str(error))
+            return None
+        log.info("%s (ETag %s): job %s", uri, entry.etag, job.id)
+        self._remember(entry, job.id, None)
+        return job.id
+
+    def _sidecar(self, entry: InboxEntry) -> bytes:
+        key = entry.sidecar_key
+        relative = key[len(self.store.prefix) + 1:] if self.store.prefix else key
+        return self.store.get_bytes(relative) if self.store.exists(relative) else b"{}"
+
+    def _remember(self, entry: InboxEntry, job_id: str | None, error: str | None) -> None:
+        try:
+            with self.intake.sessions.begin() as session:
+                session.add(InboxObject(bucket=self.store.bucket, key=entry.key, etag=entry.etag, job_id=job_id,
+                                        error=error))
+        except IntegrityError:  # another watcher took it first; its job is the same (same idempotency key)
+            pass
+
+
+def _bucket_and_prefix(uri: str) -> tuple[str, str]:
+    bucket, _, prefix = uri[len("s3://"):].partition("/")
+    return bucket, prefix

@@ -1,0 +1,106 @@
+"""The job spec that arrives on the job topic, in an S3 sidecar (`NAME.job.json`) or from `tokenmill submit`:
+
+    {"input_uri": "s3://bucket/in/prompts.parquet",   # or "rows": [{"custom_id": "a", "prompt": "..."}, ...]
+     "output_uri": "s3://bucket/out/run-1",
+     "model": "smollm2-135m", "sampling": {"max_tokens": 64, "temperature": 0},
+     "shard_size": 500, "priority": 0, "openai_output": false,
+     "idempotency_key": "...", "job_id": "<uuid>"}                  # both optional
+
+Only `output_uri` and one of `input_uri` / `rows` are required (the S3 inbox supplies both). Unknown fields
+are refused, so a typo does not silently run with defaults.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from engine.config import DEFAULT_MODEL
+from storage.formats import Limits
+from storage.objectstore import S3Options, check_output_uri, normalize_uri
+from workers.jobs import CELERY, DEFAULT_SHARD_SIZE, JobSpec
+from workers.shards import sampling_params
+
+MAX_INLINE_ROWS = 10_000
+
+
+class SpecError(ValueError):
+    """A message or sidecar that is not a valid job spec; the message says which field and why."""
+
+
+class JobRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    input_uri: str | None = None
+    rows: list[dict[str, Any]] | None = Field(default=None, min_length=1, max_length=MAX_INLINE_ROWS)
+    output_uri: str | None = None
+    model: str = Field(default=DEFAULT_MODEL, min_length=1, max_length=512)
+    sampling: dict[str, Any] = Field(default_factory=dict)
+    engine: dict[str, Any] = Field(default_factory=dict)
+    shard_size: int = Field(default=DEFAULT_SHARD_SIZE, ge=1)
+    priority: int = 0
+    openai_output: bool = False
+    idempotency_key: str | None = Field(default=None, min_length=1, max_length=200)
+    job_id: uuid.UUID | None = None
+
+    @field_validator("input_uri")
+    @classmethod
+    def _input_uri(cls, value: str | None) -> str | None:
+        return None if value is None else normalize_uri(value)
+
+    @field_validator("output_uri")
+    @classmethod
+    def _output_uri(cls, value: str | None) -> str | None:
+        return None if value is None else check_output_uri(value)
+
+    @field_validator("sampling")
+    @classmethod
+    def _sampling(cls, value: dict[str, Any]) -> dict[str, Any]:
+        try:
+            sampling_params(value, {})
+        except TypeError as error:  # an unknown parameter name
+            raise ValueError(str(error).replace("SamplingParams.__init__()", "sampling")) from None
+        return value
+
+    @model_validator(mode="after")
+    def _one_input(self) -> JobRequest:
+        if (self.input_uri is None) == (self.rows is None):
+            raise ValueError("give exactly one of input_uri or rows")
+        return self
+
+    def job_spec(self, *, source: str, source_ref: str, idempotency_key: str, s3: S3Options) -> JobSpec:
+        """The spec `workers.jobs.submit` takes; the input must be a URI by now (inline rows stored first)."""
+        if self.input_uri is None or self.output_uri is None:
+            raise SpecError("the job needs an input_uri and an output_uri")
+        return JobSpec(input_uri=self.input_uri, output_uri=self.output_uri, model=self.model,
+                       sampling=self.sampling, engine=self.engine, shard_size=self.shard_size,
+                       limits=Limits.from_env(), s3=s3, openai_output=self.openai_output, source=source,
+                       source_ref=source_ref, priority=self.priority,
+                       idempotency_key=self.idempotency_key or idempotency_key,
+                       job_id=str(self.job_id) if self.job_id else None, executor=CELERY)
+
+
+def parse_request(payload: bytes | str, **defaults: Any) -> JobRequest:
+    """A JobRequest from JSON text; `defaults` fill fields the document leaves out. Raises SpecError."""
+    try:
+        document = json.loads(payload)
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise SpecError(f"not JSON: {error}") from None
+    if not isinstance(document, dict):
+        raise SpecError(f"a job spec is a JSON object, got {type(document).__name__}")
+    try:
+        return JobRequest.model_validate({**defaults, **document})
+    except ValidationError as error:
+        raise SpecError(describe(error)) from None
+
+
+def describe(error: ValidationError) -> str:
+    """One line per problem, each naming its field: `sampling: max_tokens must be an integer >= 1, got 0`."""
+    problems = []
+    for item in error.errors():
+        where = ".".join(str(part) for part in item["loc"]) or "spec"
+        problems.append(f"{where}: {item['msg'].removeprefix('Value error, ')}")
+    return "invalid job spec: " + "; ".join(problems)

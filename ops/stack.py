@@ -1,0 +1,380 @@
+"""The local service stack behind `tokenmill stack up | down | env`, all on 127.0.0.1:
+
+    Redis (Celery broker)    tansu (Kafka protocol; ops/kafka.sh)    SeaweedFS (S3; ops/seaweedfs.sh)
+    PostgreSQL (the machine's; a `tokenmill` database is created and migrated)
+    N Celery workers (`tokenmill worker`), beat, Flower (basic auth), the Kafka consumer, the S3 watcher
+
+Each process runs in its own process group with its log under STATE_DIR/logs; STATE_DIR/stack.json records
+the process groups, ports and settings (mode 0600: it holds the Flower password), STATE_DIR/stack.env the
+variables that point a shell at the stack. `down` ends every group, the scripts' servers too, and checks
+that the ports are free. Also runnable as `python ops/stack.py up|down|env ...` (the same arguments).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+OPS = Path(__file__).resolve().parent
+REPO = OPS.parent
+DEFAULT_DATABASE = "postgresql+psycopg://postgres@127.0.0.1:5432/tokenmill"
+DEFAULT_PORTS = {"kafka": 9092, "redis": 6380, "flower": 5555, "s3": 8333}  # S3 also takes the 7 ports above it
+PORT_OFFSETS = {"kafka": 0, "redis": 1, "flower": 2, "s3": 10}  # with --port-base B: B, B+1, B+2, B+10..B+17
+S3_KEYS = ("tokenmill", "tokenmill-secret")
+BUCKET = "tokenmill"
+JOBS_TOPIC, EVENTS_TOPIC = "tokenmill.jobs", "tokenmill.job-events"
+FLOWER_USER = "tokenmill"
+STOP_GRACE_S = 10.0
+
+
+class StackError(RuntimeError):
+    pass
+
+
+@dataclass
+class StackSettings:
+    state_dir: Path
+    workers: int = 1
+    port_base: int | None = None
+    database_url: str = DEFAULT_DATABASE
+    model: str = "smollm2-135m"
+    worker_args: list[str] = field(default_factory=list)  # engine options for `tokenmill worker`
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+    def port(self, name: str) -> int:
+        return DEFAULT_PORTS[name] if self.port_base is None else self.port_base + PORT_OFFSETS[name]
+
+
+# ---- processes ---------------------------------------------------------------------------------------
+
+def group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return _has_live_member(pgid)
+
+
+def _has_live_member(pgid: int) -> bool:
+    """Zombies (exited, not yet reaped) do not count."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rpartition(")")[2].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
+            return True
+    return False
+
+
+def stop_group(pgid: int, grace_s: float = STOP_GRACE_S) -> bool:
+    """SIGTERM the process group, SIGKILL what is left after grace_s; True once it is gone."""
+    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            return True
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            if not group_alive(pgid):
+                return True
+            time.sleep(0.1)
+    return not group_alive(pgid)
+
+
+def port_open(port: int) -> bool:
+    with socket.socket() as probe:
+        probe.settimeout(0.5)
+        return probe.connect_ex(("127.0.0.1", port)) == 0
+
+
+def wait_for(check, what: str, timeout_s: float, log: Path | None = None) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if check():
+            return
+        time.sleep(0.2)
+    tail = f"; see {log}" if log else ""
+    raise StackError(f"{what} did not come up in {timeout_s:.0f} s{tail}")
+
+
+class Stack:
+    """One stack's state directory: what runs, where, and how to stop it."""
+
+    def __init__(self, state_dir: Path) -> None:
+        self.dir = Path(state_dir).expanduser().resolve()
+        self.file = self.dir / "stack.json"
+        self.logs = self.dir / "logs"
+        self.state: dict[str, Any] = json.loads(self.file.read_text()) if self.file.exists() else {}
+
+    def save(self) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.file.touch(mode=0o600)
+        self.file.write_text(json.dumps(self.state, indent=2))
+        env = "".join(f"export {k}={shlex.quote(v)}\n" for k, v in self.state.get("env", {}).items())
+        (self.dir / "stack.env").touch(mode=0o600)
+        (self.dir / "stack.env").write_text(env)
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {**os.environ, **self.state.get("env", {}), "PYTHONUNBUFFERED": "1"}
+
+    def spawn(self, name: str, command: list[str], extra_env: dict[str, str] | None = None) -> int:
+        """Start command in its own process group, logging to logs/NAME.log; records and returns its pid."""
+        self.logs.mkdir(parents=True, exist_ok=True)
+        with open(self.logs / f"{name}.log", "ab") as log:
+            process = subprocess.Popen(command, cwd=REPO, env={**self.env, **(extra_env or {})}, stdout=log,
+                                       stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        self.state.setdefault("processes", {})[name] = process.pid
+        self.state.setdefault("commands", {})[name] = {"command": command, "env": extra_env or {}}
+        self.save()
+        return process.pid
+
+    def script(self, name: str, *args: str) -> str:
+        """Run ops/NAME.sh; its output, or StackError with it."""
+        done = subprocess.run(["bash", str(OPS / f"{name}.sh"), *args], env=self.env, capture_output=True,
+                              text=True, timeout=180)
+        if done.returncode != 0:
+            raise StackError(f"ops/{name}.sh {args[0]} failed:\n{done.stdout}{done.stderr}")
+        return done.stdout
+
+    def running(self) -> dict[str, int]:
+        return {name: pid for name, pid in self.state.get("processes", {}).items() if group_alive(pid)}
+
+
+# ---- up ----------------------------------------------------------------------------------------------
+
+def up(settings: StackSettings) -> dict[str, Any]:
+    stack = Stack(settings.state_dir)
+    if stack.running():
+        raise StackError(f"a stack already runs from {stack.dir} ({', '.join(stack.running())}); "
+                         f"`tokenmill stack down` first")
+    _check_ports_free(settings)
+    stack.state = _initial_state(settings)
+    stack.save()
+    try:
+        _start_services(stack, settings)
+        _start_service_processes(stack, settings)
+    except BaseException:
+        down(stack.dir)
+        raise
+    return stack.state
+
+
+def _check_ports_free(settings: StackSettings) -> None:
+    ports = [settings.port(n) for n in ("kafka", "redis", "flower")] + [settings.port("s3") + i for i in range(8)]
+    taken = [p for p in ports if port_open(p)]
+    if taken:
+        raise StackError(f"port(s) {taken} are taken on 127.0.0.1; stop what uses them or pass --port-base")
+
+
+def _initial_state(settings: StackSettings) -> dict[str, Any]:
+    s3 = f"http://127.0.0.1:{settings.port('s3')}"
+    env = {
+        "TOKENMILL_DATABASE_URL": settings.database_url,
+        "TOKENMILL_BROKER_URL": f"redis://127.0.0.1:{settings.port('redis')}/0",
+        "TOKENMILL_KAFKA_BOOTSTRAP": f"127.0.0.1:{settings.port('kafka')}",
+        "TOKENMILL_JOBS_TOPIC": JOBS_TOPIC,
+        "TOKENMILL_EVENTS_TOPIC": EVENTS_TOPIC,
+        "TOKENMILL_BUCKET_URI": f"s3://{BUCKET}",
+        "TOKENMILL_S3_ENDPOINT_URL": s3,
+        "AWS_ENDPOINT_URL_S3": s3,
+        "AWS_ACCESS_KEY_ID": S3_KEYS[0],
+        "AWS_SECRET_ACCESS_KEY": S3_KEYS[1],
+        "AWS_REGION": "us-east-1",
+        **settings.extra_env,
+    }
+    flower = {"url": f"http://127.0.0.1:{settings.port('flower')}", "user": FLOWER_USER,
+              "password": secrets.token_urlsafe(12)}
+    env.update(TOKENMILL_FLOWER_URL=flower["url"], TOKENMILL_FLOWER_AUTH=f"{flower['user']}:{flower['password']}")
+    ports = {name: settings.port(name) for name in DEFAULT_PORTS}
+    return {"env": env, "flower": flower, "ports": ports, "workers": settings.workers, "model": settings.model,
+            "processes": {}}
+
+
+def _start_services(stack: Stack, settings: StackSettings) -> None:
+    redis_dir = stack.dir / "redis"
+    redis_dir.mkdir(parents=True, exist_ok=True)
+    stack.spawn("redis", ["redis-server", "--port", str(settings.port("redis")), "--bind", "127.0.0.1",
+                          "--save", "", "--appendonly", "no", "--dir", str(redis_dir)])
+    stack.script("kafka", "start", str(stack.dir / "kafka"), str(settings.port("kafka")), JOBS_TOPIC, EVENTS_TOPIC)
+    stack.state["scripts"] = ["kafka"]
+    stack.script("seaweedfs", "start", str(stack.dir / "seaweedfs"), str(settings.port("s3")))
+    stack.state["scripts"].append("seaweedfs")
+    stack.save()
+    wait_for(lambda: port_open(settings.port("redis")), "Redis", 20, stack.logs / "redis.log")
+    _create_bucket(stack)
+    _prepare_database(settings.database_url)
+
+
+def _create_bucket(stack: Stack) -> None:
+    import boto3
+    from botocore.config import Config
+
+    env = stack.state["env"]
+    client = boto3.client("s3", endpoint_url=env["TOKENMILL_S3_ENDPOINT_URL"], region_name=env["AWS_REGION"],
+                          aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
+                          aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"],
+                          config=Config(s3={"addressing_style": "path"}))
+    if BUCKET not in {b["Name"] for b in client.list_buckets().get("Buckets", [])}:
+        client.create_bucket(Bucket=BUCKET)
+
+
+def _prepare_database(url: str) -> None:
+    """Create the database if the server lacks it, then migrate it to the latest schema."""
+    import logging
+
+    from sqlalchemy import create_engine, text
+    from sqlalchemy.engine import make_url
+
+    logging.getLogger("alembic").setLevel(logging.WARNING)  # before the import: alembic logs on import
+    from storage import migrate
+
+    target = make_url(url)
+    if target.get_backend_name() == "postgresql":
+        admin = create_engine(target.set(database="postgres"), isolation_level="AUTOCOMMIT")
+        try:
+            with admin.connect() as connection:
+                exists = connection.scalar(text("SELECT 1 FROM pg_database WHERE datname = :name"),
+                                           {"name": target.database})
+                if not exists:
+                    connection.execute(text(f'CREATE DATABASE "{target.database}"'))
+        except Exception as error:
+            raise StackError(f"PostgreSQL at {target.render_as_string(hide_password=True)} is not usable "
+                             f"({error}); start it (ops/ensure_services.sh) or pass --database-url") from None
+        finally:
+            admin.dispose()
+    migrate.upgrade(url)
+
+
+def _start_service_processes(stack: Stack, settings: StackSettings) -> None:
+    tokenmill = [sys.executable, "-m", "tokenmill"]
+    mine = ["--state-dir", str(stack.dir)]  # not another stack's settings
+    celery = [sys.executable, "-m", "celery", "-A", "workers.celery_app"]
+    for index in range(1, settings.workers + 1):
+        stack.spawn(f"worker{index}", [*tokenmill, "worker", "--name", f"worker{index}", "--model", settings.model,
+                                       *settings.worker_args, *mine])
+    stack.spawn("beat", [*celery, "beat", "--loglevel", "INFO", "--schedule", str(stack.dir / "beat-schedule")])
+    flower = stack.state["flower"]
+    stack.spawn("flower", [*celery, "flower", "--address=127.0.0.1", f"--port={settings.port('flower')}"],
+                {"FLOWER_BASIC_AUTH": f"{flower['user']}:{flower['password']}"})  # not on the command line
+    stack.spawn("consumer", [*tokenmill, "consumer", *mine])
+    stack.spawn("watcher", [*tokenmill, "watcher", *mine])
+    wait_for(lambda: port_open(settings.port("flower")), "Flower", 60, stack.logs / "flower.log")
+    _wait_for_workers(stack, settings.workers)
+    time.sleep(1.0)  # the consumer and the watcher fail fast on bad settings
+    dead = [name for name in ("beat", "consumer", "watcher") if name not in stack.running()]
+    if dead:
+        raise StackError(f"{', '.join(dead)} exited at start; see {stack.logs}")
+
+
+def _wait_for_workers(stack: Stack, count: int, timeout_s: float = 90) -> None:
+    """Until every worker answers a ping (they answer while their pool still loads the model)."""
+    from celery import Celery
+
+    app = Celery(broker=stack.state["env"]["TOKENMILL_BROKER_URL"])
+    try:
+        def all_answer() -> bool:
+            dead = [f"worker{i}" for i in range(1, count + 1) if f"worker{i}" not in stack.running()]
+            if dead:
+                raise StackError(f"{', '.join(dead)} exited at start; see {stack.logs}")
+            return len(app.control.ping(timeout=1.0)) >= count
+
+        wait_for(all_answer, f"{count} worker(s)", timeout_s, stack.logs)
+    finally:
+        app.close()
+
+
+def restart(state_dir: Path, name: str) -> int:
+    """Start one process of the stack again (e.g. a worker that died) the way `up` started it; its new pid."""
+    stack = Stack(state_dir)
+    recorded = stack.state.get("commands", {}).get(name)
+    if recorded is None:
+        raise StackError(f"the stack in {stack.dir} has no process {name!r}")
+    if name in stack.running():
+        stop_group(stack.state["processes"][name])
+    return stack.spawn(name, recorded["command"], recorded["env"])
+
+
+# ---- down --------------------------------------------------------------------------------------------
+
+def down(state_dir: Path) -> list[str]:
+    """Stop everything the stack started; the problems left (processes that would not die, ports still
+    open), or [] when all is gone."""
+    stack = Stack(state_dir)
+    if not stack.state:
+        return []
+    problems = []
+    for name, pgid in reversed(list(stack.state.get("processes", {}).items())):
+        if not stop_group(pgid):
+            problems.append(f"{name} (process group {pgid}) would not stop")
+    for script in reversed(stack.state.get("scripts", [])):
+        try:
+            stack.script(script, "stop", str(stack.dir / script))
+        except StackError as error:
+            problems.append(str(error))
+    problems += _ports_still_open(stack.state.get("ports", {}))
+    if not problems:
+        stack.file.unlink(missing_ok=True)
+        (stack.dir / "stack.env").unlink(missing_ok=True)
+    return problems
+
+
+def _ports_still_open(ports: dict[str, int], timeout_s: float = 10) -> list[str]:
+    every = [(n, p) for n, p in ports.items() if n != "s3"] + [("s3", ports["s3"] + i) for i in range(8)
+                                                                if "s3" in ports]
+    deadline = time.monotonic() + timeout_s
+    while (still := [f"{n} port {p} is still open" for n, p in every if port_open(p)]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return still
+
+
+# ---- describing ----------------------------------------------------------------------------------------
+
+def describe(state: dict[str, Any], state_dir: Path) -> str:
+    from sqlalchemy.engine import make_url
+
+    env, flower, ports = state["env"], state["flower"], state["ports"]
+    database = make_url(env["TOKENMILL_DATABASE_URL"])
+    psql = database.set(drivername=database.get_backend_name()).render_as_string(hide_password=False)
+    lines = [
+        f"Kafka       {env['TOKENMILL_KAFKA_BOOTSTRAP']}  (topics {JOBS_TOPIC}, {EVENTS_TOPIC})",
+        f"S3          {env['TOKENMILL_S3_ENDPOINT_URL']}  bucket {env['TOKENMILL_BUCKET_URI']}  "
+        f"inbox {env['TOKENMILL_BUCKET_URI']}/inbox/  (key {env['AWS_ACCESS_KEY_ID']}, "
+        f"secret {env['AWS_SECRET_ACCESS_KEY']})",
+        f"database    {database.render_as_string(hide_password=True)}  (psql {psql})",
+        f"broker      {env['TOKENMILL_BROKER_URL']}  (Redis)",
+        f"Flower      {flower['url']}  user {flower['user']}  password {flower['password']}  (basic auth)",
+        f"workers     {state['workers']} on queue gpu.{state['model']} + control; beat, Kafka consumer, S3 watcher",
+        f"logs        {Path(state_dir) / 'logs'}",
+        f"ports       {', '.join(f'{n} {p}' for n, p in ports.items())}",
+        "",
+        f'point this shell at it:  eval "$(tokenmill stack env --state-dir {state_dir})"',
+    ]
+    return "\n".join(lines)
+
+
+def env_script(state_dir: Path) -> str:
+    stack = Stack(state_dir)
+    if not stack.state:
+        raise StackError(f"no stack runs from {stack.dir}; start one with `tokenmill stack up`")
+    return (stack.dir / "stack.env").read_text()
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(REPO))
+    from tokenmill.cli import main
+
+    sys.exit(main(["stack", *sys.argv[1:]]))

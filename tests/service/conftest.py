@@ -1,0 +1,236 @@
+"""The service tests run against one real stack for the whole session, started the way a user starts it
+(`tokenmill stack up --workers 2`, in a subprocess) on free ports, with a fresh PostgreSQL database, and
+stopped with `tokenmill stack down`, which must leave no process and no open port behind.
+
+The workers load the real model with small settings (1 thread each, 256 MiB of KV) through
+tests/service/faulty_engine.py: the real engine, except that a prompt holding POISON kills its process."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+import pytest
+from sqlalchemy import text
+
+from ingest.intake import Intake
+from storage import db, migrate
+from storage.objectstore import S3Options, open_store
+from tests.fixtures_services import REPO, free_port_block, pg_databases  # noqa: F401 - fixtures
+from tokenmill.commands.jobs import sample_input
+
+STACK_ENV = {
+    "TOKENMILL_ENGINE_FACTORY": "tests.service.faulty_engine:load",
+    "TOKENMILL_SWEEP_INTERVAL_S": "2",
+    "TOKENMILL_SCHEDULE_INTERVAL_S": "2",
+    "TOKENMILL_MAX_SHARD_ATTEMPTS": "2",
+}
+TERMINAL = ("completed", "failed", "cancelled", "expired")
+
+
+def tokenmill(*args: str, env: dict[str, str] | None = None, timeout: float = 300,
+              check: bool = True) -> subprocess.CompletedProcess:
+    done = subprocess.run([sys.executable, "-m", "tokenmill", *args], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+    if check:
+        assert done.returncode == 0, f"tokenmill {' '.join(args)} failed ({done.returncode}):\n{done.stderr[-4000:]}"
+    return done
+
+
+def stack_module():
+    from tokenmill.commands.service import _stack_module
+
+    return _stack_module()
+
+
+@dataclass
+class RunningStack:
+    dir: Path
+    state: dict[str, Any]
+
+    @property
+    def env(self) -> dict[str, str]:
+        """This process's environment pointed at the stack (for CLI subprocesses)."""
+        return {**os.environ, **self.state["env"]}
+
+    @property
+    def database_url(self) -> str:
+        return self.state["env"]["TOKENMILL_DATABASE_URL"]
+
+    @property
+    def s3(self) -> S3Options:
+        return S3Options(endpoint_url=self.state["env"]["TOKENMILL_S3_ENDPOINT_URL"])
+
+    @property
+    def bucket(self) -> str:
+        return self.state["env"]["TOKENMILL_BUCKET_URI"]
+
+    @property
+    def bootstrap(self) -> str:
+        return self.state["env"]["TOKENMILL_KAFKA_BOOTSTRAP"]
+
+    def store(self, uri: str):
+        return open_store(uri, self.s3)
+
+    def cli(self, *args: str, **kwargs) -> subprocess.CompletedProcess:
+        """`tokenmill ARGS --state-dir DIR` with this stack's environment (tables 200 columns wide)."""
+        return tokenmill(*args, "--state-dir", str(self.dir), env={**self.env, "COLUMNS": "200"}, **kwargs)
+
+    def reload(self) -> None:
+        self.state = json.loads((self.dir / "stack.json").read_text())
+
+    def worker_of(self, pid: int) -> str:
+        """The stack's worker whose process group holds pid (a pool process)."""
+        group = os.getpgid(pid)
+        names = [name for name, pgid in self.state["processes"].items() if pgid == group]
+        assert names, f"pid {pid} belongs to no process of the stack"
+        return names[0]
+
+
+@pytest.fixture(scope="session")
+def stack(tmp_path_factory, pg_databases) -> Iterator[RunningStack]:  # noqa: F811
+    state_dir = tmp_path_factory.mktemp("data") / "stack"  # $TOKENMILL_DATA/stack, as the README assumes
+    extra = [arg for name, value in STACK_ENV.items() for arg in ("--env", f"{name}={value}")]
+    tokenmill("stack", "up", "--workers", "2", "--state-dir", str(state_dir), "--port-base", str(free_port_block(18)),
+              "--database-url", pg_databases(), "--threads", "1", "--kv-cache-memory", "0.25", *extra,
+              env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=240)
+    running = RunningStack(state_dir, json.loads((state_dir / "stack.json").read_text()))
+    saved = {k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_REGION")}
+    os.environ.update({k: running.state["env"][k] for k in saved})
+    try:
+        yield running
+    finally:
+        for key, value in saved.items():
+            os.environ.pop(key, None) if value is None else os.environ.__setitem__(key, value)
+        _stop_and_check(running)
+
+
+def _stop_and_check(running: RunningStack) -> None:
+    """`stack down` must end every process group it started and free every port."""
+    running.reload()
+    groups = dict(running.state["processes"])
+    down = tokenmill("stack", "down", "--state-dir", str(running.dir), check=False, timeout=180)
+    assert down.returncode == 0, f"stack down reported problems:\n{down.stdout}\n{down.stderr}"
+    module = stack_module()
+    assert not [name for name, pgid in groups.items() if module.group_alive(pgid)], "orphan processes"
+    ports = running.state["ports"]
+    still_open = [p for p in [ports["kafka"], ports["redis"], ports["flower"], *range(ports["s3"], ports["s3"] + 8)]
+                  if module.port_open(p)]
+    assert not still_open, f"ports still open after stack down: {still_open}"
+
+
+@pytest.fixture
+def sqlite_sessions(tmp_path: Path):
+    """A migrated SQLite database of this test's own, for tests that need no service."""
+    url = f"sqlite:///{tmp_path / 'jobs.db'}"
+    migrate.upgrade(url)
+    factory = db.session_factory(db.make_engine(url))
+    yield factory
+    factory.kw["bind"].dispose()
+
+
+@pytest.fixture
+def local_intake(sqlite_sessions, tmp_path: Path) -> tuple[Intake, list[str]]:
+    """An intake into sqlite_sessions (inline rows under tmp_path/inline) and the job ids it hands out."""
+    handed_out: list[str] = []
+    return Intake(sqlite_sessions, S3Options(), handed_out.append, inline_uri=str(tmp_path / "inline")), handed_out
+
+
+@pytest.fixture(scope="session")
+def sessions(stack: RunningStack):
+    factory = db.session_factory(db.make_engine(stack.database_url))
+    yield factory
+    factory.kw["bind"].dispose()
+
+
+# ---- waiting on the stack -------------------------------------------------------------------------------
+
+def wait_until(check, what: str, timeout: float = 120, every: float = 0.2):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if value := check():
+            return value
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def job_row(sessions, job_id: str) -> dict | None:
+    with sessions() as session:
+        row = session.execute(text("SELECT * FROM jobs WHERE id = :id"), {"id": job_id}).mappings().one_or_none()
+        return dict(row) if row else None
+
+
+def shard_rows(sessions, job_id: str) -> list[dict]:
+    with sessions() as session:
+        rows = session.execute(text('SELECT * FROM shards WHERE job_id = :id ORDER BY "index"'), {"id": job_id})
+        return [dict(r) for r in rows.mappings()]
+
+
+def wait_for_job(sessions, job_id: str, timeout: float = 180) -> dict:
+    """The job row once it reached a final status."""
+    return wait_until(lambda: (row := job_row(sessions, job_id)) and row["status"] in TERMINAL and row,
+                      f"job {job_id} to end", timeout)
+
+
+def wait_for_workers(stack: RunningStack, count: int = 2, timeout: float = 120) -> None:
+    """Until `count` workers answer a ping (their main process; a pool process may still load the model)."""
+    from celery import Celery
+
+    app = Celery(broker=stack.state["env"]["TOKENMILL_BROKER_URL"])
+    try:
+        wait_until(lambda: len(app.control.ping(timeout=1.0)) >= count, f"{count} workers", timeout, every=0.5)
+    finally:
+        app.close()
+
+
+# ---- the README walkthrough --------------------------------------------------------------------------
+
+README_WALKTHROUGH = """\
+set -euo pipefail
+eval "$(tokenmill stack env)"
+JOB=$(tokenmill submit --via kafka --shard-size 10 --max-tokens 16 --wait)
+tokenmill status "$JOB" --json > status.json
+curl -fsu "$TOKENMILL_FLOWER_AUTH" "$TOKENMILL_FLOWER_URL/api/workers?refresh=1" > workers.json
+psql "$PSQL_URL" \\
+     -c "SELECT job_id, status, requests_completed, shards_completed, round(tokens_per_s) AS tok_s FROM job_status" \\
+     > job_status.txt
+echo "$JOB"
+"""
+
+
+@dataclass
+class SubmittedJob:
+    id: str
+    custom_ids: list[str]
+    output_uri: str
+    folder: Path  # what the walkthrough wrote: status.json, workers.json, job_status.txt
+
+
+def submit_file(stack: RunningStack, path: Path, *args: str, via: str = "kafka") -> str:
+    """`tokenmill submit` (without --wait); the job id it prints."""
+    done = stack.cli("submit", str(path), "--via", via, *args)
+    return done.stdout.strip().splitlines()[-1]
+
+
+@pytest.fixture(scope="session")
+def kafka_job(stack: RunningStack, sessions, tmp_path_factory) -> SubmittedJob:
+    """The README walkthrough, run by bash as written (the stack's state in $TOKENMILL_DATA/stack, the
+    default place): the bundled 40 prompts submitted via Kafka in shards of 10, waited for."""
+    folder = tmp_path_factory.mktemp("walkthrough")
+    env = {**os.environ, "TOKENMILL_DATA": str(stack.dir.parent), "COLUMNS": "200",
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+           "PSQL_URL": stack.database_url.replace("postgresql+psycopg://", "postgresql://")}
+    done = subprocess.run(["bash", "-c", README_WALKTHROUGH], cwd=folder, env=env, capture_output=True, text=True,
+                          timeout=400)
+    assert done.returncode == 0, f"the README walkthrough failed:\n{done.stdout}\n{done.stderr[-4000:]}"
+    job_id = done.stdout.strip().splitlines()[-1]
+    custom_ids = pq.read_table(sample_input(), columns=["custom_id"]).column(0).to_pylist()
+    return SubmittedJob(job_id, custom_ids, job_row(sessions, job_id)["output_uri"], folder)

@@ -1,0 +1,131 @@
+"""The database side of the distributed runner, without a broker or a model: claiming shards (attempt counter,
+live and dead workers, the attempt limit), the sweep, and exactly one finisher when shards complete at once."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import threading
+import uuid
+from datetime import timedelta
+
+from storage import db, migrate
+from storage import repository as repo
+from storage.models import Job, Shard, utcnow
+from workers.jobs import CELERY, LOCAL
+from workers.liveness import worker_id
+from workers.runner import JobSteps
+from workers.shards import ShardOutcome
+from workers.sweep import sweep
+
+
+def dead_worker() -> str:
+    """host:pid of a process that has exited."""
+    process = subprocess.Popen(["true"])
+    process.wait()
+    return f"{socket.gethostname()}:{process.pid}"
+
+
+def make_job(sessions, status: str = "in_progress", shards: int = 2, executor: str = CELERY) -> str:
+    with sessions.begin() as session:
+        job = Job(idempotency_key=f"k-{uuid.uuid4()}", status=status, model="m", input_uri="in",
+                  output_uri="out", settings={"executor": executor, "shard_size": 1}, requests_total=shards,
+                  created_at=utcnow(), finalizing_at=utcnow() if status == "finalizing" else None)
+        session.add(job)
+        session.flush()
+        repo.add_shards(session, job, [(i, i + 1) for i in range(shards)])
+        return job.id
+
+
+def shard_ids(sessions, job_id: str) -> list[int]:
+    with sessions() as session:
+        return [s.id for s in repo.shards(session, job_id)]
+
+
+def set_shard(sessions, shard_id: int, **values) -> None:
+    with sessions.begin() as session:
+        shard = session.get(Shard, shard_id)
+        for name, value in values.items():
+            setattr(shard, name, value)
+
+
+def test_claims_count_attempts_skip_live_workers_and_give_up_at_the_limit(sqlite_sessions) -> None:
+    job_id = make_job(sqlite_sessions, status="queued")
+    first, second = shard_ids(sqlite_sessions, job_id)
+    steps = JobSteps(sqlite_sessions, job_id)
+
+    claim = steps.claim_shard(first, max_attempts=2)
+    assert claim.decision == "run" and claim.shard.attempts == 1 and claim.job.status == "in_progress"
+    assert claim.shard.worker == worker_id()
+    assert steps.claim_shard(first, max_attempts=2).decision == "busy"  # this process is alive
+
+    set_shard(sqlite_sessions, first, worker=dead_worker())  # its worker died mid-shard
+    assert steps.claim_shard(first, max_attempts=2).shard.attempts == 2
+    set_shard(sqlite_sessions, first, worker=dead_worker())
+    gave_up = steps.claim_shard(first, max_attempts=2)
+    assert gave_up.decision == "gave_up" and gave_up.shard.status == "failed"
+    job = steps.load()
+    assert job.status == "failed"
+    assert job.error.startswith("shard 0 (rows 0-0) failed 2 attempt(s), the limit; last: its worker")
+    assert steps.claim_shard(second, max_attempts=2).decision == "stopped"
+
+
+def test_a_completed_shard_is_not_run_again(sqlite_sessions) -> None:
+    job_id = make_job(sqlite_sessions)
+    shard = shard_ids(sqlite_sessions, job_id)[0]
+    set_shard(sqlite_sessions, shard, status="completed", attempts=1)
+    assert JobSteps(sqlite_sessions, job_id).claim_shard(shard, max_attempts=3).decision == "done"
+
+
+def test_sweep_requeues_shards_of_dead_workers_and_finishes_cancels(sqlite_sessions) -> None:
+    service, cancelling = make_job(sqlite_sessions, shards=4), make_job(sqlite_sessions)
+    local = make_job(sqlite_sessions, executor=LOCAL)
+    now = utcnow()
+    dead_here, alive_here, expired_elsewhere, leased_elsewhere = shard_ids(sqlite_sessions, service)
+    running = {"status": "running", "attempts": 1}
+    set_shard(sqlite_sessions, dead_here, **running, worker=dead_worker())
+    set_shard(sqlite_sessions, alive_here, **running, worker=worker_id())
+    set_shard(sqlite_sessions, expired_elsewhere, **running, worker="other-host:1", lease_expires_at=now)
+    set_shard(sqlite_sessions, leased_elsewhere, **running, worker="other-host:2",
+              lease_expires_at=now + timedelta(hours=2))
+    set_shard(sqlite_sessions, shard_ids(sqlite_sessions, local)[0], **running, worker=dead_worker())
+    with sqlite_sessions.begin() as session:
+        repo.get_job(session, cancelling).status = "cancelling"
+    stale = make_job(sqlite_sessions, status="finalizing")
+
+    found = sweep(sqlite_sessions, now=now + timedelta(hours=1))
+    assert found.requeue == [(service, dead_here, "m"), (service, expired_elsewhere, "m")]
+    assert found.cancelled == [cancelling] and found.finalize == [stale]
+    with sqlite_sessions() as session:
+        statuses = {job_id: [s.status for s in repo.shards(session, job_id)] for job_id in (service, local)}
+        assert repo.get_job(session, cancelling).status == "cancelled"
+    assert statuses[service] == ["pending", "running", "pending", "running"]
+    assert statuses[local] == ["running", "pending"]  # `tokenmill run` resumes its own jobs
+    assert sweep(sqlite_sessions).requeue == []  # requeued once, not at every sweep
+
+
+def test_exactly_one_of_the_shards_completing_at_once_finalizes(pg_databases) -> None:
+    url = pg_databases()
+    migrate.upgrade(url)
+    sessions = db.session_factory(db.make_engine(url, pool_size=4))
+    job_id = make_job(sessions, shards=4)
+    for shard in shard_ids(sessions, job_id):
+        set_shard(sessions, shard, status="running", attempts=1, worker=worker_id())
+    start, finishers = threading.Barrier(4), []
+
+    def complete(shard_id: int) -> None:
+        steps = JobSteps(sessions, job_id)
+        with sessions() as session:
+            shard = session.get(Shard, shard_id)
+        start.wait()
+        if steps._complete_shard(shard, ShardOutcome(), f"part-{shard_id}.parquet"):
+            finishers.append(shard_id)
+
+    threads = [threading.Thread(target=complete, args=(s,)) for s in shard_ids(sessions, job_id)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert len(finishers) == 1
+    assert JobSteps(sessions, job_id).load().status == "finalizing"
+    sessions.kw["bind"].dispose()

@@ -1,0 +1,97 @@
+"""Celery workers on the real stack: one job's shards split over two workers in parallel, a worker SIGKILLed
+mid-shard, a shard that kills its worker every time, and a cancel during a run."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from storage.formats import MANIFEST_KEY, part_key
+from tests.jobs.jobhelpers import assert_each_id_once, prompt_rows, write_parquet
+from tests.service.conftest import (
+    job_row,
+    shard_rows,
+    stack_module,
+    submit_file,
+    tokenmill,
+    wait_for_job,
+    wait_for_workers,
+    wait_until,
+)
+from tests.service.faulty_engine import POISON
+
+pytestmark = pytest.mark.real_model
+
+
+def pid_of(shard: dict) -> int:
+    return int(shard["worker"].rpartition(":")[2])
+
+
+def test_two_workers_run_one_jobs_shards_in_parallel(stack, sessions, kafka_job) -> None:
+    shards = shard_rows(sessions, kafka_job.id)
+    assert len(shards) == 4 and all(s["status"] == "completed" and s["attempts"] == 1 for s in shards)
+    workers = {stack.worker_of(pid_of(s)) for s in shards}
+    assert workers == {"worker1", "worker2"}, f"the shards ran on {workers} only"
+    overlapping = [(a["index"], b["index"]) for a in shards for b in shards if a["worker"] != b["worker"]
+                   and a["started_at"] < b["finished_at"] and b["started_at"] < a["finished_at"]]
+    assert overlapping, "no two shards of the job ran at the same time on different workers"
+
+
+def test_a_worker_killed_mid_shard_has_its_shard_redone_on_the_other(stack, sessions, tmp_path) -> None:
+    rows = prompt_rows(6, "kill")
+    job_id = submit_file(stack, write_parquet(tmp_path / "in.parquet", rows), "--shard-size", "3",
+                         "--max-tokens", "40")
+
+    def a_running_shard():
+        return next((s for s in shard_rows(sessions, job_id) if s["status"] == "running"), None)
+
+    victim = wait_until(a_running_shard, "a shard to start", timeout=120, every=0.05)
+    killed = stack.worker_of(pid_of(victim))
+    os.killpg(stack.state["processes"][killed], signal.SIGKILL)
+    try:
+        job = wait_for_job(sessions, job_id, timeout=240)
+        assert job["status"] == "completed", job["error"]
+        redone = next(s for s in shard_rows(sessions, job_id) if s["index"] == victim["index"])
+        assert redone["attempts"] == 2 and redone["status"] == "completed"
+        assert stack.worker_of(pid_of(redone)) != killed, "the shard must be redone by the surviving worker"
+        assert_each_id_once(stack.store(job["output_uri"]), rows["custom_id"])
+    finally:
+        stack_module().restart(stack.dir, killed)
+        stack.reload()
+        wait_for_workers(stack)
+
+
+def test_a_shard_that_kills_its_worker_every_time_fails_after_the_attempt_limit(stack, sessions, tmp_path) -> None:
+    rows = prompt_rows(4, "poison")
+    rows["prompt"][2] = f"{POISON}: this row crashes the engine"
+    job_id = submit_file(stack, write_parquet(tmp_path / "in.parquet", rows), "--shard-size", "2",
+                         "--max-tokens", "4")
+    job = wait_for_job(sessions, job_id, timeout=300)
+    assert job["status"] == "failed"
+    assert job["error"].startswith("shard 1 (rows 2-3) failed 2 attempt(s), the limit; last: its worker")
+    poisoned = shard_rows(sessions, job_id)[1]
+    assert (poisoned["status"], poisoned["attempts"]) == ("failed", 2)
+    wait_for_workers(stack)  # the pools replaced their killed processes
+
+
+def test_cancel_during_a_run_keeps_the_finished_shards(stack, sessions, tmp_path) -> None:
+    job_id = submit_file(stack, write_parquet(tmp_path / "in.parquet", prompt_rows(40, "cancel")),
+                         "--shard-size", "4", "--max-tokens", "48")
+    wait_until(lambda: any(s["status"] == "completed" for s in shard_rows(sessions, job_id)),
+               "a first shard to complete", timeout=240, every=0.1)
+    cancelled_at = time.monotonic()
+    tokenmill("cancel", job_id, "--database-url", stack.database_url, env=stack.env)
+    job = wait_for_job(sessions, job_id, timeout=60)
+    assert job["status"] == "cancelled" and time.monotonic() - cancelled_at < 20
+    shards = shard_rows(sessions, job_id)
+    statuses = {s["index"]: s["status"] for s in shards}
+    completed = [i for i, status in statuses.items() if status == "completed"]
+    assert completed and len(completed) < len(shards), statuses
+    assert "running" not in statuses.values() and "cancelled" in statuses.values(), statuses
+    store = stack.store(job["output_uri"])
+    assert all(store.exists(part_key(i)) for i in completed) and not store.exists(MANIFEST_KEY)
+    assert job_row(sessions, job_id)["requests_completed"] == sum(s["rows_completed"] for s in shards
+                                                                  if s["status"] == "completed")

@@ -1,0 +1,369 @@
+"""`tokenmill submit | schedule | stack | worker | consumer | watcher`: the distributed service.
+
+Commands that talk to a running stack find it through the environment (`eval "$(tokenmill stack env)"`) or,
+for anything the environment leaves unset, through the stack's state directory (default
+`$TOKENMILL_DATA/stack`, i.e. ~/.local/share/tokenmill/stack).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from tokenmill.options import add_engine_options, add_sampling_options, engine_kwargs, sampling_kwargs
+
+STACK_DESCRIPTION = """\
+Start or stop the whole service on 127.0.0.1: Redis (Celery broker), tansu (Kafka), SeaweedFS (S3), the job
+database (PostgreSQL), N Celery workers, beat, Flower, the Kafka consumer and the S3 watcher. `up` prints
+each component's address; `down` stops every process it started and checks that the ports are free."""
+SUBMIT_DESCRIPTION = """\
+Send a job to the running service and print its id. --via kafka puts the job spec on the job topic;
+--via s3 drops the input (and a NAME.job.json sidecar with the settings) into the S3 inbox. A local file is
+uploaded to the service's bucket first. Follow the job with `tokenmill status JOB` or in SQL (job_status)."""
+
+
+def register(commands: argparse._SubParsersAction) -> None:
+    _register_submit(commands)
+    _register_schedule(commands)
+    _register_stack(commands)
+    _register_worker(commands)
+    _register_consumer(commands)
+    _register_watcher(commands)
+
+
+def _stack_dir_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--state-dir", type=Path, metavar="DIR",
+                        help="the stack's state directory (default: $TOKENMILL_DATA/stack)")
+
+
+def _database_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--database-url", metavar="URL", help="job database (default: $TOKENMILL_DATABASE_URL, "
+                                                              "else the running stack's)")
+
+
+def _friendly(handler):
+    """Operational errors (a stack that cannot start, a broker or S3 not reachable) print as one line, exit 2."""
+    def wrapper(args: argparse.Namespace) -> int:
+        import logging
+
+        if not logging.getLogger().isEnabledFor(logging.DEBUG):  # both log every connection at INFO
+            for noisy in ("kafka", "alembic"):
+                logging.getLogger(noisy).setLevel(logging.WARNING)
+        _use_stack(args)
+        from botocore.exceptions import BotoCoreError, ClientError
+        from kafka.errors import KafkaError
+
+        try:
+            return handler(args)
+        except Exception as error:
+            known = isinstance(error, KafkaError | BotoCoreError | ClientError)
+            if not known and type(error).__module__ != STACK_MODULE:
+                raise
+            print(f"error: {type(error).__name__}: {error}", file=sys.stderr)
+            return 2
+
+    return wrapper
+
+
+STACK_MODULE = "tokenmill_ops_stack"
+
+
+def _stack_module():
+    """ops/stack.py of the source checkout this package runs from."""
+    import importlib.util
+
+    if STACK_MODULE in sys.modules:
+        return sys.modules[STACK_MODULE]
+    path = Path(__file__).resolve().parents[2] / "ops" / "stack.py"
+    if not path.is_file():
+        raise FileNotFoundError(f"`tokenmill stack` needs the source checkout's ops/stack.py (not found at {path})")
+    spec = importlib.util.spec_from_file_location(STACK_MODULE, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[STACK_MODULE] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+# ---- registration -------------------------------------------------------------------------------------
+
+def _register_submit(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser("submit", help="send a job to the service via Kafka or the S3 inbox",
+                                 description=SUBMIT_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("input", nargs="?", metavar="FILE_OR_URI",
+                        help="a Parquet or OpenAI Batch JSONL file, or an s3:// URI (default: the bundled sample)")
+    parser.add_argument("--via", choices=("kafka", "s3"), default="kafka", help="front door (default: kafka)")
+    parser.add_argument("--output", "-o", metavar="S3_URI", help="where results go (default: <bucket>/results/JOB)")
+    parser.add_argument("--model", default="smollm2-135m", help="model (picks the workers' queue)")
+    parser.add_argument("--shard-size", type=int, default=500, metavar="ROWS", help="rows per shard (default: 500)")
+    parser.add_argument("--priority", type=int, default=0, help="job priority (default: 0)")
+    parser.add_argument("--openai-output", action="store_true", help="also write batch_output.jsonl")
+    parser.add_argument("--wait", action="store_true", help="wait until the job ends and print its status")
+    parser.add_argument("--timeout", type=float, default=1800, metavar="S", help="how long --wait waits")
+    add_sampling_options(parser, max_tokens=64)
+    _stack_dir_option(parser)
+    parser.set_defaults(handler=_friendly(submit))
+
+
+def _register_schedule(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser("schedule", help="nightly runs fired by Celery beat: add, list, remove",
+                                 description="Recurring jobs: at each cron time (UTC) beat makes one job per "
+                                             "schedule and date from the input and output patterns, whose "
+                                             "{date} placeholder becomes that date (YYYY-MM-DD, or "
+                                             "{date:%%Y/%%m/%%d}).")
+    actions = parser.add_subparsers(dest="schedule_command", metavar="ACTION", required=True)
+    add = actions.add_parser("add", help="add a schedule")
+    add.add_argument("name", metavar="NAME")
+    add.add_argument("--cron", required=True, help='five cron fields in UTC, e.g. "0 2 * * *" (02:00 daily)')
+    add.add_argument("--input", required=True, metavar="PATTERN", help="e.g. s3://bucket/daily/{date}/in.parquet")
+    add.add_argument("--output", required=True, metavar="PATTERN", help="e.g. s3://bucket/results/{date}")
+    add.add_argument("--model", default="smollm2-135m")
+    add.add_argument("--shard-size", type=int, default=500, metavar="ROWS")
+    add.add_argument("--priority", type=int, default=0)
+    add_sampling_options(add, max_tokens=64)
+    listing = actions.add_parser("list", help="list schedules and their latest run")
+    remove = actions.add_parser("remove", help="remove a schedule (its jobs stay)")
+    remove.add_argument("name", metavar="NAME")
+    for action, handler in ((add, schedule_add), (listing, schedule_list), (remove, schedule_remove)):
+        _database_option(action)
+        _stack_dir_option(action)
+        action.set_defaults(handler=_friendly(handler))
+
+
+def _register_stack(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser("stack", help="start or stop the whole local service",
+                                 description=STACK_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    actions = parser.add_subparsers(dest="stack_command", metavar="ACTION", required=True)
+    start = actions.add_parser("up", help="start every component and print their addresses")
+    start.add_argument("--workers", type=int, default=1, metavar="N", help="Celery workers (default: 1)")
+    start.add_argument("--port-base", type=int, metavar="PORT",
+                       help="Kafka on PORT, Redis +1, Flower +2, S3 +10..+17 (default: 9092, 6380, 5555, 8333)")
+    start.add_argument("--database-url", metavar="URL", help="job database (default: PostgreSQL on 127.0.0.1, "
+                                                              "database tokenmill, created if missing)")
+    start.add_argument("--model", default="smollm2-135m", help="the model the workers load")
+    start.add_argument("--threads", type=int, metavar="N", help="CPU threads per worker (default: cores / N)")
+    start.add_argument("--kv-cache-memory", type=float, default=0.5, metavar="GIB",
+                       help="KV pool per worker in GiB (default: 0.5)")
+    start.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                       help="extra environment for every component, e.g. TOKENMILL_SWEEP_INTERVAL_S=5")
+    stop = actions.add_parser("down", help="stop every component and check the ports are free")
+    env = actions.add_parser("env", help="print `export` lines that point a shell at the stack")
+    for action, handler in ((start, stack_up), (stop, stack_down), (env, stack_env)):
+        _stack_dir_option(action)
+        action.set_defaults(handler=_friendly(handler))
+
+
+def _register_worker(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser("worker", help="a Celery worker holding one loaded engine",
+                                 description="A Celery worker: one pool process that loads the model once and "
+                                             "runs one shard at a time from the model's queue (and the control "
+                                             "queue's validation and finalizing tasks).")
+    parser.add_argument("--name", default="worker", help="node name; the host is appended (default: worker)")
+    parser.add_argument("--queues", metavar="Q1,Q2", help="queues to consume (default: the model's and control)")
+    add_engine_options(parser)
+    _stack_dir_option(parser)
+    parser.set_defaults(handler=_friendly(worker))
+
+
+def _register_consumer(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser("consumer", help="consume job specs from the Kafka job topic",
+                                 description="Turn messages on the job topic into jobs (at-least-once: the job is "
+                                             "recorded before the offset is committed; bad messages are kept in "
+                                             "rejected_messages).")
+    _stack_dir_option(parser)
+    parser.set_defaults(handler=_friendly(consumer))
+
+
+def _register_watcher(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser("watcher", help="turn new files in the S3 inbox into jobs",
+                                 description="Watch the S3 inbox (default: <bucket>/inbox) and make a job of every "
+                                             "new object, once per key and ETag; NAME.job.json next to NAME.parquet "
+                                             "carries its settings.")
+    parser.add_argument("--interval", type=float, default=2.0, metavar="S", help="seconds between scans")
+    parser.add_argument("--settle", type=float, default=2.0, metavar="S",
+                        help="objects younger than this wait for the next scan (default: 2)")
+    _stack_dir_option(parser)
+    parser.set_defaults(handler=_friendly(watcher))
+
+
+# ---- the stack's environment ----------------------------------------------------------------------------
+
+def default_state_dir() -> Path:
+    from storage.db import data_dir
+
+    return data_dir() / "stack"
+
+
+def _use_stack(args: argparse.Namespace) -> None:
+    """Fill environment variables this shell leaves unset from the running stack's state file, if any."""
+    import json
+
+    if getattr(args, "stack_command", None) == "up":
+        return
+    state_file = (getattr(args, "state_dir", None) or default_state_dir()) / "stack.json"
+    if state_file.exists():
+        for name, value in json.loads(state_file.read_text()).get("env", {}).items():
+            os.environ.setdefault(name, value)
+    if getattr(args, "database_url", None):
+        os.environ["TOKENMILL_DATABASE_URL"] = args.database_url
+
+
+def _service_config():
+    from workers.config import ServiceConfig
+
+    return ServiceConfig.from_env()
+
+
+def _sessions():
+    from storage import db, migrate
+
+    url = db.resolve_url()
+    migrate.ensure_schema(url)
+    return db.session_factory(db.make_engine(url))
+
+
+# ---- handlers -----------------------------------------------------------------------------------------
+
+def submit(args: argparse.Namespace) -> int:
+    from ingest.submit import submit_job
+    from tokenmill.commands.jobs import sample_input
+
+    sent = submit_job(args.input or sample_input(), args.via, _service_config(), args.output, model=args.model,
+                      sampling=sampling_kwargs(args), shard_size=args.shard_size, priority=args.priority,
+                      openai_output=args.openai_output)
+    print(f"job {sent.job_id}: {sent.input_uri} -> {sent.output_uri} (sent to {sent.sent_to})", file=sys.stderr)
+    print(sent.job_id, flush=True)
+    if args.wait:
+        return _wait(sent.job_id, args.timeout)
+    return 0
+
+
+def _wait(job_id: str, timeout_s: float) -> int:
+    import time
+
+    from storage.models import Job
+    from storage.states import is_terminal
+
+    sessions, deadline, status = _sessions(), time.monotonic() + timeout_s, None
+    while time.monotonic() < deadline:
+        with sessions() as session:
+            job = session.get(Job, job_id)
+            if job is not None and job.status != status:
+                status = job.status
+                print(f"job {job_id}: {status}", file=sys.stderr)
+            if job is not None and is_terminal(job.status):
+                if job.error:
+                    print(f"error: {job.error}", file=sys.stderr)
+                return 0 if job.status == "completed" else 1
+        time.sleep(1.0)
+    print(f"job {job_id} is still {status or 'not created'} after {timeout_s:.0f} s", file=sys.stderr)
+    return 1
+
+
+def schedule_add(args: argparse.Namespace) -> int:
+    from workers.schedules import add_schedule
+
+    settings = {"sampling": sampling_kwargs(args), "shard_size": args.shard_size, "priority": args.priority}
+    schedule = add_schedule(_sessions(), args.name, args.cron, args.input, args.output, args.model, settings)
+    print(f"schedule {schedule.name}: {schedule.cron} (UTC): {schedule.input_pattern} -> {schedule.output_pattern}")
+    return 0
+
+
+def schedule_list(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from workers.schedules import list_schedules
+
+    rows = list_schedules(_sessions())
+    table = Table("name", "cron (UTC)", "model", "input", "output", "last date", "last job")
+    for schedule, run in rows:
+        table.add_row(schedule.name, schedule.cron, schedule.model, schedule.input_pattern,
+                      schedule.output_pattern, str(run.run_date) if run else "", (run.job_id or "")[:8] if run else "")
+    Console().print(table if rows else "no schedules yet: add one with `tokenmill schedule add`")
+    return 0
+
+
+def schedule_remove(args: argparse.Namespace) -> int:
+    from workers.schedules import remove_schedule
+
+    remove_schedule(_sessions(), args.name)
+    print(f"schedule {args.name} removed")
+    return 0
+
+
+def stack_up(args: argparse.Namespace) -> int:
+    stack = _stack_module()
+    workers = max(args.workers, 1)
+    threads = args.threads or max(1, (os.cpu_count() or 1) // workers)
+    extra_env = dict(item.split("=", 1) for item in args.env)
+    settings = stack.StackSettings(args.state_dir or default_state_dir(), workers, args.port_base,
+                             args.database_url or stack.DEFAULT_DATABASE, args.model,
+                             ["--threads", str(threads), "--kv-cache-memory", str(args.kv_cache_memory)], extra_env)
+    state = stack.up(settings)
+    print(f"tokenmill stack is up (state: {settings.state_dir})")
+    print(stack.describe(state, settings.state_dir))
+    return 0
+
+
+def stack_down(args: argparse.Namespace) -> int:
+    state_dir = args.state_dir or default_state_dir()
+    problems = _stack_module().down(state_dir)
+    for problem in problems:
+        print(f"error: {problem}", file=sys.stderr)
+    if not problems:
+        print(f"tokenmill stack is down (state: {state_dir}); every process stopped, every port free")
+    return 1 if problems else 0
+
+
+def stack_env(args: argparse.Namespace) -> int:
+    print(_stack_module().env_script(args.state_dir or default_state_dir()), end="")
+    return 0
+
+
+def worker(args: argparse.Namespace) -> int:
+    import json
+    import socket
+
+    os.environ["TOKENMILL_WORKER_MODEL"] = args.model
+    os.environ["TOKENMILL_WORKER_ENGINE"] = json.dumps(engine_kwargs(args))
+    from workers.celery_app import app, config
+
+    queues = args.queues or f"{config.model_queue(args.model)},{config.control_queue}"
+    if config.model_queue(args.model) in queues.split(","):
+        os.environ["TOKENMILL_WORKER_PRELOAD"] = "1"  # its pool process loads the model before taking tasks
+    app.worker_main(["worker", "--pool", "prefork", "--concurrency", "1", "--queues", queues,
+                     "--hostname", f"{args.name}@{socket.gethostname()}", "--task-events",
+                     "--prefetch-multiplier", "1", "--loglevel", "INFO", "--without-gossip", "--without-mingle"])
+    return 0
+
+
+def _intake():
+    from workers.tasks import intake
+
+    return intake()
+
+
+def consumer(args: argparse.Namespace) -> int:
+    from ingest.kafka_consumer import JobConsumer, run_forever
+    from workers import events
+
+    config = _service_config()
+    if not config.kafka_bootstrap:
+        raise ValueError("no Kafka broker: set TOKENMILL_KAFKA_BOOTSTRAP (or start the stack)")
+    events.install(config.kafka_bootstrap, config.events_topic)
+    run_forever(JobConsumer(_intake(), config.kafka_bootstrap, config.jobs_topic, config.consumer_group))
+    return 0
+
+
+def watcher(args: argparse.Namespace) -> int:
+    from ingest.s3_watcher import InboxWatcher
+    from workers import events
+
+    config = _service_config()
+    if not config.inbox_uri or not config.bucket_uri:
+        raise ValueError("no S3 inbox: set TOKENMILL_BUCKET_URI (or TOKENMILL_INBOX_URI), or start the stack")
+    events.install(config.kafka_bootstrap, config.events_topic)
+    InboxWatcher(_intake(), config.inbox_uri, config.in_bucket("results"), args.settle).run(interval_s=args.interval)
+    return 0

@@ -1,0 +1,64 @@
+"""The Celery app: Redis broker by default (`TOKENMILL_BROKER_URL=amqp://...` for RabbitMQ), one GPU queue per
+model plus a control queue, and beat's periodic tasks (the sweep and the schedule check).
+
+Shards are long, so every task is acknowledged only when it ends (a worker that dies leaves its task to be
+requeued), each worker process takes one task at a time, and task events are on for Flower.
+
+    celery -A workers.celery_app worker -Q gpu.smollm2-135m,control -c 1   (or: tokenmill worker)
+    celery -A workers.celery_app beat
+    celery -A workers.celery_app flower --basic-auth=user:password
+"""
+
+from __future__ import annotations
+
+from celery import Celery
+from celery.signals import worker_process_init
+
+from workers.config import ServiceConfig
+
+config = ServiceConfig.from_env()
+
+app = Celery("tokenmill", broker=config.broker_url, backend=config.result_backend, include=["workers.tasks"])
+app.conf.update(
+    task_serializer="json",
+    accept_content=["json"],
+    result_serializer="json",
+    result_expires=7 * 24 * 3600,
+    timezone="UTC",
+    task_acks_late=True,  # ack when the task ends: a dead worker's shard goes back to the queue
+    task_reject_on_worker_lost=True,  # ... also when the pool process running it was killed
+    worker_prefetch_multiplier=1,  # take one shard at a time; others stay free for other workers
+    task_default_queue=config.control_queue,  # run_shard is sent to its model's queue (workers.tasks)
+    task_track_started=True,
+    worker_send_task_events=True,  # for Flower
+    task_send_sent_event=True,
+    worker_proc_alive_timeout=120,  # a pool process loads its engine before it takes tasks
+    worker_cancel_long_running_tasks_on_connection_loss=True,
+    broker_connection_retry_on_startup=True,
+    # Redis hands an unacknowledged task to another worker after this; a dead worker's shard is found
+    # sooner by the sweep (its process is gone), so this only needs to exceed the longest shard.
+    broker_transport_options={"visibility_timeout": 6 * 3600},
+    beat_schedule={  # a firing no worker took before the next one is dropped, so busy workers find no pile
+        "sweep": {"task": "tokenmill.sweep", "schedule": config.sweep_interval_s,
+                  "options": {"expires": config.sweep_interval_s}},
+        "fire-schedules": {"task": "tokenmill.fire_schedules", "schedule": config.schedule_interval_s,
+                           "options": {"expires": config.schedule_interval_s}},
+    },
+)
+
+
+@worker_process_init.connect
+def _start_worker_process(**_kwargs) -> None:
+    """Each pool process: publish job events, and load the engine now rather than at the first shard."""
+    import logging
+    import os
+
+    from workers import events
+    from workers.worker_engine import process_engine
+
+    events.install(config.kafka_bootstrap, config.events_topic)
+    if os.environ.get("TOKENMILL_WORKER_PRELOAD"):
+        try:
+            process_engine()
+        except Exception:  # the first shard will raise it again, as the shard's error
+            logging.getLogger("tokenmill.worker").exception("could not load the engine")

@@ -1,0 +1,186 @@
+"""Celery tasks. Each takes ids, opens its own sessions and runs one step of `workers.runner.JobSteps`:
+
+    plan_job(job_id)              control queue: validate the input, plan shards, queue one run_shard per shard
+    run_shard(job_id, shard_id)   the model's GPU queue: claim the shard (attempt counter, lease), run it
+                                  through this process's engine, write its part file; the shard that completes
+                                  the job queues finalize_job
+    finalize_job(job_id)          control queue: errors.jsonl, batch output, manifest.json; completed
+    sweep()                       beat: requeue shards of dead workers, finish cancels, resend lost steps
+    fire_schedules(at=None)       beat: create the jobs of schedules that are due (one per schedule and date)
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import Iterable
+from datetime import datetime
+from typing import Any
+
+from celery import Task
+
+from ingest.intake import Intake
+from storage import db
+from storage import repository as repo
+from storage.models import Job, JobStatus, ShardStatus
+from workers.celery_app import app, config
+from workers.runner import JobSteps
+from workers.worker_engine import engine_for
+
+log = logging.getLogger("tokenmill.tasks")
+
+S = JobStatus
+SHARD_RETRY_DELAY_S = 5
+FINALIZE_RETRIES = 3
+PROGRESS_EVERY_S = 1.0
+
+
+@functools.cache
+def sessions():
+    """One engine and session factory per worker process (made after the pool forks)."""
+    return db.session_factory(db.make_engine(config.database_url))
+
+
+# ---- sending ---------------------------------------------------------------------------------------
+
+def dispatch_job(job_id: str) -> None:
+    """Hand a new job to the workers: validation and planning first."""
+    plan_job.apply_async((job_id,), queue=config.control_queue)
+
+
+def intake() -> Intake:
+    """How this process turns job specs into jobs handed to the workers."""
+    return Intake(sessions(), config.s3, dispatch_job, config.inline_uri)
+
+
+def finalize_later(job_id: str) -> None:
+    finalize_job.apply_async((job_id,), queue=config.control_queue)
+
+
+def enqueue_shards(job_id: str, model: str, shard_ids: Iterable[int], countdown: float | None = None) -> None:
+    for shard_id in shard_ids:
+        run_shard.apply_async((job_id, shard_id), queue=config.model_queue(model), countdown=countdown)
+
+
+def _summary(job: Job, **extra: Any) -> dict[str, Any]:
+    return {"job_id": job.id, "status": job.status, **extra}
+
+
+class TaskProgress:
+    """`workers.runner.Progress` for a task: its state (PROGRESS, with the job id and row counts) in the result
+    backend and a `task-progress` event for Flower, at most once a second."""
+
+    def __init__(self, task: Task, job_id: str, shard_id: int | None = None) -> None:
+        self.task, self.meta = task, {"job_id": job_id, "shard_id": shard_id, "rows_done": 0, "tokens": 0}
+        self.reported = 0.0
+
+    def phase(self, description: str) -> None:
+        self._report(phase=description, force=True)
+
+    def start(self, total_rows: int, done_rows: int) -> None:
+        self._report(rows_total=total_rows, force=True)
+
+    def advance(self, rows: int, tokens: int) -> None:
+        self.meta["rows_done"] += rows
+        self.meta["tokens"] += tokens
+        self._report()
+
+    def _report(self, force: bool = False, **changes: Any) -> None:
+        self.meta.update(changes)
+        if not self.task.request.id or (not force and time.monotonic() - self.reported < PROGRESS_EVERY_S):
+            return
+        self.reported = time.monotonic()
+        if config.result_backend:
+            self.task.update_state(state="PROGRESS", meta=self.meta)
+        self.task.send_event("task-progress", **self.meta)
+
+
+# ---- tasks -----------------------------------------------------------------------------------------
+
+@app.task(name="tokenmill.plan_job", bind=True, soft_time_limit=1800)
+def plan_job(self: Task, job_id: str) -> dict[str, Any]:
+    steps = JobSteps(sessions(), job_id, TaskProgress(self, job_id))
+    if not steps.claim_step(S.VALIDATING):
+        return _summary(steps.load(), skipped=True)
+    try:
+        job = steps.validate()
+    except Exception as error:
+        job = steps.fail(f"{type(error).__name__}: {error}")
+        raise
+    finally:
+        steps.release()
+    pending = _unfinished_shards(job_id) if job.status == S.QUEUED else []
+    if pending:
+        enqueue_shards(job.id, job.model, pending)
+    elif job.status == S.QUEUED:  # an empty input: nothing to run
+        steps.set_status(S.IN_PROGRESS)
+        job = steps.set_status(S.FINALIZING)
+        finalize_later(job_id)
+    return _summary(job, shards=len(pending))
+
+
+def _unfinished_shards(job_id: str) -> list[int]:
+    with sessions()() as session:
+        return [s.id for s in repo.shards(session, job_id) if s.status != ShardStatus.COMPLETED]
+
+
+@app.task(name="tokenmill.run_shard", bind=True)
+def run_shard(self: Task, job_id: str, shard_id: int) -> dict[str, Any]:
+    steps = JobSteps(sessions(), job_id, TaskProgress(self, job_id, shard_id))
+    claim = steps.claim_shard(shard_id, config.max_shard_attempts)
+    if claim.decision != "run":
+        log.info("job %s: shard %d not run: %s", job_id, claim.shard.index, claim.decision)
+        return _summary(claim.job, shard=claim.shard.index, decision=claim.decision)
+    job, shard = claim.job, claim.shard
+    try:
+        outcome = steps.execute_shard(job, shard, lambda: engine_for(job.model))
+    except Exception as error:  # the shard is marked failed; its next claim counts the attempt
+        log.exception("job %s: shard %d failed (attempt %d)", job_id, shard.index, shard.attempts)
+        enqueue_shards(job_id, job.model, [shard_id], countdown=SHARD_RETRY_DELAY_S)
+        return _summary(job, shard=shard.index, decision="failed", error=f"{type(error).__name__}: {error}")
+    finally:
+        steps.close()
+    if outcome.completed_job:
+        finalize_later(job_id)
+    return _summary(steps.load(), shard=shard.index, decision="cancelled" if outcome.cancelled else "completed",
+                    rows=len(outcome.records) + len(outcome.errors))
+
+
+@app.task(name="tokenmill.finalize_job", bind=True, soft_time_limit=1800)
+def finalize_job(self: Task, job_id: str) -> dict[str, Any]:
+    steps = JobSteps(sessions(), job_id, TaskProgress(self, job_id))
+    if not steps.claim_step(S.FINALIZING):
+        return _summary(steps.load(), skipped=True)
+    try:
+        return _summary(steps.finalize())
+    except Exception as error:
+        if self.request.retries < FINALIZE_RETRIES:
+            raise self.retry(exc=error, countdown=SHARD_RETRY_DELAY_S) from error
+        return _summary(steps.fail(f"finalizing failed: {type(error).__name__}: {error}"))
+    finally:
+        steps.release()
+
+
+@app.task(name="tokenmill.sweep")
+def sweep() -> dict[str, Any]:
+    from workers.sweep import sweep as find_lost_work
+
+    found = find_lost_work(sessions())
+    for job_id, shard_id, model in found.requeue:
+        enqueue_shards(job_id, model, [shard_id])
+    for job_id in found.plan:
+        dispatch_job(job_id)
+    for job_id in found.finalize:
+        finalize_later(job_id)
+    return {"requeued": [shard for _, shard, _ in found.requeue], "validating": found.plan,
+            "finalizing": found.finalize, "cancelled": found.cancelled}
+
+
+@app.task(name="tokenmill.fire_schedules")
+def fire_schedules(at: str | None = None) -> dict[str, Any]:
+    """Create the jobs of due schedules; `at` (ISO time) fires as of that time instead of now."""
+    from workers.schedules import fire_due
+
+    fired = fire_due(sessions(), intake(), datetime.fromisoformat(at) if at else None)
+    return {"created": fired.created, "existing": fired.existing, "errors": fired.errors}

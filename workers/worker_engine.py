@@ -1,0 +1,51 @@
+"""Worker-side engine lifecycle: a worker process loads its model once (when it starts, or at its first shard)
+and keeps it for every shard it runs. The engine's settings belong to the worker (`tokenmill worker --threads
+... --kv-cache-memory ...`), not to the job: a job only picks the model, by the queue it is sent to."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from workers.config import WorkerEngine
+
+if TYPE_CHECKING:
+    from engine import LLMEngine
+
+log = logging.getLogger("tokenmill.worker")
+
+_loaded: LLMEngine | None = None
+
+
+def load_engine(settings: dict[str, Any]) -> LLMEngine:
+    """The default factory: the real engine."""
+    from engine import EngineConfig, LLMEngine
+
+    return LLMEngine(EngineConfig.from_kwargs(**settings))
+
+
+def process_engine() -> LLMEngine:
+    """This process's engine, loaded on first use."""
+    global _loaded
+    if _loaded is None:
+        spec = WorkerEngine.from_env()
+        module, _, function = spec.factory.partition(":")
+        factory = getattr(importlib.import_module(module), function)
+        started = time.perf_counter()
+        _loaded = factory(spec.settings)
+        log.info("loaded %s in %.1f s with %s", spec.model, time.perf_counter() - started, spec.settings)
+    return _loaded
+
+
+def engine_for(job_model: str) -> LLMEngine:
+    """The engine for a shard of a job on `job_model`; a job routed to the wrong queue is refused."""
+    serves = WorkerEngine.from_env().model
+    if job_model != serves:
+        raise WrongModel(f"this worker serves {serves!r}, not {job_model!r}: the shard was sent to the wrong queue")
+    return process_engine()
+
+
+class WrongModel(RuntimeError):
+    pass
