@@ -22,6 +22,7 @@ demo: setup
 
 test: setup
 	./ops/ensure_services.sh
+	./ops/ensure_tools.sh
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/pytest -q $(TESTS)
 

@@ -6,7 +6,7 @@ import itertools
 import json
 import logging
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,6 +67,7 @@ class LLMEngine:
                                    next_seq_id=self._seq_ids.__next__)
         self.requests: dict[str, _Request] = {}
         self.stats = EngineStats()
+        self.step_observers: list[Callable[[list[RequestOutput]], None]] = []
         self.spec = None
         if config.speculative_config:
             self.spec = SpecDecoder(SpeculativeConfig.from_dict(config.speculative_config), self.runner)
@@ -120,7 +121,14 @@ class LLMEngine:
         return len(self.requests)
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model once, sample; returns the requests that finished in this step."""
+        """Schedule, run the model once, sample; returns the requests that finished in this step.
+        Each of `step_observers` is then called with those outputs (metrics exporters use this)."""
+        outputs = self._step()
+        for observer in self.step_observers:
+            observer(outputs)
+        return outputs
+
+    def _step(self) -> list[RequestOutput]:
         started = time.perf_counter()
         done = [self._finalize(r) for r in self._rejected]
         self._rejected = []

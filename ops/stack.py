@@ -28,8 +28,9 @@ from typing import Any
 OPS = Path(__file__).resolve().parent
 REPO = OPS.parent
 DEFAULT_DATABASE = "postgresql+psycopg://postgres@127.0.0.1:5432/tokenmill"
-DEFAULT_PORTS = {"kafka": 9092, "redis": 6380, "flower": 5555, "s3": 8333}  # S3 also takes the 7 ports above it
-PORT_OFFSETS = {"kafka": 0, "redis": 1, "flower": 2, "s3": 10}  # with --port-base B: B, B+1, B+2, B+10..B+17
+# S3 also takes the 7 ports above its own; metrics: worker i on base + i - 1, the job gauges (beat) after them
+DEFAULT_PORTS = {"kafka": 9092, "redis": 6380, "flower": 5555, "s3": 8333, "metrics": 9400}
+PORT_OFFSETS = {"kafka": 0, "redis": 1, "flower": 2, "s3": 10, "metrics": 20}  # with --port-base B: B, B+1, ...
 S3_KEYS = ("tokenmill", "tokenmill-secret")
 BUCKET = "tokenmill"
 JOBS_TOPIC, EVENTS_TOPIC = "tokenmill.jobs", "tokenmill.job-events"
@@ -173,8 +174,14 @@ def up(settings: StackSettings) -> dict[str, Any]:
     return stack.state
 
 
+def port_span(name: str, base: int, workers: int) -> list[int]:
+    """The ports a component takes: S3 eight, metrics one per worker plus the job gauges, others one."""
+    width = {"s3": 8, "metrics": workers + 1}.get(name, 1)
+    return [base + i for i in range(width)]
+
+
 def _check_ports_free(settings: StackSettings) -> None:
-    ports = [settings.port(n) for n in ("kafka", "redis", "flower")] + [settings.port("s3") + i for i in range(8)]
+    ports = [p for n in DEFAULT_PORTS for p in port_span(n, settings.port(n), settings.workers)]
     taken = [p for p in ports if port_open(p)]
     if taken:
         raise StackError(f"port(s) {taken} are taken on 127.0.0.1; stop what uses them or pass --port-base")
@@ -263,10 +270,12 @@ def _start_service_processes(stack: Stack, settings: StackSettings) -> None:
     tokenmill = [sys.executable, "-m", "tokenmill"]
     mine = ["--state-dir", str(stack.dir)]  # not another stack's settings
     celery = [sys.executable, "-m", "celery", "-A", "workers.celery_app"]
+    metrics = settings.port("metrics")
     for index in range(1, settings.workers + 1):
         stack.spawn(f"worker{index}", [*tokenmill, "worker", "--name", f"worker{index}", "--model", settings.model,
-                                       *settings.worker_args, *mine])
-    stack.spawn("beat", [*celery, "beat", "--loglevel", "INFO", "--schedule", str(stack.dir / "beat-schedule")])
+                                       "--metrics-port", str(metrics + index - 1), *settings.worker_args, *mine])
+    stack.spawn("beat", [*celery, "beat", "--loglevel", "INFO", "--schedule", str(stack.dir / "beat-schedule")],
+                {"TOKENMILL_JOB_METRICS_PORT": str(metrics + settings.workers)})
     flower = stack.state["flower"]
     stack.spawn("flower", [*celery, "flower", "--address=127.0.0.1", f"--port={settings.port('flower')}"],
                 {"FLOWER_BASIC_AUTH": f"{flower['user']}:{flower['password']}"})  # not on the command line
@@ -325,16 +334,15 @@ def down(state_dir: Path) -> list[str]:
             stack.script(script, "stop", str(stack.dir / script))
         except StackError as error:
             problems.append(str(error))
-    problems += _ports_still_open(stack.state.get("ports", {}))
+    problems += _ports_still_open(stack.state.get("ports", {}), stack.state.get("workers", 1))
     if not problems:
         stack.file.unlink(missing_ok=True)
         (stack.dir / "stack.env").unlink(missing_ok=True)
     return problems
 
 
-def _ports_still_open(ports: dict[str, int], timeout_s: float = 10) -> list[str]:
-    every = [(n, p) for n, p in ports.items() if n != "s3"] + [("s3", ports["s3"] + i) for i in range(8)
-                                                                if "s3" in ports]
+def _ports_still_open(ports: dict[str, int], workers: int, timeout_s: float = 10) -> list[str]:
+    every = [(n, p) for n, base in ports.items() for p in port_span(n, base, workers)]
     deadline = time.monotonic() + timeout_s
     while (still := [f"{n} port {p} is still open" for n, p in every if port_open(p)]) and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -358,6 +366,8 @@ def describe(state: dict[str, Any], state_dir: Path) -> str:
         f"broker      {env['TOKENMILL_BROKER_URL']}  (Redis)",
         f"Flower      {flower['url']}  user {flower['user']}  password {flower['password']}  (basic auth)",
         f"workers     {state['workers']} on queue gpu.{state['model']} + control; beat, Kafka consumer, S3 watcher",
+        f"metrics     http://127.0.0.1:{ports['metrics']}/metrics .. :{ports['metrics'] + state['workers'] - 1} "
+        f"(one port per worker), job gauges :{ports['metrics'] + state['workers']}",
         f"logs        {Path(state_dir) / 'logs'}",
         f"ports       {', '.join(f'{n} {p}' for n, p in ports.items())}",
         "",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from sqlalchemy import Engine, create_engine, event
+from sqlalchemy import Engine, create_engine, event, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -71,3 +71,12 @@ def _sqlite_begin(connection) -> None:
 def session_factory(engine: Engine) -> sessionmaker[Session]:
     """Sessions whose objects stay readable after commit (the runner hands them to the CLI)."""
     return sessionmaker(engine, expire_on_commit=False)
+
+
+def sql_query(sessions: sessionmaker[Session]):
+    """A callable running SQL text on a fresh session: for collectors that import no SQLAlchemy."""
+    def query(sql: str) -> list:
+        with sessions() as session:
+            return session.execute(text(sql)).all()
+
+    return query

@@ -12,7 +12,7 @@ requeued), each worker process takes one task at a time, and task events are on 
 from __future__ import annotations
 
 from celery import Celery
-from celery.signals import worker_process_init
+from celery.signals import beat_init, worker_process_init
 
 from workers.config import ServiceConfig
 
@@ -62,3 +62,16 @@ def _start_worker_process(**_kwargs) -> None:
             process_engine()
         except Exception:  # the first shard will raise it again, as the shard's error
             logging.getLogger("tokenmill.worker").exception("could not load the engine")
+
+
+@beat_init.connect
+def _serve_job_metrics(**_kwargs) -> None:
+    """Beat serves the job-level gauges, so queued jobs still show when every worker is down."""
+    import os
+
+    if port := os.environ.get("TOKENMILL_JOB_METRICS_PORT"):
+        from storage import db
+        from tokenmill.metrics import serve_job_metrics
+
+        sessions = db.session_factory(db.make_engine(config.database_url))
+        serve_job_metrics(db.sql_query(sessions), int(port), os.environ.get("TOKENMILL_METRICS_ADDR", "127.0.0.1"))

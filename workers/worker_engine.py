@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +37,11 @@ def process_engine() -> LLMEngine:
         started = time.perf_counter()
         _loaded = factory(spec.settings)
         log.info("loaded %s in %.1f s with %s", spec.model, time.perf_counter() - started, spec.settings)
+        if port := os.environ.get("TOKENMILL_METRICS_PORT"):  # this pool process's engine, one port per worker
+            from engine.prometheus import EngineMetrics, start_metrics_server
+
+            addr = os.environ.get("TOKENMILL_METRICS_ADDR", "127.0.0.1")
+            start_metrics_server(EngineMetrics(_loaded, spec.model).attach().registry, int(port), addr)
     return _loaded
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -41,9 +42,16 @@ class StepShape:
 
 
 @dataclass
+class RequestLatency:
+    ttft: float  # seconds from arrival to the first token
+    tpot: float | None  # seconds per output token after the first (None with one token)
+
+
+@dataclass
 class TokenmillRun:
     result: Result
     steps: list[StepShape] = field(default_factory=list)
+    latencies: list[RequestLatency] = field(default_factory=list)
 
 
 def load_hf_model(model_dir, dtype: torch.dtype):
@@ -141,7 +149,14 @@ def tokenmill_run(model: str, workload: Workload, dtype: str, label: str = "toke
     note = f"{len(steps)} steps, {preemptions} preemptions"
     del llm
     gc.collect()
-    return TokenmillRun(Result(label, dtype, seconds, workload.useful_tokens, note, prefill, preemptions), steps)
+    return TokenmillRun(Result(label, dtype, seconds, workload.useful_tokens, note, prefill, preemptions), steps,
+                        [request_latency(out) for out in outputs])
+
+
+def request_latency(output) -> RequestLatency:
+    metrics, num_tokens = output.metrics, len(output.outputs[0].token_ids)
+    decode_seconds = metrics.finish_time - metrics.first_token_time
+    return RequestLatency(metrics.time_to_first_token, decode_seconds / (num_tokens - 1) if num_tokens > 1 else None)
 
 
 def dense_pass(matrices: list[list[torch.Tensor]], lm_head: torch.Tensor, x: torch.Tensor, h: torch.Tensor,
@@ -155,9 +170,26 @@ def dense_pass(matrices: list[list[torch.Tensor]], lm_head: torch.Tensor, x: tor
         F.linear(head_in, lm_head)
 
 
-def dense_matmul_floor(model_dir, steps: list[StepShape], dtype: str, repeats: int = 2) -> Result:
-    """Time of the model's dense matmuls alone (fused QKV, O, gate/up, down for every layer, and the LM
-    head for the sampled rows) at each step's batch size, summed over the steps."""
+@dataclass
+class DenseWeights:
+    """A model's dense matrices: per layer fused QKV, O, fused gate/up and down; and the LM head."""
+
+    matrices: list[list[torch.Tensor]]
+    lm_head: torch.Tensor
+
+    def all(self) -> list[torch.Tensor]:
+        return [m for layer in self.matrices for m in layer] + [self.lm_head]
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(m.numel() * m.element_size() for m in self.all())
+
+    @property
+    def flops_per_token(self) -> int:
+        return 2 * sum(m.numel() for m in self.all())
+
+
+def load_dense_weights(model_dir, dtype: str) -> DenseWeights:
     from safetensors import safe_open
 
     torch_dtype = DTYPES[dtype]
@@ -176,25 +208,105 @@ def dense_matmul_floor(model_dir, steps: list[StepShape], dtype: str, repeats: i
             torch.cat([weights[p + "mlp.gate_proj.weight"], weights[p + "mlp.up_proj.weight"]]),
             weights[p + "mlp.down_proj.weight"],
         ])
-    lm_head = weights.get("lm_head.weight", weights["model.embed_tokens.weight"])
-    hidden, inter = lm_head.shape[1], matrices[0][3].shape[1]
-    timings: dict[tuple[int, int], float] = {}
+    return DenseWeights(matrices, weights.get("lm_head.weight", weights["model.embed_tokens.weight"]))
 
-    def timed(fn: Callable[[], None]) -> float:
-        best = float("inf")
-        for _ in range(repeats):
-            started = time.perf_counter()
-            fn()
-            best = min(best, time.perf_counter() - started)
-        return best
 
+def best_time(fn: Callable[[], object], repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - started)
+    return best
+
+
+def time_dense_pass(weights: DenseWeights, rows: int, sampled: int, repeats: int = 2) -> float:
+    """Seconds of one step's dense matmuls with `rows` tokens, `sampled` of them through the LM head."""
+    dtype = weights.lm_head.dtype
+    hidden, inter = weights.lm_head.shape[1], weights.matrices[0][3].shape[1]
     with torch.inference_mode():
-        for shape in {(s.num_tokens, s.num_sampled) for s in steps}:
-            rows, sampled = shape
-            x = torch.randn(rows, hidden, dtype=torch_dtype)
-            h = torch.randn(rows, inter, dtype=torch_dtype)
-            head_in = x[:sampled] if sampled else None
-            timings[shape] = timed(lambda x=x, h=h, head_in=head_in: dense_pass(matrices, lm_head, x, h, head_in))
+        x = torch.randn(rows, hidden, dtype=dtype)
+        h = torch.randn(rows, inter, dtype=dtype)
+        head_in = x[:sampled] if sampled else None
+        return best_time(lambda: dense_pass(weights.matrices, weights.lm_head, x, h, head_in), repeats)
+
+
+def dense_matmul_floor(model_dir, steps: list[StepShape], dtype: str, repeats: int = 2) -> Result:
+    """Time of the model's dense matmuls alone (fused QKV, O, gate/up, down for every layer, and the LM
+    head for the sampled rows) at each step's batch size, summed over the steps."""
+    weights = load_dense_weights(model_dir, dtype)
+    timings = {shape: time_dense_pass(weights, *shape, repeats=repeats)
+               for shape in {(s.num_tokens, s.num_sampled) for s in steps}}
     seconds = sum(timings[(s.num_tokens, s.num_sampled)] for s in steps)
     useful = sum(s.num_sampled for s in steps)
     return Result("dense matmul floor", dtype, seconds, useful, "tokenmill's schedule, matmuls only")
+
+
+# ---- throughput against concurrency, under the roofline ----------------------------------------------------
+
+@dataclass
+class ConcurrencyPoint:
+    batch: int
+    decode_tokens_per_s: float  # tokenmill, decode-only steps with `batch` sequences running
+    matmul_tokens_per_s: float  # the dense matmuls alone at this batch
+    compute_roof: float  # peak matmul FLOP/s over FLOPs per token
+    memory_roof: float  # reading every weight once per step at the measured copy bandwidth
+
+    @property
+    def roof(self) -> float:
+        return min(self.compute_roof, self.memory_roof)
+
+
+def matmul_peak_flops(dtype: str, size: int = 2048, repeats: int = 5) -> float:
+    a, b = (torch.randn(size, size, dtype=DTYPES[dtype]) for _ in range(2))
+    with torch.inference_mode():
+        return 2 * size**3 / best_time(lambda: a @ b, repeats)
+
+
+def copy_bandwidth(num_bytes: int = 256 << 20, repeats: int = 5) -> float:
+    """Bytes per second moved by a large copy (read + write)."""
+    src = torch.ones(num_bytes, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    return 2 * num_bytes / best_time(lambda: dst.copy_(src), repeats)
+
+
+def random_prompt(rng: random.Random, length: int, vocab_size: int) -> list[int]:
+    """Random token ids (clear of the low ids where special tokens live): no two prompts share a prefix."""
+    return [rng.randrange(100, vocab_size) for _ in range(length)]
+
+
+def decode_rate(engine, batch: int, prompt_tokens: int, output_tokens: int) -> float:
+    """Generated tokens per second over the decode-only steps of `batch` requests run together."""
+    from engine import SamplingParams
+
+    rng = random.Random(batch)
+    params = SamplingParams(max_tokens=output_tokens, temperature=0, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(f"sweep-{batch}-{i}", random_prompt(rng, prompt_tokens, engine.runner.vocab_size), params)
+    stats, seconds, tokens = engine.stats, 0.0, 0
+    while engine.has_unfinished_requests():
+        prefill_before, generated_before = stats.computed_prefill_tokens, stats.generation_tokens
+        engine.step()
+        if stats.computed_prefill_tokens == prefill_before:
+            seconds += stats.step_times[-1]
+            tokens += stats.generation_tokens - generated_before
+    if not tokens:
+        raise ValueError("no decode steps: the sweep needs at least 2 output tokens per request")
+    return tokens / seconds
+
+
+def concurrency_sweep(model_dir, dtype: str, batch_sizes: list[int], prompt_tokens: int, output_tokens: int,
+                      **engine_kwargs) -> list[ConcurrencyPoint]:
+    """tokenmill's decode throughput at each batch size beside the dense-matmul floor and the roofline."""
+    from engine import LLM, SamplingParams
+
+    llm = LLM(model=str(model_dir), dtype=dtype, max_num_seqs=max(batch_sizes), **engine_kwargs)
+    llm.generate([[100] * prompt_tokens], SamplingParams(max_tokens=2, temperature=0))  # warm-up
+    decode = {batch: decode_rate(llm.engine, batch, prompt_tokens, output_tokens) for batch in batch_sizes}
+    del llm
+    gc.collect()
+    weights = load_dense_weights(model_dir, dtype)
+    peak, bandwidth = matmul_peak_flops(dtype), copy_bandwidth()
+    return [ConcurrencyPoint(batch, decode[batch], batch / time_dense_pass(weights, batch, batch),
+                             peak / weights.flops_per_token, batch * bandwidth / weights.num_bytes)
+            for batch in batch_sizes]

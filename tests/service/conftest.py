@@ -99,7 +99,7 @@ class RunningStack:
 def stack(tmp_path_factory, pg_databases) -> Iterator[RunningStack]:  # noqa: F811
     state_dir = tmp_path_factory.mktemp("data") / "stack"  # $TOKENMILL_DATA/stack, as the README assumes
     extra = [arg for name, value in STACK_ENV.items() for arg in ("--env", f"{name}={value}")]
-    tokenmill("stack", "up", "--workers", "2", "--state-dir", str(state_dir), "--port-base", str(free_port_block(18)),
+    tokenmill("stack", "up", "--workers", "2", "--state-dir", str(state_dir), "--port-base", str(free_port_block(24)),
               "--database-url", pg_databases(), "--threads", "1", "--kv-cache-memory", "0.25", *extra,
               env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=240)
     running = RunningStack(state_dir, json.loads((state_dir / "stack.json").read_text()))

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from tokenmill.options import add_engine_options, engine_kwargs
+
 SYSTEMS = ("hf-static", "hf-continuous", "tokenmill", "floor")
 
 
@@ -29,6 +31,15 @@ def register(commands: argparse._SubParsersAction) -> None:
     tp.add_argument("--static-batch-size", type=int, default=16, help="HF static batch size (default: 16)")
     tp.add_argument("--threads", type=int, default=2, help="torch CPU threads for every system (default: 2)")
     tp.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    tp.add_argument("--plots", metavar="DIR", default="bench-out",
+                    help="write PNG plots here: throughput_concurrency.png (a concurrency sweep of tokenmill under "
+                         "the roofline) and latency_distributions.png (TTFT/TPOT of the tokenmill run) "
+                         "(default: bench-out)")
+    tp.add_argument("--no-plots", action="store_true", help="skip the concurrency sweep and the plots")
+    tp.add_argument("--concurrency",
+                    help="batch sizes of the concurrency sweep (default: 1,4,16,64, capped at --num-prompts)")
+    tp.add_argument("--sweep-tokens", type=int,
+                    help="prompt tokens and output tokens of each sweep request (default: 64, at most --max-tokens)")
     tp.set_defaults(handler=run_throughput)
 
     px = benches.add_parser(
@@ -94,6 +105,22 @@ def register(commands: argparse._SubParsersAction) -> None:
     cap.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
     cap.set_defaults(handler=run_capacity)
 
+    lt = benches.add_parser(
+        "latency", help="time to first token and inter-token latency at batch 1, with percentiles",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Requests run one at a time (batch 1), each timed at every engine step: time to first token, "
+                    "inter-token latency (gaps between the steps that gave tokens), time per output token and end "
+                    "to end, as mean/p50/p90/p99. Prompts are random token ids of --prompt-tokens, distinct per "
+                    "request; outputs are forced to --output-tokens (EOS ignored).")
+    lt.add_argument("--prompt-tokens", type=int, default=128, help="prompt length in tokens (default: 128)")
+    lt.add_argument("--output-tokens", type=int, default=128, help="generated tokens per request (default: 128)")
+    lt.add_argument("--requests", type=int, default=10, help="timed requests (default: 10)")
+    lt.add_argument("--warmup", type=int, default=1, help="untimed requests first (default: 1)")
+    lt.add_argument("--seed", type=int, default=0, help="prompt sampling seed (default: 0)")
+    lt.add_argument("--json", metavar="FILE", help="also write the summary and every request's timings as JSON")
+    add_engine_options(lt)
+    lt.set_defaults(handler=run_latency)
+
 
 def run_throughput(args: argparse.Namespace) -> int:
     import json
@@ -115,6 +142,7 @@ def run_throughput(args: argparse.Namespace) -> int:
     for dtype in dtypes:
         if dtype not in tp.DTYPES:
             raise ValueError(f"unsupported dtype {dtype!r}; choose from {sorted(tp.DTYPES)}")
+    batches = [] if args.no_plots else sweep_batches(args)
     torch.set_num_threads(args.threads)
     logging.getLogger("ContinuousBatchingLogger").setLevel(logging.WARNING)
     console = Console(width=max(Console().width, 150))
@@ -125,6 +153,7 @@ def run_throughput(args: argparse.Namespace) -> int:
                   f"{workload.useful_tokens} forced output tokens ({args.min_tokens}-{args.max_tokens} each), "
                   f"{args.threads} threads")
     results: list[tp.Result] = []
+    latencies: dict[str, list[tp.RequestLatency]] = {}
     for dtype in dtypes:
         steps = []
         for system in systems:
@@ -137,12 +166,77 @@ def run_throughput(args: argparse.Namespace) -> int:
                 run = tp.tokenmill_run(str(model_dir), workload, dtype, num_threads=args.threads)
                 steps = run.steps
                 results.append(run.result)
+                latencies[f"tokenmill {dtype}"] = run.latencies
             elif system == "floor" and steps:
                 results.append(tp.dense_matmul_floor(model_dir, steps, dtype))
     console.print(throughput_table(results))
     if args.json:
         with open(args.json, "w") as f:
             json.dump([{**r.__dict__, "tokens_per_second": r.tokens_per_second} for r in results], f, indent=2)
+    if batches:
+        write_throughput_plots(args, model_dir, dtypes, batches, latencies, console)
+    return 0
+
+
+def sweep_batches(args: argparse.Namespace) -> list[int]:
+    """The sweep's batch sizes; also settles --sweep-tokens. Defaults follow the workload's scale."""
+    if args.sweep_tokens is None:
+        args.sweep_tokens = min(64, args.max_tokens)
+    if args.concurrency is None:
+        batches = sorted({min(b, args.num_prompts) for b in (1, 4, 16, 64)})
+    else:
+        try:
+            batches = sorted({int(b) for b in args.concurrency.split(",") if b.strip()})
+        except ValueError:
+            raise ValueError(f"--concurrency takes comma-separated batch sizes, not {args.concurrency!r}") from None
+    if not batches or batches[0] < 1 or args.sweep_tokens < 2:
+        raise ValueError("the concurrency sweep needs batch sizes >= 1 and --sweep-tokens >= 2 (or --no-plots)")
+    return batches
+
+
+def write_throughput_plots(args: argparse.Namespace, model_dir, dtypes: list[str], batches: list[int],
+                           latencies: dict, console) -> None:
+    """The concurrency sweep and its table, then both PNGs under --plots."""
+    from pathlib import Path
+
+    from engine.bench import plots
+    from engine.bench import throughput as tp
+
+    if not latencies:
+        console.print("plots skipped: they show the tokenmill system, which was not run")
+        return
+    sweeps = {}
+    for dtype in dtypes:
+        console.print(f"concurrency sweep ({dtype}): {args.sweep_tokens} prompt + {args.sweep_tokens} output tokens "
+                      f"per request at batch {', '.join(map(str, batches))} ...")
+        sweeps[dtype] = tp.concurrency_sweep(model_dir, dtype, batches, args.sweep_tokens, args.sweep_tokens,
+                                             num_threads=args.threads)
+    console.print(concurrency_table(sweeps))
+    out = Path(args.plots)
+    written = [plots.plot_concurrency(sweeps, out / "throughput_concurrency.png"),
+               plots.plot_latency_distributions(latencies, out / "latency_distributions.png")]
+    console.print("plots: " + ", ".join(map(str, written)))
+
+
+def run_latency(args: argparse.Namespace) -> int:
+    import json
+
+    from rich.console import Console
+
+    from engine import EngineConfig, LLMEngine
+    from engine.bench import latency
+
+    if args.output_tokens < 2 or args.prompt_tokens < 1 or args.requests < 1:
+        raise ValueError("--output-tokens must be at least 2, --prompt-tokens and --requests at least 1")
+    engine = LLMEngine(EngineConfig.from_kwargs(**engine_kwargs(args)))
+    console = Console(width=max(Console().width, 120))
+    console.print(f"batch 1: {args.requests} requests of {args.prompt_tokens} prompt + {args.output_tokens} output "
+                  f"tokens ({args.warmup} warm-up), {engine.config.dtype}, {args.threads or 'default'} threads")
+    timings = latency.measure(engine, args.prompt_tokens, args.output_tokens, args.requests, args.warmup, args.seed)
+    console.print(latency_table(latency.summarize(timings)))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(latency.to_json(timings), f, indent=2)
     return 0
 
 
@@ -324,4 +418,26 @@ def throughput_table(results):
         share = f"{100 * r.tokens_per_second / floor.tokens_per_second:.0f}%" if floor else "-"
         table.add_row(r.system, r.dtype, f"{r.seconds:.1f}", f"{r.tokens_per_second:.1f}", speedup(r, static),
                       speedup(r, cont), share, r.note)
+    return table
+
+
+def concurrency_table(sweeps):
+    from rich.table import Table
+
+    table = Table("dtype", "batch", "tokenmill decode tok/s", "dense matmuls alone tok/s", "compute roof tok/s",
+                  "memory roof tok/s", "% of roofline", title="decode throughput against concurrency")
+    for dtype, points in sweeps.items():
+        for p in points:
+            table.add_row(dtype, str(p.batch), f"{p.decode_tokens_per_s:.1f}", f"{p.matmul_tokens_per_s:.1f}",
+                          f"{p.compute_roof:.0f}", f"{p.memory_roof:.0f}",
+                          f"{100 * p.decode_tokens_per_s / p.roof:.0f}%")
+    return table
+
+
+def latency_table(summary):
+    from rich.table import Table
+
+    table = Table("metric", "mean ms", "p50 ms", "p90 ms", "p99 ms", title="latency at batch 1")
+    for name, p in summary.items():
+        table.add_row(name, *(f"{1000 * value:.1f}" for value in (p.mean, p.p50, p.p90, p.p99)))
     return table

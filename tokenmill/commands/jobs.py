@@ -64,6 +64,8 @@ def _register_run(commands: argparse._SubParsersAction) -> None:
                         help="rows per shard, the unit of progress and of resuming (default: 500)")
     parser.add_argument("--openai-output", action="store_true",
                         help="also write batch_output.jsonl in the OpenAI Batch output format")
+    parser.add_argument("--metrics-port", type=int, metavar="PORT",
+                        help="serve engine and job metrics for Prometheus at http://127.0.0.1:PORT/metrics")
     _add_database_option(parser)
     limits = parser.add_argument_group("input limits (checked against the Parquet footer before reading)")
     limits.add_argument("--max-input-rows", type=int, metavar="N", help="most rows a job may have (default: 1000000)")
@@ -160,6 +162,18 @@ def _load_engine(settings: dict):
     return LLMEngine(EngineConfig.from_kwargs(**settings))
 
 
+def _serving_metrics(port: int, sessions):
+    """An engine loader that also serves the engine's and the jobs' metrics (the loader runs once per job)."""
+    from engine.prometheus import EngineMetrics, new_registry, start_metrics_server
+    from storage import db
+    from tokenmill.metrics import JobMetricsCollector
+
+    registry = new_registry()
+    registry.register(JobMetricsCollector(db.sql_query(sessions)))
+    start_metrics_server(registry, port)
+    return lambda settings: EngineMetrics(_load_engine(settings), registry=registry).attach().engine
+
+
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
@@ -174,8 +188,9 @@ def run(args: argparse.Namespace) -> int:
     job = submission.job
     console.print(f"job [bold]{job.id}[/bold] ({submission.outcome}): {_where(job.input_uri)} -> "
                   f"{_where(job.output_uri)}", highlight=False)
+    load_engine = _load_engine if args.metrics_port is None else _serving_metrics(args.metrics_port, sessions)
     with JobProgressBar(Console(stderr=True)) as progress:
-        job = run_job(sessions, job.id, _load_engine, progress)
+        job = run_job(sessions, job.id, load_engine, progress)
     _print_summary(console, job, url)
     return 0 if job.status == "completed" else 1
 

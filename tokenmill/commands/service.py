@@ -161,6 +161,8 @@ def _register_worker(commands: argparse._SubParsersAction) -> None:
                                              "queue's validation and finalizing tasks).")
     parser.add_argument("--name", default="worker", help="node name; the host is appended (default: worker)")
     parser.add_argument("--queues", metavar="Q1,Q2", help="queues to consume (default: the model's and control)")
+    parser.add_argument("--metrics-port", type=int, metavar="PORT",
+                        help="serve this worker's Prometheus metrics at http://127.0.0.1:PORT/metrics")
     add_engine_options(parser)
     _stack_dir_option(parser)
     parser.set_defaults(handler=_friendly(worker))
@@ -328,6 +330,8 @@ def worker(args: argparse.Namespace) -> int:
 
     os.environ["TOKENMILL_WORKER_MODEL"] = args.model
     os.environ["TOKENMILL_WORKER_ENGINE"] = json.dumps(engine_kwargs(args))
+    if args.metrics_port:
+        os.environ["TOKENMILL_METRICS_PORT"] = str(args.metrics_port)
     from workers.celery_app import app, config
 
     queues = args.queues or f"{config.model_queue(args.model)},{config.control_queue}"

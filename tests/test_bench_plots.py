@@ -1,0 +1,46 @@
+"""`tokenmill bench throughput` writes its PNG plots next to the table: a short real run (tokenmill and the
+matmul floor on 4 prompts; the concurrency sweep's defaults follow the workload: batch 1 and 4, 8 tokens)."""
+
+from __future__ import annotations
+
+import pytest
+from matplotlib.image import imread
+
+from tokenmill.cli import main
+
+pytestmark = pytest.mark.real_model
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_throughput_writes_the_plots(tmp_path, capsys):
+    plots = tmp_path / "plots"
+    code = main(["bench", "throughput", "--num-prompts", "4", "--min-tokens", "4", "--max-tokens", "8",
+                 "--dtypes", "float32", "--systems", "tokenmill,floor", "--threads", "2", "--plots", str(plots)])
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    assert "throughput (useful generated tokens per second)" in printed  # the table, as before
+    assert "decode throughput against concurrency" in printed
+    assert "8 prompt + 8 output tokens per request at batch 1, 4 ..." in printed
+    for name, (width, height) in {"throughput_concurrency.png": (990, 605),
+                                  "latency_distributions.png": (1210, 495)}.items():
+        path = plots / name
+        assert str(path) in printed.replace("\n", "")
+        assert path.read_bytes()[:8] == PNG_SIGNATURE and path.stat().st_size > 20_000, name
+        pixels = imread(path)
+        assert pixels.shape[:2] == (height, width), name
+        assert len({tuple(p) for p in pixels.reshape(-1, pixels.shape[-1])[::7].tolist()}) > 50, name  # drawn on
+
+
+def test_no_plots_leaves_no_files(tmp_path, capsys):
+    plots = tmp_path / "plots"
+    code = main(["bench", "throughput", "--num-prompts", "2", "--min-tokens", "2", "--max-tokens", "3",
+                 "--dtypes", "float32", "--systems", "tokenmill", "--threads", "2", "--plots", str(plots),
+                 "--no-plots"])
+    assert code == 0, capsys.readouterr().out
+    assert not plots.exists()
+
+
+def test_a_bad_sweep_is_refused_before_anything_runs(capsys):
+    assert main(["bench", "throughput", "--sweep-tokens", "1"]) == 2
+    assert "--sweep-tokens >= 2" in capsys.readouterr().err
