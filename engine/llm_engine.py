@@ -68,11 +68,26 @@ class LLMEngine:
         self.requests: dict[str, _Request] = {}
         self.stats = EngineStats()
         self.step_observers: list[Callable[[list[RequestOutput]], None]] = []
-        self.spec = None
-        if config.speculative_config:
-            self.spec = SpecDecoder(SpeculativeConfig.from_dict(config.speculative_config), self.runner)
+        self.spec: SpecDecoder | None = None
+        self._spec_decoders: dict[str, SpecDecoder] = {}
+        self._spec_key: str | None = None
         self._request_ids = itertools.count()
         self._rejected: list[_Request] = []
+        self.set_speculative_config(None)
+
+    def set_speculative_config(self, settings: dict[str, Any] | None) -> None:
+        """Speculative decoding for the requests that follow (a job's own setting); None restores the
+        engine's `speculative_config`. Decoders are kept, so switching back reloads no draft model."""
+        settings = settings if settings is not None else self.config.speculative_config
+        key = json.dumps(settings, sort_keys=True) if settings else None
+        if key == self._spec_key:
+            return
+        if self.has_unfinished_requests():
+            raise RuntimeError("speculative decoding can only be switched while no request is running")
+        if key is not None and key not in self._spec_decoders:
+            self._spec_decoders[key] = SpecDecoder(SpeculativeConfig.from_dict(settings), self.runner)
+        self.spec = self._spec_decoders.get(key) if key else None
+        self._spec_key = key
 
     @classmethod
     def from_engine_args(cls, **kwargs: Any) -> LLMEngine:
@@ -144,7 +159,7 @@ class LLMEngine:
         tokens = self.runner.execute(plan)
         if self.spec:
             sampled = [seq for _, group in plan.sample_groups() for seq in group]
-            self.spec.record(plan, {seq.seq_id: len(t) for seq, t in zip(sampled, tokens, strict=True)})
+            self._record_spec(*self.spec.record(plan, {s.seq_id: len(t) for s, t in zip(sampled, tokens, strict=True)}))
         finished = self.scheduler.update(plan, tokens)
         for children in plan.forks.values():
             request = self.requests.get(children[0].request_id)
@@ -188,6 +203,15 @@ class LLMEngine:
         stats.num_steps += 1
         stats.step_time_total += elapsed
         stats.step_times.append(elapsed)
+
+    def _record_spec(self, drafted: int, accepted: int, by_position: list[int]) -> None:
+        stats = self.stats
+        stats.spec_draft_tokens += drafted
+        stats.spec_accepted_tokens += accepted
+        if len(stats.spec_accepted_by_position) < len(by_position):
+            stats.spec_accepted_by_position += [0] * (len(by_position) - len(stats.spec_accepted_by_position))
+        for position, count in enumerate(by_position):
+            stats.spec_accepted_by_position[position] += count
 
     def get_stats(self) -> EngineStats:
         stats, kv = self.stats, self.scheduler.kv

@@ -17,6 +17,9 @@ class EngineStats:
     computed_prefill_tokens: int = 0  # prompt/recompute tokens actually run through the model
     prefix_cache_queries: int = 0  # tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # of those, tokens found
+    spec_draft_tokens: int = 0  # speculative drafts verified, whatever decoder was active
+    spec_accepted_tokens: int = 0
+    spec_accepted_by_position: list[int] = field(default_factory=list)
     num_steps: int = 0
     step_time_total: float = 0.0  # seconds spent in step()
     step_times: deque[float] = field(default_factory=lambda: deque(maxlen=4096), repr=False)  # recent steps

@@ -137,12 +137,9 @@ class EngineMetrics:
             "spec_decode_num_accepted_tokens": "Speculative draft tokens accepted.",
         }
         self.counters = {key: self._metric(Counter, key, text) for key, text in counters.items()}  # by stats key
-        positions = self.engine.spec.config.num_speculative_tokens if self.engine.spec else 0
-        per_position = Counter(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
-                               "Accepted draft tokens by draft position.", [*self.labels, "position"],
-                               registry=self.registry)
-        self.counters.update({f"position{i}": per_position.labels(**self.labels, position=str(i))
-                              for i in range(positions)})
+        self.per_position = Counter(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                    "Accepted draft tokens by draft position.", [*self.labels, "position"],
+                                    registry=self.registry)
         self.request_success = Counter(PREFIX + "request_success", "Finished requests by finish reason.",
                                        [*self.labels, "finished_reason"], registry=self.registry)
 
@@ -192,25 +189,28 @@ class EngineMetrics:
 
     def _cumulative(self) -> dict[str, int]:
         stats = self.engine.get_stats()
-        spec = self.engine.spec.stats if self.engine.spec else None
         return {
             "prompt_tokens": stats.prompt_tokens,
             "generation_tokens": stats.generation_tokens,
             "num_preemptions": stats.num_preemptions,
             "prefix_cache_queries": stats.prefix_cache_queries,
             "prefix_cache_hits": stats.prefix_cache_hits,
-            "spec_decode_num_draft_tokens": spec.draft_tokens if spec else 0,
-            "spec_decode_num_accepted_tokens": spec.accepted_tokens if spec else 0,
-            **{f"position{i}": n for i, n in enumerate(spec.accepted_by_position if spec else [])},
+            "spec_decode_num_draft_tokens": stats.spec_draft_tokens,
+            "spec_decode_num_accepted_tokens": stats.spec_accepted_tokens,
+            **{f"position{i}": n for i, n in enumerate(stats.spec_accepted_by_position)},
         }
 
     def _count_deltas(self) -> dict[str, int]:
         current = self._cumulative()
         deltas = {key: max(value - self._last.get(key, 0), 0) for key, value in current.items()}
         self._last = current
-        for key, counter in self.counters.items():
-            if deltas[key]:
-                counter.inc(deltas[key])
+        for key, delta in deltas.items():
+            if not delta:
+                continue
+            if key.startswith("position"):  # a child per draft position, made when the position first appears
+                self.per_position.labels(**self.labels, position=key.removeprefix("position")).inc(delta)
+            else:
+                self.counters[key].inc(delta)
         return deltas
 
     def _observe_step_times(self, new_steps: int, now: float, deltas: dict[str, int]) -> None:

@@ -19,6 +19,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from engine.config import DEFAULT_MODEL
+from engine.spec_decode.config import SpeculativeConfig
 from storage.formats import Limits
 from storage.objectstore import S3Options, check_output_uri, normalize_uri
 from workers.jobs import CELERY, DEFAULT_SHARD_SIZE, JobSpec
@@ -40,6 +41,7 @@ class JobRequest(BaseModel):
     model: str = Field(default=DEFAULT_MODEL, min_length=1, max_length=512)
     sampling: dict[str, Any] = Field(default_factory=dict)
     engine: dict[str, Any] = Field(default_factory=dict)
+    speculative_config: dict[str, Any] | None = None  # {"method": "ngram", "num_speculative_tokens": 5, ...}
     shard_size: int = Field(default=DEFAULT_SHARD_SIZE, ge=1)
     priority: int = 0
     openai_output: bool = False
@@ -65,6 +67,13 @@ class JobRequest(BaseModel):
             raise ValueError(str(error).replace("SamplingParams.__init__()", "sampling")) from None
         return value
 
+    @field_validator("speculative_config")
+    @classmethod
+    def _speculative(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None:
+            SpeculativeConfig.from_dict(value)  # ValueError names the bad key or value
+        return value
+
     @model_validator(mode="after")
     def _one_input(self) -> JobRequest:
         if (self.input_uri is None) == (self.rows is None):
@@ -80,7 +89,8 @@ class JobRequest(BaseModel):
                        limits=Limits.from_env(), s3=s3, openai_output=self.openai_output, source=source,
                        source_ref=source_ref, priority=self.priority,
                        idempotency_key=self.idempotency_key or idempotency_key,
-                       job_id=str(self.job_id) if self.job_id else None, executor=CELERY)
+                       job_id=str(self.job_id) if self.job_id else None, executor=CELERY,
+                       speculative_config=self.speculative_config)
 
 
 def parse_request(payload: bytes | str, **defaults: Any) -> JobRequest:

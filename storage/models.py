@@ -133,6 +133,8 @@ class Job(Base):
     prompt_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
     completion_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
     cached_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    spec_draft_tokens: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")  # speculative decoding
+    spec_accepted_tokens: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
 
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, index=True)
     expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime)  # deadline; past it the job may expire
@@ -179,6 +181,8 @@ class Shard(Base):
     prompt_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
     completion_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
     cached_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    spec_draft_tokens: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")  # speculative decoding
+    spec_accepted_tokens: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
     output_key: Mapped[str | None] = mapped_column(String(1024))  # relative to the job's output URI
     error: Mapped[str | None] = mapped_column(Text)
 

@@ -123,12 +123,13 @@ def reset_unfinished_shards(session: Session, job_id: str) -> int:
 
 def refresh_job_totals(session: Session, job: Job) -> None:
     """Request and token counts of the job = sums over its completed shards (idempotent)."""
-    columns = ("rows_completed", "rows_failed", "prompt_tokens", "completion_tokens", "cached_tokens")
+    columns = ("rows_completed", "rows_failed", "prompt_tokens", "completion_tokens", "cached_tokens",
+               "spec_draft_tokens", "spec_accepted_tokens")
     sums = session.execute(
         select(*(func.coalesce(func.sum(getattr(Shard, c)), 0) for c in columns))
         .where(Shard.job_id == job.id, Shard.status == ShardStatus.COMPLETED.value)).one()
-    (job.requests_completed, job.requests_failed, job.prompt_tokens, job.completion_tokens,
-     job.cached_tokens) = (int(v) for v in sums)
+    (job.requests_completed, job.requests_failed, job.prompt_tokens, job.completion_tokens, job.cached_tokens,
+     job.spec_draft_tokens, job.spec_accepted_tokens) = (int(v) for v in sums)
 
 
 def failed_rows(session: Session, job_id: str, shard: int | None = None) -> Iterator[FailedRow]:

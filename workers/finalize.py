@@ -71,6 +71,10 @@ def manifest(job: Job, shards: list[Shard], files: dict[str, Any], finished_at: 
         "counts": {"total": job.requests_total, "completed": job.requests_completed, "failed": job.requests_failed},
         "tokens": {"prompt": job.prompt_tokens, "completion": job.completion_tokens, "cached": job.cached_tokens},
         "completion_tokens_per_s": round(job.completion_tokens / duration, 3) if duration else None,
+        "speculative_decoding": {
+            "draft_tokens": job.spec_draft_tokens, "accepted_tokens": job.spec_accepted_tokens,
+            "acceptance_rate": round(job.spec_accepted_tokens / job.spec_draft_tokens, 4)
+            if job.spec_draft_tokens else None},
         "settings": {k: v for k, v in job.settings.items() if k != "s3"},
         "files": files,
     }

@@ -59,13 +59,14 @@ class JobSpec:
     idempotency_key: str | None = None  # default: derived from the input and output URIs
     job_id: str | None = None  # default: a new UUID
     executor: str = LOCAL  # who runs it: `tokenmill run` in process (local), or the Celery workers (celery)
+    speculative_config: dict[str, Any] | None = None  # the job's speculative decoding (None: the engine's own)
 
     def settings(self) -> dict[str, Any]:
         if self.shard_size < 1:
             raise ValueError(f"shard size must be >= 1 row, got {self.shard_size}")
         return {"sampling": self.sampling, "engine": self.engine, "shard_size": self.shard_size,
                 "limits": self.limits.to_dict(), "s3": self.s3.to_dict(), "openai_output": self.openai_output,
-                "executor": self.executor}
+                "executor": self.executor, "speculative_config": self.speculative_config}
 
 
 @dataclass

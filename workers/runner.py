@@ -249,6 +249,7 @@ class JobSteps:
         return outcome
 
     def _execute(self, job: Job, shard: Shard, engine: LLMEngine) -> ShardOutcome:
+        engine.set_speculative_config(job.settings.get("speculative_config"))
         watch = StatusWatch(self.sessions, job.id, shard.id)
         execution = ShardExecution(engine, job.settings.get("sampling", {}), f"{job.id[:8]}-{shard.index}-",
                                    should_stop=watch.should_stop, on_progress=self.progress.advance)

@@ -20,6 +20,8 @@ class ShardOutcome:
     records: list[dict[str, Any]] = field(default_factory=list)  # rows of the part file
     errors: list[RowError] = field(default_factory=list)
     cancelled: bool = False
+    spec_draft_tokens: int = 0  # speculative decoding while this shard ran
+    spec_accepted_tokens: int = 0
     completed_job: bool = False  # this shard was the job's last to complete: the job is now finalizing
 
     def totals(self) -> dict[str, int]:
@@ -29,6 +31,8 @@ class ShardOutcome:
             "prompt_tokens": sum(r["prompt_tokens"] for r in self.records),
             "completion_tokens": sum(r["completion_tokens"] for r in self.records),
             "cached_tokens": sum(r["cached_tokens"] for r in self.records),
+            "spec_draft_tokens": self.spec_draft_tokens,
+            "spec_accepted_tokens": self.spec_accepted_tokens,
         }
 
 
@@ -83,7 +87,12 @@ class ShardExecution:
 
     def _step(self) -> None:
         generated_before = self.engine.stats.generation_tokens
+        spec = self.engine.spec.stats if self.engine.spec else None
+        drafted, accepted = (spec.draft_tokens, spec.accepted_tokens) if spec else (0, 0)
         finished = self.engine.step()
+        if spec:
+            self.outcome.spec_draft_tokens += spec.draft_tokens - drafted
+            self.outcome.spec_accepted_tokens += spec.accepted_tokens - accepted
         for output in finished:
             self._collect(self.pending.pop(output.request_id), output)
         self.on_progress(len(finished), self.engine.stats.generation_tokens - generated_before)

@@ -86,9 +86,11 @@ class SpecDecoder:
                                                    self.config.prompt_lookup_max)
             plan.spec_drafts[seq.seq_id] = len(seq.spec_token_ids)
 
-    def record(self, plan: SchedulerOutput, new_tokens: dict[int, int]) -> None:
-        """new_tokens: seq_id -> tokens appended this step, for the sequences that carried drafts."""
+    def record(self, plan: SchedulerOutput, new_tokens: dict[int, int]) -> tuple[int, int, list[int]]:
+        """new_tokens: seq_id -> tokens appended this step, for the sequences that carried drafts.
+        Returns this step's (drafted, accepted, accepted by draft position)."""
         drafted = accepted = 0
+        by_position = [0] * self.config.num_speculative_tokens
         for seq_id in plan.spec_lookahead:
             num_drafts = plan.spec_drafts.get(seq_id, 0)
             if not num_drafts:
@@ -99,8 +101,10 @@ class SpecDecoder:
             for position in range(num_drafts):
                 self.stats.drafted_by_position[position] += 1
                 self.stats.accepted_by_position[position] += position < hits
+                by_position[position] += position < hits
         if drafted:
             self.stats.speculative_steps += 1
             self.stats.draft_tokens += drafted
             self.stats.accepted_tokens += accepted
         self.control.record(drafted, accepted)
+        return drafted, accepted, by_position

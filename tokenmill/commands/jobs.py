@@ -151,6 +151,7 @@ def _job_spec(args: argparse.Namespace):
                              max_file_bytes=args.max_input_bytes)
     return JobSpec(input_uri=args.input or sample_input(), output_uri=args.output or default_output(args.input),
                    model=args.model, sampling=sampling_kwargs(args), engine=engine_kwargs(args),
+                   speculative_config=engine_kwargs(args).get("speculative_config"),
                    shard_size=args.shard_size or DEFAULT_SHARD_SIZE, limits=limits,
                    s3=S3Options(args.s3_endpoint_url, args.s3_region, args.s3_profile),
                    openai_output=args.openai_output)
