@@ -156,8 +156,10 @@ class LLMEngine:
             self.spec.propose(plan)
         num_decode_tokens = sum(1 for s in plan.scheduled
                                 if s.num_new_tokens == 1 and s.seq.num_computed_tokens >= s.seq.num_prompt_tokens)
+        executed = time.perf_counter()
         tokens = self.runner.execute(plan)
         if self.spec:
+            self.spec.observe_step(plan, time.perf_counter() - executed)
             sampled = [seq for _, group in plan.sample_groups() for seq in group]
             self._record_spec(*self.spec.record(plan, {s.seq_id: len(t) for s, t in zip(sampled, tokens, strict=True)}))
         finished = self.scheduler.update(plan, tokens)

@@ -29,8 +29,8 @@ class _Group:
     suffix_len: int  # padded key length of the per-sequence part
     gather_index: torch.Tensor  # [Hkv * num_seqs * blocks] rows of the [Hkv*NB, bs*D] pool view
     mask: torch.Tensor  # additive (0 / -inf), broadcastable to [Hkv, num_seqs, G * max_query_len, suffix_len]
-    pad_index: torch.Tensor | None  # prefill only: flat token -> padded query row
-    unpad_index: torch.Tensor | None  # prefill only: padded row -> flat token
+    pad_index: torch.Tensor | None  # ragged prefill only: flat token -> padded query row
+    unpad_index: torch.Tensor | None  # ragged prefill only: padded row -> flat token
     prefix_index: torch.Tensor | None = None  # [Hkv * shared blocks] rows read once for the group
     prefix_len: int = 0
 
@@ -100,8 +100,10 @@ class TorchAttention(AttentionBackend):
         row = torch.arange(max_q, device=device)
         valid = row[None, :] < q_lens[:, None]  # [S, Lq]
         starts = torch.cumsum(q_lens, 0) - q_lens
-        pad_index = torch.where(valid, starts[:, None] + row[None, :], 0).reshape(-1)
-        unpad_index = valid.reshape(-1).nonzero().squeeze(1)
+        pad_index = unpad_index = None  # equal query lengths (e.g. verifying drafts): no padding to do
+        if min(group.query_lens) != max_q:
+            pad_index = torch.where(valid, starts[:, None] + row[None, :], 0).reshape(-1)
+            unpad_index = valid.reshape(-1).nonzero().squeeze(1)
         query_pos = (ctx_lens - q_lens)[:, None] + row[None, :]  # absolute position of each query row
         key_pos = prefix_len + torch.arange(length, device=device)
         mask = key_pos[None, None, :] <= query_pos[:, :, None]  # causal; also bounds the context
@@ -122,22 +124,24 @@ class TorchAttention(AttentionBackend):
         for grp in self.groups:
             q_grp = q[grp.start:grp.start + grp.num_tokens]
             lq = grp.max_query_len
-            if grp.pad_index is None:  # decode: one query row per sequence
+            if lq == 1:  # decode: one query row per sequence
                 queries = q_grp.view(grp.num_seqs, hkv, g, d).transpose(0, 1)
             else:
-                queries = q_grp.index_select(0, grp.pad_index).view(grp.num_seqs, lq, hkv, g, d)
-                queries = queries.permute(2, 0, 3, 1, 4).reshape(hkv, grp.num_seqs, g * lq, d)
+                padded = q_grp if grp.pad_index is None else q_grp.index_select(0, grp.pad_index)
+                queries = padded.view(grp.num_seqs, lq, hkv, g, d).permute(2, 0, 3, 1, 4).reshape(hkv, grp.num_seqs,
+                                                                                                  g * lq, d)
             keys = k_rows.index_select(0, grp.gather_index).view(hkv, grp.num_seqs, grp.suffix_len, d)
             values = v_rows.index_select(0, grp.gather_index).view(hkv, grp.num_seqs, grp.suffix_len, d)
             if grp.prefix_index is None:
                 attn = F.scaled_dot_product_attention(queries, keys, values, attn_mask=grp.mask)
             else:
                 attn = self._cascade(queries, keys, values, grp, k_rows, v_rows).to(q.dtype)
-            if grp.pad_index is None:
+            if lq == 1:
                 out[grp.start:grp.start + grp.num_tokens] = attn.transpose(0, 1).reshape(grp.num_tokens, -1)
             else:
                 attn = attn.view(hkv, grp.num_seqs, g, lq, d).permute(1, 3, 0, 2, 4).reshape(grp.num_seqs * lq, -1)
-                out[grp.start:grp.start + grp.num_tokens] = attn.index_select(0, grp.unpad_index)
+                rows = attn if grp.unpad_index is None else attn.index_select(0, grp.unpad_index)
+                out[grp.start:grp.start + grp.num_tokens] = rows
         return out
 
     def _cascade(self, queries, keys, values, grp: _Group, k_rows, v_rows) -> torch.Tensor:

@@ -122,10 +122,11 @@ PASSAGES = [
 ]
 
 
-def copy_workload(tokenizer, num_prompts: int = 6, output_len: int = 128) -> Workload:
-    """Requests whose answers repeat their prompt: rewrite a given passage word for word."""
-    instruction = "Copy the following passage exactly, word for word:\n\n"
-    prompts = [chat_ids(tokenizer, instruction + PASSAGES[i % len(PASSAGES)]) for i in range(num_prompts)]
+def copy_workload(tokenizer, num_prompts: int = 6, output_len: int = 192) -> Workload:
+    """Requests whose answers repeat their prompt: rewrite a given text (two passages) word for word."""
+    instruction = "Copy the following text exactly, word for word:\n\n"
+    texts = [PASSAGES[i % len(PASSAGES)] + "\n\n" + PASSAGES[(i + 1) % len(PASSAGES)] for i in range(num_prompts)]
+    prompts = [chat_ids(tokenizer, instruction + text) for text in texts]
     return Workload(prompts, [output_len] * num_prompts)
 
 

@@ -16,9 +16,9 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2  # n-gram: shortest suffix matched
     model: str | None = None  # draft: a causal LM with the target's tokenizer (name or directory)
     draft_layers: int | None = None  # self: leading target layers used as the draft (default: a quarter)
-    max_verify_tokens: int = 32  # adaptive: speculate while decodes x (1 + k) stays within this many tokens
-    min_acceptance: float = 0.3  # adaptive: pause below this draft acceptance rate (moving average)
-    probe_every: int = 32  # adaptive: while paused, try a speculative step this often
+    max_verify_tokens: int = 32  # adaptive: never verify more than this many tokens in one step
+    min_acceptance: float = 0.0  # adaptive: never draft k tokens whose mean estimated acceptance is lower
+    probe_every: int = 32  # adaptive: while no k pays, try a speculative step this often
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:

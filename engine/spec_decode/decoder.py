@@ -3,11 +3,13 @@ and the counters."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from engine.scheduler import SchedulerOutput
 from engine.sequence import Sequence
 from engine.spec_decode.config import SpeculativeConfig
+from engine.spec_decode.cost import StepCost
 from engine.spec_decode.ngram import propose_ngram
 
 
@@ -31,37 +33,74 @@ class SpecStats:
 
 
 class AdaptiveControl:
-    """Speculate only while it pays: few enough decoding sequences that verifying (1 + k) tokens each
-    stays cheap (a memory-bound step), and drafts being accepted often enough. While paused for low
-    acceptance, one speculative step every `probe_every` steps keeps the estimate fresh."""
+    """Speculate only while it pays. Each step picks the number of drafts k (0 = none) that maximises
+    expected tokens per second, B * E(k) / (cost(B * (1 + k)) + k * B * draft cost), where `cost` is the
+    measured cost of a step of that many tokens and the draft cost the measured proposer time per draft.
+    Acceptance is modelled as geometric: E(k) = 1 + q * (a + a^2 + ... + a^k), with a the chance a draft is
+    accepted once the ones before it were, and q the chance the proposer has drafts at all (an n-gram may
+    find no match); both are decayed counts, updated by every speculative step whatever k it used.
+    While no k pays, a speculative step every `probe_every` steps keeps the estimates fresh."""
 
-    def __init__(self, config: SpeculativeConfig) -> None:
+    DECAY = 0.95
+
+    def __init__(self, config: SpeculativeConfig, cost) -> None:
         self.config = config
-        self.acceptance = 1.0  # moving average of the per-step acceptance rate
+        self.cost = cost  # tokens -> seconds of a step
+        self.accepted, self.tested = 4.0, 5.0  # a hopeful prior: a = 0.8
+        self.proposed, self.offered = 1.0, 1.0  # q = 1
+        self.draft_seconds = 0.0  # proposer time per draft token and sequence (0 for n-gram lookups)
         self.steps_since_probe = 0
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.tested
+
+    def expected_tokens(self, k: int) -> float:
+        a, q = self.acceptance, self.proposed / self.offered
+        return 1.0 + q * sum(a ** j for j in range(1, k + 1))
 
     def lookahead(self, num_decoding: int) -> int:
         if num_decoding == 0:
             return 0
-        k = min(self.config.num_speculative_tokens, self.config.max_verify_tokens // num_decoding - 1)
-        if k <= 0:
+        limit = min(self.config.num_speculative_tokens, self.config.max_verify_tokens // num_decoding - 1)
+        if limit <= 0:
             return 0
-        if self.acceptance < self.config.min_acceptance:
-            self.steps_since_probe += 1
-            if self.steps_since_probe < self.config.probe_every:
-                return 0
+        best_k, best_rate = 0, num_decoding / self.cost(num_decoding)
+        if self.acceptance >= self.config.min_acceptance:
+            for k in range(1, limit + 1):
+                seconds = self.cost(num_decoding * (1 + k)) + k * num_decoding * self.draft_seconds
+                rate = num_decoding * self.expected_tokens(k) / seconds
+                if rate > best_rate * 1.03:  # a margin: a tie is not worth the verification
+                    best_k, best_rate = k, rate
+        if best_k:
             self.steps_since_probe = 0
-        return k
+            return best_k
+        self.steps_since_probe += 1
+        if self.steps_since_probe >= self.config.probe_every:
+            self.steps_since_probe = 0
+            return limit
+        return 0
 
-    def record(self, drafted: int, accepted: int) -> None:
-        if drafted:
-            self.acceptance = 0.7 * self.acceptance + 0.3 * accepted / drafted
+    def record(self, offered: int, proposed: int, tested: int, accepted: int) -> None:
+        """One step: sequences given room for drafts, those that got some, drafts tested (up to and
+        including the first rejection), drafts accepted."""
+        if not offered:
+            return
+        d = self.DECAY
+        self.offered, self.proposed = d * self.offered + offered, d * self.proposed + proposed
+        self.tested, self.accepted = d * self.tested + tested, d * self.accepted + accepted
+        self.tested = max(self.tested, 1e-6)
+
+    def record_proposal(self, seconds: float, draft_tokens: int) -> None:
+        if draft_tokens:
+            self.draft_seconds += 0.2 * (seconds / draft_tokens - self.draft_seconds)
 
 
 class SpecDecoder:
     def __init__(self, config: SpeculativeConfig, runner) -> None:
         self.config = config
-        self.control = AdaptiveControl(config)
+        self.cost = StepCost.calibrate(runner.model, config.max_verify_tokens)
+        self.control = AdaptiveControl(config, self.cost)
         self.stats = SpecStats(accepted_by_position=[0] * config.num_speculative_tokens,
                                drafted_by_position=[0] * config.num_speculative_tokens)
         self.draft = None
@@ -79,7 +118,9 @@ class SpecDecoder:
         work = [(s.seq, plan.spec_lookahead[s.seq.seq_id]) for s in plan.scheduled
                 if s.seq.seq_id in plan.spec_lookahead]
         if self.draft is not None and work:
+            started = time.perf_counter()
             self.draft.propose(work)
+            self.control.record_proposal(time.perf_counter() - started, sum(k for _, k in work))
         for seq, k in work:
             if self.draft is None:
                 seq.spec_token_ids = propose_ngram(seq.token_ids, k, self.config.prompt_lookup_min,
@@ -89,13 +130,15 @@ class SpecDecoder:
     def record(self, plan: SchedulerOutput, new_tokens: dict[int, int]) -> tuple[int, int, list[int]]:
         """new_tokens: seq_id -> tokens appended this step, for the sequences that carried drafts.
         Returns this step's (drafted, accepted, accepted by draft position)."""
-        drafted = accepted = 0
+        drafted = accepted = tested = proposed = 0
         by_position = [0] * self.config.num_speculative_tokens
         for seq_id in plan.spec_lookahead:
             num_drafts = plan.spec_drafts.get(seq_id, 0)
+            hits = new_tokens.get(seq_id, 1) - 1
             if not num_drafts:
                 continue
-            hits = new_tokens.get(seq_id, 1) - 1
+            proposed += 1
+            tested += min(hits + 1, num_drafts)
             drafted += num_drafts
             accepted += hits
             for position in range(num_drafts):
@@ -106,5 +149,10 @@ class SpecDecoder:
             self.stats.speculative_steps += 1
             self.stats.draft_tokens += drafted
             self.stats.accepted_tokens += accepted
-        self.control.record(drafted, accepted)
+        self.control.record(len(plan.spec_lookahead), proposed, tested, accepted)
         return drafted, accepted, by_position
+
+    def observe_step(self, plan: SchedulerOutput, seconds: float) -> None:
+        """A decode-only step's duration refines the step-cost model."""
+        if all(s.num_new_tokens == 1 for s in plan.scheduled):
+            self.cost.observe(len(plan.scheduled) + sum(plan.spec_drafts.values()), seconds)

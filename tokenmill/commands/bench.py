@@ -77,7 +77,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     sp.add_argument("--num-speculative-tokens", type=int, default=5, help="k (default: 5)")
     sp.add_argument("--scenarios", default="a,b,c", help="comma-separated subset of a,b,c (default: all)")
     sp.add_argument("--copy-prompts", type=int, default=6, help="requests in scenario a (default: 6)")
-    sp.add_argument("--copy-tokens", type=int, default=128, help="max tokens in scenarios a and c (default: 128)")
+    sp.add_argument("--copy-tokens", type=int, default=192, help="max tokens in scenarios a and c (default: 192)")
     sp.add_argument("--num-prompts", type=int, default=64, help="requests in scenario b (default: 64)")
     sp.add_argument("--no-hf", action="store_true", help="skip the Hugging Face rows of scenario a")
     sp.add_argument("--threads", type=int, default=2, help="torch CPU threads (default: 2)")
