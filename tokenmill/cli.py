@@ -24,7 +24,8 @@ tokenmill: batch inference for large language models.
 
 Jobs of many prompts run through a continuous-batching engine with a paged KV cache and prefix
 caching; results land in a folder or object storage and every job's state sits in SQL.
-Start with `tokenmill generate` (a quick look at the engine) or `tokenmill model list`."""
+Start with `tokenmill run` (the bundled sample job), `tokenmill generate` (a quick look at the engine)
+or `tokenmill stack up` (the whole service on this machine)."""
 
 
 def build_parser() -> argparse.ArgumentParser:

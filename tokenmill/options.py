@@ -23,6 +23,9 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--kv-cache-memory", type=float, metavar="GIB",
                        help="KV pool size in GiB (default: up to 4 GiB on CPU, 90%% of free memory on CUDA)")
     group.add_argument("--no-prefix-caching", action="store_true", help="turn automatic prefix caching off")
+    group.add_argument("--admission-lookahead", type=int, default=32, metavar="N",
+                       help="waiting requests searched for the longest cached prefix when admitting (1: strict "
+                            "first come, first served; default: 32)")
     group.add_argument("--attention-backend", choices=BACKENDS, default="auto",
                        help="paged attention implementation (auto: triton on CUDA, torch on CPU)")
     group.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's choice)")
@@ -38,6 +41,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         model=args.model, dtype=args.dtype, block_size=args.block_size, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=not args.no_prefix_caching,
+        admission_lookahead=args.admission_lookahead,
         attention_backend=args.attention_backend, num_threads=args.threads,
     )
     if args.kv_cache_memory is not None:
