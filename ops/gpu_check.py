@@ -328,6 +328,12 @@ def main(argv: list[str] | None = None) -> int:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        print("gpu check needs the `triton` package: pip install 'tokenmill[gpu]' (make setup installs it)",
+              file=sys.stderr)
+        return 2
     plan = make_plan(args)
     report = Report()
     print(f"tokenmill GPU check: {describe_machine(plan)}", flush=True)
