@@ -174,6 +174,18 @@ def shard_rows(sessions, job_id: str) -> list[dict]:
         return [dict(r) for r in rows.mappings()]
 
 
+def job_events(stack: RunningStack, job_id: str) -> list[dict]:
+    """The events published for one job so far, in order."""
+    from kafka import KafkaConsumer
+
+    consumer = KafkaConsumer("tokenmill.job-events", bootstrap_servers=stack.bootstrap,
+                             auto_offset_reset="earliest", consumer_timeout_ms=3000)
+    try:
+        return [json.loads(m.value) for m in consumer if m.key == job_id.encode()]
+    finally:
+        consumer.close()
+
+
 def wait_for_job(sessions, job_id: str, timeout: float = 180) -> dict:
     """The job row once it reached a final status."""
     return wait_until(lambda: (row := job_row(sessions, job_id)) and row["status"] in TERMINAL and row,

@@ -13,7 +13,7 @@ from sqlalchemy import text
 
 from ingest.submit import send
 from tests.jobs.jobhelpers import assert_each_id_once, prompt_rows, write_parquet
-from tests.service.conftest import job_row, submit_file, wait_for_job, wait_until
+from tests.service.conftest import job_events, job_row, submit_file, wait_for_job, wait_until
 
 pytestmark = pytest.mark.real_model
 STATUSES = ["validating", "queued", "in_progress", "finalizing", "completed"]
@@ -60,14 +60,7 @@ def test_the_readme_walkthrough_shows_the_job_in_status_flower_and_sql(stack, ka
 
 
 def test_every_status_change_is_published_as_an_event(stack, kafka_job) -> None:
-    from kafka import KafkaConsumer
-
-    consumer = KafkaConsumer("tokenmill.job-events", bootstrap_servers=stack.bootstrap,
-                             auto_offset_reset="earliest", consumer_timeout_ms=3000)
-    try:
-        events = [json.loads(m.value) for m in consumer if m.key == kafka_job.id.encode()]
-    finally:
-        consumer.close()
+    events = job_events(stack, kafka_job.id)
     assert [e["status"] for e in events] == STATUSES
     assert [e["previous_status"] for e in events] == [None, *STATUSES[:-1]]
     assert events[-1]["requests"] == {"total": 40, "completed": 40, "failed": 0}

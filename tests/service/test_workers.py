@@ -12,6 +12,7 @@ import pytest
 from storage.formats import MANIFEST_KEY, part_key
 from tests.jobs.jobhelpers import assert_each_id_once, prompt_rows, write_parquet
 from tests.service.conftest import (
+    job_events,
     job_row,
     shard_rows,
     stack_module,
@@ -95,3 +96,5 @@ def test_cancel_during_a_run_keeps_the_finished_shards(stack, sessions, tmp_path
     assert all(store.exists(part_key(i)) for i in completed) and not store.exists(MANIFEST_KEY)
     assert job_row(sessions, job_id)["requests_completed"] == sum(s["rows_completed"] for s in shards
                                                                   if s["status"] == "completed")
+    statuses = [event["status"] for event in job_events(stack, job_id)]
+    assert statuses[-2:] == ["cancelling", "cancelled"], statuses

@@ -287,9 +287,14 @@ def show_status(args: argparse.Namespace) -> int:
 
 def cancel(args: argparse.Namespace) -> int:
     from storage import db
+    from workers import events
+    from workers.config import ServiceConfig
     from workers.jobs import cancel_job
 
+    config = ServiceConfig.from_env()
+    events.install(config.kafka_bootstrap, config.events_topic)  # a no-op outside the service
     job = cancel_job(_sessions(db.resolve_url(args.database_url)), args.job)
+    events.flush()
     note = "; the running process stops at its next step" if job.status == "cancelling" else ""
     print(f"job {job.id} {job.status}{note}")
     return 0
