@@ -1,7 +1,11 @@
 """Job events: every status change of a job is published as one JSON message on the events topic (key: the
-job id) once the transaction that made it commits. Installed by each service process when Kafka is
-configured; without it nothing is published. Publishing never fails the change itself: a broker that is down
-costs the events, not the job.
+job id). Installed by each service process when Kafka is configured; without it nothing is published.
+
+A transaction's events reach the broker just before it commits, so no other process can see a status, and
+publish the next one, before that status's own event is on the topic: a job's events keep their order even
+when each comes from a different process (the CLI's `cancelling`, then a worker's `cancelled`). The price is
+an event for a change whose commit then fails, which is rare. Publishing never fails the change itself: a
+broker that is down costs the events (after a wait of at most a few seconds), not the job.
 
     {"job_id": "...", "status": "in_progress", "previous_status": "queued", "at": "2026-12-06T10:00:00+00:00",
      "source": "kafka", "source_ref": "tokenmill.jobs/0/41", "idempotency_key": "...", "model": "...",
@@ -11,7 +15,6 @@ costs the events, not the job.
 
 from __future__ import annotations
 
-import atexit
 import json
 import logging
 import os
@@ -24,6 +27,7 @@ from storage.models import Job
 
 log = logging.getLogger("tokenmill.events")
 
+SEND_WAIT_MS = 5000
 PENDING = "tokenmill_job_events"  # session.info key: the events of the open transaction, in order
 
 
@@ -37,22 +41,22 @@ class EventPublisher:
         if self._producer is None or self._pid != os.getpid():  # a forked worker child makes its own
             from kafka import KafkaProducer
 
-            self._producer = KafkaProducer(bootstrap_servers=self.bootstrap,
+            self._producer = KafkaProducer(bootstrap_servers=self.bootstrap, max_block_ms=SEND_WAIT_MS,
                                            value_serializer=lambda v: json.dumps(v).encode(),
                                            key_serializer=str.encode)
             self._pid = os.getpid()
         return self._producer
 
-    def publish(self, payload: dict[str, Any]) -> None:
+    def publish(self, payloads: list[dict[str, Any]]) -> None:
+        """Send the events and wait until the broker has them."""
         try:
-            self.producer().send(self.topic, key=payload["job_id"], value=payload)
+            producer = self.producer()
+            for payload in payloads:
+                producer.send(self.topic, key=payload["job_id"], value=payload)
+            producer.flush(timeout=SEND_WAIT_MS / 1000)
         except Exception as error:  # noqa: BLE001 - events are best effort, never fatal to the job
-            log.warning("could not publish the event of job %s (%s): %s", payload["job_id"], payload["status"],
-                        error)
-
-    def flush(self) -> None:
-        if self._producer is not None and self._pid == os.getpid():
-            self._producer.flush(timeout=5)
+            log.warning("could not publish the events %s: %s",
+                        ", ".join(f"{p['job_id']} {p['status']}" for p in payloads), error)
 
 
 _publisher: EventPublisher | None = None
@@ -65,14 +69,8 @@ def install(bootstrap: str | None, topic: str) -> None:
         return
     _publisher = EventPublisher(bootstrap, topic)
     event.listen(Session, "after_flush", _collect)
-    event.listen(Session, "after_commit", _send)
+    event.listen(Session, "before_commit", _send)
     event.listen(Session, "after_rollback", _discard)
-    atexit.register(_publisher.flush)
-
-
-def flush() -> None:
-    if _publisher is not None:
-        _publisher.flush()
 
 
 def _collect(session: Session, _context) -> None:
@@ -85,8 +83,9 @@ def _collect(session: Session, _context) -> None:
 
 
 def _send(session: Session) -> None:
-    for payload in session.info.pop(PENDING, []):
-        _publisher.publish(payload)
+    session.flush()  # commit would flush after this hook; the events of those changes go now too
+    if payloads := session.info.pop(PENDING, []):
+        _publisher.publish(payloads)
 
 
 def _discard(session: Session) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from datetime import UTC, datetime, timedelta
 
 import pytest
 
@@ -80,9 +81,16 @@ def test_a_shard_that_kills_its_worker_every_time_fails_after_the_attempt_limit(
 
 def test_cancel_during_a_run_keeps_the_finished_shards(stack, sessions, tmp_path) -> None:
     job_id = submit_file(stack, write_parquet(tmp_path / "in.parquet", prompt_rows(40, "cancel")),
-                         "--shard-size", "4", "--max-tokens", "48")
-    wait_until(lambda: any(s["status"] == "completed" for s in shard_rows(sessions, job_id)),
-               "a first shard to complete", timeout=240, every=0.1)
+                         "--shard-size", "4", "--max-tokens", "96")
+
+    def a_shard_completed_and_one_just_started() -> bool:
+        # a shard that ends before its worker sees the cancel (it looks once a second) completes instead
+        shards, now = shard_rows(sessions, job_id), datetime.now(UTC)
+        return (any(s["status"] == "completed" for s in shards)
+                and any(s["status"] == "running" and now - s["started_at"] < timedelta(seconds=1) for s in shards))
+
+    wait_until(a_shard_completed_and_one_just_started, "a shard to complete and another to start", timeout=240,
+               every=0.05)
     cancelled_at = time.monotonic()
     tokenmill("cancel", job_id, "--database-url", stack.database_url, env=stack.env)
     job = wait_for_job(sessions, job_id, timeout=60)
