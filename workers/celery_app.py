@@ -56,7 +56,7 @@ def _start_worker_process(**_kwargs) -> None:
     from workers import events
     from workers.worker_engine import process_engine
 
-    events.install(config.kafka_bootstrap, config.events_topic)
+    events.install(config)
     if os.environ.get("TOKENMILL_WORKER_PRELOAD"):
         try:
             process_engine()

@@ -18,12 +18,15 @@ from __future__ import annotations
 import json
 import logging
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import event, inspect
 from sqlalchemy.orm import Session
 
 from storage.models import Job
+
+if TYPE_CHECKING:
+    from workers.config import ServiceConfig
 
 log = logging.getLogger("tokenmill.events")
 
@@ -62,12 +65,12 @@ class EventPublisher:
 _publisher: EventPublisher | None = None
 
 
-def install(bootstrap: str | None, topic: str) -> None:
-    """Publish job status changes from this process (once; a no-op without a bootstrap server)."""
+def install(config: ServiceConfig) -> None:
+    """Publish job status changes from this process (once; a no-op without a Kafka broker configured)."""
     global _publisher
-    if not bootstrap or _publisher is not None:
+    if not config.kafka_bootstrap or _publisher is not None:
         return
-    _publisher = EventPublisher(bootstrap, topic)
+    _publisher = EventPublisher(config.kafka_bootstrap, config.events_topic)
     event.listen(Session, "after_flush", _collect)
     event.listen(Session, "before_commit", _send)
     event.listen(Session, "after_rollback", _discard)

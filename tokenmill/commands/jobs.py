@@ -292,7 +292,7 @@ def cancel(args: argparse.Namespace) -> int:
     from workers.jobs import cancel_job
 
     config = ServiceConfig.from_env()
-    events.install(config.kafka_bootstrap, config.events_topic)  # a no-op outside the service
+    events.install(config)  # a no-op outside the service
     job = cancel_job(_sessions(db.resolve_url(args.database_url)), args.job)
     note = "; the running process stops at its next step" if job.status == "cancelling" else ""
     print(f"job {job.id} {job.status}{note}")

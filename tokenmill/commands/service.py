@@ -356,7 +356,7 @@ def consumer(args: argparse.Namespace) -> int:
     config = _service_config()
     if not config.kafka_bootstrap:
         raise ValueError("no Kafka broker: set TOKENMILL_KAFKA_BOOTSTRAP (or start the stack)")
-    events.install(config.kafka_bootstrap, config.events_topic)
+    events.install(config)
     run_forever(JobConsumer(_intake(), config.kafka_bootstrap, config.jobs_topic, config.consumer_group))
     return 0
 
@@ -368,6 +368,6 @@ def watcher(args: argparse.Namespace) -> int:
     config = _service_config()
     if not config.inbox_uri or not config.bucket_uri:
         raise ValueError("no S3 inbox: set TOKENMILL_BUCKET_URI (or TOKENMILL_INBOX_URI), or start the stack")
-    events.install(config.kafka_bootstrap, config.events_topic)
+    events.install(config)
     InboxWatcher(_intake(), config.inbox_uri, config.in_bucket("results"), args.settle).run(interval_s=args.interval)
     return 0
