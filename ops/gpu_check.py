@@ -30,9 +30,9 @@ from pathlib import Path
 
 import torch
 
-from engine.bench import throughput as tp
-from engine.bench.tiny_model import SMOLLM2_135M, TINY, save_random_model
-from engine.bench.workload import Workload, mixed_chat_workload
+from tokenmill.bench import throughput as tp
+from tokenmill.bench.tiny_model import SMOLLM2_135M, TINY, save_random_model
+from tokenmill.bench.workload import Workload, mixed_chat_workload
 
 TIME_BUDGET_S = 480
 DTYPE = "bfloat16"
@@ -136,7 +136,7 @@ def pick_model(args: argparse.Namespace, plan: Plan, workdir: Path) -> tuple[Pat
 
 @contextlib.contextmanager
 def hf_models_on(device: torch.device):
-    """The HF baselines of engine/bench/throughput.py load on CPU: move their models and inputs to `device`."""
+    """The HF baselines of tokenmill/bench/throughput.py load on CPU: move their models and inputs to `device`."""
     load = tp.load_hf_model
 
     def load_on_device(model_dir, dtype):

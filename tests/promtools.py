@@ -27,7 +27,7 @@ def sample_names(family: Metric) -> set[str]:
 @functools.cache
 def exported_names() -> frozenset[str]:
     from engine import LLMEngine
-    from engine.bench.tiny_model import save_random_model
+    from tokenmill.bench.tiny_model import save_random_model
 
     with tempfile.TemporaryDirectory() as model_dir:
         save_random_model(model_dir)

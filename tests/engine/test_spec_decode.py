@@ -11,7 +11,7 @@ MAX_TOKENS = 24
 
 @pytest.fixture(scope="module")
 def prompts(tokenizer):
-    from engine.bench.workload import chat_ids, questions
+    from tokenmill.bench.workload import chat_ids, questions
 
     copying = [chat_ids(tokenizer, f"Repeat this text exactly:\n{PASSAGE[:200 + 40 * i]}") for i in range(8)]
     return copying + [chat_ids(tokenizer, q) for q in questions()[:8]]

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from engine.bench.workload import PASSAGES
 from ingest.spec import SpecError, parse_request
 from storage.objectstore import open_store
 from tests.jobs.jobhelpers import assert_each_id_once, write_parquet
+from tokenmill.bench.workload import PASSAGES
 from workers.jobs import JobSpec, run_job, submit
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4}

@@ -130,9 +130,9 @@ def run_throughput(args: argparse.Namespace) -> int:
     from rich.console import Console
     from transformers import AutoTokenizer
 
-    from engine.bench import throughput as tp
-    from engine.bench.workload import mixed_chat_workload
     from engine.model_loader import resolve_model
+    from tokenmill.bench import throughput as tp
+    from tokenmill.bench.workload import mixed_chat_workload
 
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     unknown = set(systems) - set(SYSTEMS)
@@ -199,8 +199,8 @@ def write_throughput_plots(args: argparse.Namespace, model_dir, dtypes: list[str
     """The concurrency sweep and its table, then both PNGs under --plots."""
     from pathlib import Path
 
-    from engine.bench import plots
-    from engine.bench import throughput as tp
+    from tokenmill.bench import plots
+    from tokenmill.bench import throughput as tp
 
     if not latencies:
         console.print("plots skipped: they show the tokenmill system, which was not run")
@@ -224,7 +224,7 @@ def run_latency(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from engine import EngineConfig, LLMEngine
-    from engine.bench import latency
+    from tokenmill.bench import latency
 
     if args.output_tokens < 2 or args.prompt_tokens < 1 or args.requests < 1:
         raise ValueError("--output-tokens must be at least 2, --prompt-tokens and --requests at least 1")
@@ -248,9 +248,9 @@ def run_prefix(args: argparse.Namespace) -> int:
     from rich.console import Console
     from transformers import AutoTokenizer
 
-    from engine.bench import throughput as tp
-    from engine.bench.workload import interleaved_templates_workload, shared_prefix_workload
     from engine.model_loader import resolve_model
+    from tokenmill.bench import throughput as tp
+    from tokenmill.bench.workload import interleaved_templates_workload, shared_prefix_workload
 
     torch.set_num_threads(args.threads)
     logging.getLogger("ContinuousBatchingLogger").setLevel(logging.WARNING)
@@ -299,9 +299,9 @@ def run_spec(args: argparse.Namespace) -> int:
     from rich.console import Console
     from transformers import AutoTokenizer
 
-    from engine.bench import spec
-    from engine.bench.workload import copy_workload, long_tail_workload, mixed_chat_workload
     from engine.model_loader import resolve_model
+    from tokenmill.bench import spec
+    from tokenmill.bench.workload import copy_workload, long_tail_workload, mixed_chat_workload
 
     torch.set_num_threads(args.threads)
     console = Console(width=max(Console().width, 150))
@@ -343,7 +343,7 @@ def run_capacity(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from engine.bench import capacity
+    from tokenmill.bench import capacity
 
     if args.bytes_per_token is None and args.model_shape not in capacity.MODEL_SHAPES:
         raise ValueError(f"unknown --model-shape {args.model_shape!r}; known: {sorted(capacity.MODEL_SHAPES)}")
