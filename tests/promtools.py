@@ -14,7 +14,7 @@ import pytest
 from prometheus_client.metrics_core import Metric
 
 from engine.prometheus import EngineMetrics, new_registry
-from tokenmill.metrics import JobMetricsCollector
+from workers.job_metrics import JobMetricsCollector
 
 SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count")}
 TOKENMILL_NAME = re.compile(r"\btokenmill:[A-Za-z0-9_:]+")

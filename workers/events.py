@@ -26,7 +26,7 @@ from sqlalchemy.orm import Session
 from storage.models import Job
 
 if TYPE_CHECKING:
-    from workers.config import ServiceConfig
+    from ingest.config import ServiceConfig
 
 log = logging.getLogger("tokenmill.events")
 

@@ -212,7 +212,7 @@ def _use_stack(args: argparse.Namespace) -> None:
 
 
 def _service_config():
-    from workers.config import ServiceConfig
+    from ingest.config import ServiceConfig
 
     return ServiceConfig.from_env()
 
@@ -264,7 +264,7 @@ def _wait(job_id: str, timeout_s: float) -> int:
 
 
 def schedule_add(args: argparse.Namespace) -> int:
-    from workers.schedules import add_schedule
+    from ingest.schedules import add_schedule
 
     settings = {"sampling": sampling_kwargs(args), "shard_size": args.shard_size, "priority": args.priority}
     schedule = add_schedule(_sessions(), args.name, args.cron, args.input, args.output, args.model, settings)
@@ -276,7 +276,7 @@ def schedule_list(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from workers.schedules import list_schedules
+    from ingest.schedules import list_schedules
 
     rows = list_schedules(_sessions())
     table = Table("name", "cron (UTC)", "model", "input", "output", "last date", "last job")
@@ -288,7 +288,7 @@ def schedule_list(args: argparse.Namespace) -> int:
 
 
 def schedule_remove(args: argparse.Namespace) -> int:
-    from workers.schedules import remove_schedule
+    from ingest.schedules import remove_schedule
 
     remove_schedule(_sessions(), args.name)
     print(f"schedule {args.name} removed")
