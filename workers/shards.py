@@ -104,11 +104,10 @@ class ShardExecution:
         except Exception as problem:  # a chat template or tokenizer refusing this row's content
             code = "invalid_messages" if request.endpoint == CHAT else "invalid_prompt"
             return error(code, f"could not tokenize the row: {problem}")
-        limit = self.engine.max_model_len
-        if len(token_ids) + params.max_tokens > limit:
-            return error("context_length_exceeded",
-                         f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
-                         f"model's context of {limit} tokens")
+        from engine.sampling_params import context_length_error  # the engine's own check, imported lazily
+
+        if too_long := context_length_error(len(token_ids), params.max_tokens, self.engine.max_model_len):
+            return error("context_length_exceeded", too_long)
         return token_ids, params
 
     def _tokenize(self, request: Request) -> list[int]:

@@ -39,8 +39,8 @@ def row_level_problems_input(path: Path) -> tuple[Path, dict[str, str]]:
                          "temperature": temperature}, row_group_size=4, schema=schema)
     return path, {
         "null-prompt": "missing_prompt: prompt is null or empty",
-        "too-long": "context_length_exceeded: prompt (9001 tokens) + max_tokens (8) exceeds the model's context "
-                    "of 8192 tokens",
+        "too-long": "context_length_exceeded: prompt (9001 tokens) + max_tokens (8) exceeds max_model_len (8192), "
+                    "the model's context",
         "negative-max-tokens": "invalid_parameter: max_tokens must be an integer >= 1, got -5",
         "string-temperature": "invalid_parameter: temperature must be a number >= 0, got '0.7'",
     }
