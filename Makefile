@@ -1,11 +1,12 @@
-# tokenmill: `make demo` runs the sample job, `make test` runs the test suite; both set up .venv first.
+# tokenmill: `make demo` runs the sample job, `make test` runs the test suite, `make unit` its fast tier (no
+# service, no real model, nothing slow; see tests/conftest.py); all set up .venv first.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
 STAMP := $(VENV)/.installed
 TESTS ?= tests
 
-.PHONY: setup demo test lint bench clean-venv
+.PHONY: setup demo test unit lint bench clean-venv
 
 setup: $(STAMP)
 
@@ -25,6 +26,10 @@ test: setup
 	./ops/ensure_tools.sh
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/pytest -q $(TESTS)
+
+unit: setup
+	./ops/ensure_tools.sh
+	$(VENV)/bin/pytest -q -m "not real_model and not service and not slow" $(TESTS)
 
 lint: setup
 	$(VENV)/bin/ruff check .

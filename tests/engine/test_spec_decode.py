@@ -66,6 +66,7 @@ def test_sampled_speculation_respects_limits_and_seeds(model_dir, tokenizer):
     assert llm.engine.spec.stats.draft_tokens > 0
 
 
+@pytest.mark.real_model
 def test_bad_speculative_config_is_refused():
     with pytest.raises(ValueError, match="method must be one of"):
         LLM(speculative_config={"method": "magic"})
