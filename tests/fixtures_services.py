@@ -31,7 +31,7 @@ def pg_databases() -> Iterator:
     try:
         with admin.connect() as connection:
             connection.execute(text("SELECT 1"))
-    except Exception as error:  # noqa: BLE001
+    except Exception as error:
         pytest.fail(f"PostgreSQL is not reachable at {PG_ADMIN_URL} (set TOKENMILL_TEST_PG_URL): {error}")
     created: list[str] = []
 

@@ -395,7 +395,7 @@ def prefix_table(results, title: str, baseline_system: str):
                   "x HF static", "x HF continuous", title=f"{title} (baseline: {baseline_system})")
     by_system = {r.system: r for r in results}
     for r in results:
-        fmt = lambda value: "-" if value is None else f"{value:,}"  # noqa: E731
+        fmt = lambda value: "-" if value is None else f"{value:,}"
         references = [by_system.get(name) for name in (baseline_system, "HF static batching", "HF continuous batching")]
         table.add_row(r.system, fmt(r.prefill_tokens), fmt(r.preemptions), f"{r.seconds:.1f}",
                       f"{r.tokens_per_second:.1f}", *(speedup(r, ref) for ref in references))
