@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import socket
 import subprocess
 import sys
@@ -10,12 +11,13 @@ from pathlib import Path
 
 import pyarrow as pa
 import pytest
-from sqlalchemy import func, select
+from sqlalchemy import func, select, text
 
 from ingest.intake import idempotency_key, submit
 from ingest.spec import NewJob
 from storage import repository as repo
 from storage.formats import Limits
+from storage.job_settings import JobSettings
 from storage.models import Job, Shard
 from tests.jobs.jobhelpers import new_job, no_engine, prompt_rows, write_parquet
 from workers.jobs import JobBusy, cancel_job, run_job
@@ -159,3 +161,18 @@ def test_an_empty_input_completes_without_loading_the_model(sessions, tmp_path: 
     job = run_job(sessions, submit(sessions, spec(path, tmp_path / "out")).job.id, no_engine)
     assert job.status == "completed" and job.requests_total == 0
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["errors.jsonl", "manifest.json"]
+
+
+def test_settings_are_stored_as_json_and_read_back_typed(sessions, tmp_path: Path) -> None:
+    path = write_parquet(tmp_path / "in.parquet", prompt_rows(3))
+    job = submit(sessions, spec(path, tmp_path / "out", sampling={"max_tokens": 3}, engine={"max_num_seqs": 4},
+                                shard_size=2)).job
+    with sessions() as session:
+        stored = session.execute(text("SELECT settings FROM jobs WHERE id = :id"), {"id": job.id}).scalar_one()
+        settings = repo.get_job(session, job.id).settings
+    raw = json.loads(stored) if isinstance(stored, str) else stored  # plain JSON in the column
+    assert (raw["shard_size"], raw["executor"], raw["sampling"]) == (2, "local", {"max_tokens": 3})
+    assert isinstance(settings, JobSettings) and settings.executor == "local"
+    assert (settings.sampling, settings.engine, settings.shard_size) == ({"max_tokens": 3}, {"max_num_seqs": 4}, 2)
+    with pytest.raises(ValueError, match="shard_size"):
+        spec(path, tmp_path / "out", shard_size=0)
