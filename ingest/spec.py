@@ -9,8 +9,9 @@
 Only `output_uri` and one of `input_uri` / `rows` are required (the S3 inbox supplies both). Unknown fields
 are refused, so a typo does not silently run with defaults.
 
-A job exists in three forms: this JSON, the `JobRequest` that validates it (once, here), and the
-`storage.job_settings.JobSettings` stored on the job row.
+A job exists in three forms: this JSON, the `JobRequest` that validates it (once, here; `tokenmill run` builds
+one too), and the `storage.job_settings.JobSettings` stored on the job row. `JobRequest.to_job` wraps the
+settings with where the job reads and writes and who sent it (`NewJob`), which `ingest.intake.submit` creates.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from engine.config import DEFAULT_MODEL, EngineConfig
 from engine.spec_decode.config import SpeculativeConfig
 from ingest.sampling import sampling_params
 from storage.formats import Limits
-from storage.job_settings import CELERY, DEFAULT_SHARD_SIZE, JobSettings
+from storage.job_settings import CELERY, DEFAULT_SHARD_SIZE, JobSettings, ShardSize
 from storage.models import JobSource
 from storage.objectstore import S3Options, check_output_uri, normalize_uri
 
@@ -62,7 +63,7 @@ class JobRequest(BaseModel):
     sampling: dict[str, Any] = Field(default_factory=dict)
     engine: dict[str, Any] = Field(default_factory=dict)  # only `tokenmill run` honours these (see to_job)
     speculative_config: dict[str, Any] | None = None  # {"method": "ngram", "num_speculative_tokens": 5, ...}
-    shard_size: int = Field(default=DEFAULT_SHARD_SIZE, ge=1)
+    shard_size: ShardSize = DEFAULT_SHARD_SIZE
     priority: int = 0
     openai_output: bool = False
     idempotency_key: str | None = Field(default=None, min_length=1, max_length=200)

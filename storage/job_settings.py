@@ -4,7 +4,7 @@ validates the parts only the engine knows: sampling, speculative decoding, engin
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_serializer
 from sqlalchemy import JSON
@@ -16,6 +16,7 @@ from storage.objectstore import S3Options
 
 DEFAULT_SHARD_SIZE = 500
 LOCAL, CELERY = "local", "celery"  # who runs a job: `tokenmill run` in process, or the Celery workers
+ShardSize = Annotated[int, Field(ge=1)]  # rows per shard
 
 
 class JobSettings(BaseModel):
@@ -24,7 +25,7 @@ class JobSettings(BaseModel):
     sampling: dict[str, Any] = Field(default_factory=dict)  # SamplingParams defaults; rows may override
     engine: dict[str, Any] = Field(default_factory=dict)  # EngineConfig settings (local jobs only)
     speculative_config: dict[str, Any] | None = None  # the job's speculative decoding (None: the engine's own)
-    shard_size: int = Field(default=DEFAULT_SHARD_SIZE, ge=1)
+    shard_size: ShardSize = DEFAULT_SHARD_SIZE
     limits: Limits = Field(default_factory=Limits)
     s3: S3Options = Field(default_factory=S3Options)
     openai_output: bool = False

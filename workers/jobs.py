@@ -8,8 +8,6 @@ once in a part file or in the error file.
 
 from __future__ import annotations
 
-import logging
-
 from sqlalchemy.orm import Session, sessionmaker
 
 from storage import repository as repo
@@ -19,8 +17,6 @@ from storage.states import CANCELLABLE, transition
 from workers.runner import EngineProvider, JobBusy, JobRunner, NoProgress, Progress, mark_cancelled
 
 __all__ = ["JobBusy", "NoProgress", "Progress", "cancel_job", "run_job"]
-
-log = logging.getLogger("tokenmill.jobs")
 
 S = JobStatus
 

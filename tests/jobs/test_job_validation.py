@@ -42,7 +42,7 @@ def corrupt_data_pages(path: Path) -> None:
 
 
 def bad_inputs(tmp: Path) -> list[tuple[Path, dict, str]]:
-    """(input file, extra JobSpec arguments, expected message) for each file-level problem."""
+    """(input file, extra JobRequest fields, expected message) for each file-level problem."""
     cases = []
     (tmp / "text.parquet").write_text("custom_id,prompt\n1,hello\n")
     cases.append((tmp / "text.parquet", {}, "is not a Parquet file"))
