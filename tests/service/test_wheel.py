@@ -28,7 +28,7 @@ pytestmark = pytest.mark.real_model
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("tokenmill", "engine", "storage", "ingest", "workers", "migrations")
 NOT_SHIPPED = (".git", ".venv", "__pycache__", "build", "dist", "*.egg-info", "bench-out", "tokenmill-output",
-               ".pytest_cache", ".ruff_cache")
+               ".tokenmill", ".pytest_cache", ".ruff_cache")
 
 
 def run(command: list[str], *, timeout: float, **kwargs) -> subprocess.CompletedProcess:
