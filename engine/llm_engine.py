@@ -257,22 +257,31 @@ class LLMEngine:
         )
 
     def stream(self, requests: Iterable[tuple[str | None, Prompt, SamplingParams]],
-               max_pending: int | None = None) -> Iterator[RequestOutput]:
+               max_pending: int | None = None,
+               should_stop: Callable[[], bool] | None = None) -> Iterator[RequestOutput]:
         """Feed requests as they come (lazily, keeping at most `max_pending` in the engine) and yield
-        each finished output as soon as it is ready."""
+        each finished output as soon as it is ready. `should_stop` is asked before each step; when it says
+        so, or the caller stops iterating, the requests this stream added that have not finished are aborted."""
         max_pending = max_pending or 2 * self.config.max_num_seqs
         source = iter(requests)
         exhausted = False
-        while True:
-            while not exhausted and self.num_unfinished_requests < max_pending:
-                item = next(source, None)
-                if item is None:
-                    exhausted = True
-                else:
-                    self.add_request(*item)
-            if not self.has_unfinished_requests():
-                return
-            yield from self.step()
+        added: set[str] = set()
+        try:
+            while True:
+                while not exhausted and self.num_unfinished_requests < max_pending:
+                    item = next(source, None)
+                    if item is None:
+                        exhausted = True
+                    else:
+                        added.add(self.add_request(*item))
+                if not self.has_unfinished_requests() or (should_stop is not None and should_stop()):
+                    return
+                for output in self.step():
+                    added.discard(output.request_id)
+                    yield output
+        finally:
+            for request_id in added:
+                self.abort(request_id)
 
 
 def eos_token_ids(model_dir, tokenizer) -> set[int]:

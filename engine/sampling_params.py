@@ -54,5 +54,13 @@ class SamplingParams:
         return self.temperature == 0
 
 
+def context_length_error(num_prompt_tokens: int, max_tokens: int, max_model_len: int) -> str | None:
+    """Why a prompt and its max_tokens do not fit the model's context, or None when they do."""
+    if num_prompt_tokens + max_tokens <= max_model_len:
+        return None
+    return (f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds max_model_len "
+            f"({max_model_len}), the model's context")
+
+
 def _is_number(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from engine.block_pool import KVCacheManager
+from engine.sampling_params import context_length_error
 from engine.sequence import FinishReason, Sequence, SequenceStatus
 
 
@@ -77,9 +78,8 @@ class Scheduler:
         prompt_len, max_tokens = seq.num_prompt_tokens, seq.params.max_tokens
         if prompt_len == 0:
             return "the prompt is empty"
-        if prompt_len + max_tokens > self.limits.max_model_len:
-            return (f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds "
-                    f"max_model_len ({self.limits.max_model_len})")
+        if too_long := context_length_error(prompt_len, max_tokens, self.limits.max_model_len):
+            return too_long
         needed = self.kv.blocks_needed(prompt_len + max_tokens)
         if needed > self.kv.usable_blocks:
             return f"needs {needed} KV blocks but the pool has only {self.kv.usable_blocks}"

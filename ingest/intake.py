@@ -1,29 +1,110 @@
 """What every front door does with a valid job spec: store inline rows as a Parquet file, create the job once
 (a second arrival with the same idempotency key finds it and changes nothing), and hand a job that still
-waits for validation to the workers."""
+waits for validation to the workers through the `dispatch` function it is given (ingest imports no workers).
+
+`submit` is the one way a job row is made, for the front doors and for `tokenmill run` alike."""
 
 from __future__ import annotations
 
 import hashlib
 import io
+import logging
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
-from ingest.spec import JobRequest, SpecError
-from storage.models import JobStatus
-from storage.objectstore import S3Options, open_store
-from workers.jobs import Submission, submit
+from ingest.spec import JobRequest, NewJob, SpecError
+from storage import repository as repo
+from storage.job_settings import CELERY
+from storage.liveness import runner_alive
+from storage.models import Job, JobStatus, utcnow
+from storage.objectstore import S3Options, normalize_uri, open_store
+from storage.states import is_terminal, transition
+
+log = logging.getLogger("tokenmill.jobs")
+
+S = JobStatus
+
+
+@dataclass
+class Submission:
+    job: Job
+    outcome: str  # created | resumed | retried | finished | duplicate
+
+
+def idempotency_key(input_uri: str, output_uri: str) -> str:
+    """Same input and output means same job: the CLI resumes it instead of starting another."""
+    canonical = f"{normalize_uri(input_uri)}\n{normalize_uri(output_uri)}"
+    return "cli-" + hashlib.sha256(canonical.encode()).hexdigest()[:40]
+
+
+def submit(sessions: sessionmaker[Session], new: NewJob, reopen: bool = True) -> Submission:
+    """Create the job, or find it again by its idempotency key. With `reopen` (the CLI's resubmission) a failed
+    or cancelled job is retried; without it (a redelivered message) the job found is left as it is."""
+    key = new.idempotency_key or idempotency_key(new.input_uri, new.output_uri)
+    try:
+        with sessions.begin() as session:
+            job = repo.job_by_key(session, key)
+            if job is not None:
+                return Submission(job, _reopen(job, new) if reopen else "duplicate")
+            _check_id_free(session, new.job_id)
+            now = utcnow()
+            job = Job(id=new.job_id or str(uuid.uuid4()), idempotency_key=key, source=new.source,
+                      source_ref=new.source_ref, status=S.VALIDATING.value, model=new.model,
+                      input_uri=new.input_uri, output_uri=new.output_uri, settings=new.settings,
+                      priority=new.priority, created_at=now, validating_at=now)
+            session.add(job)
+            return Submission(job, "created")
+    except IntegrityError:  # submitted concurrently by someone else: that one wins
+        with sessions() as session:
+            job = repo.job_by_key(session, key)
+        if job is None:  # the clash was on the job id, not the key
+            raise
+        return Submission(job, "resumed" if reopen else "duplicate")
+
+
+def _check_id_free(session: Session, job_id: str | None) -> None:
+    if job_id is not None and session.get(Job, job_id) is not None:
+        raise ValueError(f"job id {job_id} is taken by a job with another idempotency key")
+
+
+def _reopen(job: Job, new: NewJob) -> str:
+    if job.status == S.COMPLETED:
+        return "finished"
+    _update_settings(job, new)
+    if job.status == S.CANCELLING and not runner_alive(job):
+        transition(job, S.CANCELLED)
+    if is_terminal(job.status):
+        transition(job, S.VALIDATING)
+        return "retried"
+    return "resumed"
+
+
+def _update_settings(job: Job, new: NewJob) -> None:
+    """Before any shard ran, a resubmission may change the settings; afterwards they are fixed."""
+    wanted = new.settings.model_dump(exclude={"input_fingerprint", "input_format"})
+    current = job.settings.model_dump()
+    changed = sorted(k for k, v in wanted.items() if current[k] != v)
+    if not changed and job.model == new.model:
+        return
+    if any(shard.attempts for shard in job.shards):
+        log.warning("job %s keeps the settings it started with; ignoring changes to %s", job.id,
+                    ", ".join(changed + (["model"] if job.model != new.model else [])))
+        return
+    job.settings = job.settings.model_copy(update={k: getattr(new.settings, k) for k in wanted})
+    job.model = new.model
 
 
 @dataclass
 class Intake:
     sessions: sessionmaker[Session]
     s3: S3Options
-    dispatch: Callable[[str], None]  # job id -> queued for validation (workers.tasks.dispatch_job)
+    dispatch: Callable[[str], None]  # job id -> queued for validation (the workers' dispatch_job)
     inline_uri: str | None = None  # where inline rows are stored
 
     def accept(self, request: JobRequest, *, source: str, source_ref: str, default_key: str) -> Submission:
@@ -32,8 +113,8 @@ class Intake:
         if request.rows is not None:
             request = request.model_copy(update={"input_uri": self._store_rows(request.rows, key), "rows": None})
         try:
-            submission = submit(self.sessions, request.job_spec(source=source, source_ref=source_ref,
-                                                                idempotency_key=key, s3=self.s3), reopen=False)
+            new = request.to_job(executor=CELERY, source=source, source_ref=source_ref, default_key=key, s3=self.s3)
+            submission = submit(self.sessions, new, reopen=False)
         except ValueError as error:  # e.g. an unsafe output URI, a job id already taken
             raise SpecError(str(error)) from None
         if submission.job.status == JobStatus.VALIDATING:  # also when an earlier arrival was not handed out

@@ -61,7 +61,7 @@ class JobConsumer:
             partition = TopicPartition(record.topic, record.partition)
             try:
                 self.handle(record)
-            except Exception:  # noqa: BLE001 - the database or S3 is down: try this message again
+            except Exception:  # the database or S3 is down: try this message again
                 log.exception("could not record %s/%d/%d; retrying", record.topic, record.partition, record.offset)
                 consumer.seek(partition, record.offset)
                 return False

@@ -61,7 +61,7 @@ class InboxWatcher:
         while not stop.is_set():
             try:
                 self.scan()
-            except Exception:  # noqa: BLE001 - S3 or the database is down: the next scan tries again
+            except Exception:  # S3 or the database is down: the next scan tries again
                 log.exception("scan of %s failed", self.store.uri)
             stop.wait(interval_s)
 

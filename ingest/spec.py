@@ -8,28 +8,49 @@
 
 Only `output_uri` and one of `input_uri` / `rows` are required (the S3 inbox supplies both). Unknown fields
 are refused, so a typo does not silently run with defaults.
+
+A job exists in three forms: this JSON, the `JobRequest` that validates it (once, here; `tokenmill run` builds
+one too), and the `storage.job_settings.JobSettings` stored on the job row. `JobRequest.to_job` wraps the
+settings with where the job reads and writes and who sent it (`NewJob`), which `ingest.intake.submit` creates.
 """
 
 from __future__ import annotations
 
 import json
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from engine.config import DEFAULT_MODEL
+from engine.config import DEFAULT_MODEL, EngineConfig
 from engine.spec_decode.config import SpeculativeConfig
+from ingest.sampling import sampling_params
 from storage.formats import Limits
+from storage.job_settings import CELERY, DEFAULT_SHARD_SIZE, JobSettings, ShardSize
+from storage.models import JobSource
 from storage.objectstore import S3Options, check_output_uri, normalize_uri
-from workers.jobs import CELERY, DEFAULT_SHARD_SIZE, JobSpec
-from workers.shards import sampling_params
 
 MAX_INLINE_ROWS = 10_000
 
 
 class SpecError(ValueError):
     """A message or sidecar that is not a valid job spec; the message says which field and why."""
+
+
+@dataclass
+class NewJob:
+    """A validated job ready to be created: where it reads and writes, who sent it, and its settings."""
+
+    input_uri: str
+    output_uri: str
+    model: str
+    settings: JobSettings
+    source: str = JobSource.CLI.value
+    source_ref: str | None = None
+    priority: int = 0
+    idempotency_key: str | None = None  # default: derived from the input and output URIs
+    job_id: str | None = None  # default: a new UUID
 
 
 class JobRequest(BaseModel):
@@ -40,9 +61,9 @@ class JobRequest(BaseModel):
     output_uri: str | None = None
     model: str = Field(default=DEFAULT_MODEL, min_length=1, max_length=512)
     sampling: dict[str, Any] = Field(default_factory=dict)
-    engine: dict[str, Any] = Field(default_factory=dict)
+    engine: dict[str, Any] = Field(default_factory=dict)  # only `tokenmill run` honours these (see to_job)
     speculative_config: dict[str, Any] | None = None  # {"method": "ngram", "num_speculative_tokens": 5, ...}
-    shard_size: int = Field(default=DEFAULT_SHARD_SIZE, ge=1)
+    shard_size: ShardSize = DEFAULT_SHARD_SIZE
     priority: int = 0
     openai_output: bool = False
     idempotency_key: str | None = Field(default=None, min_length=1, max_length=200)
@@ -67,6 +88,15 @@ class JobRequest(BaseModel):
             raise ValueError(str(error).replace("SamplingParams.__init__()", "sampling")) from None
         return value
 
+    @field_validator("engine")
+    @classmethod
+    def _engine(cls, value: dict[str, Any]) -> dict[str, Any]:
+        try:
+            EngineConfig.from_kwargs(**value)
+        except TypeError as error:  # an unknown setting name
+            raise ValueError(str(error)) from None
+        return value
+
     @field_validator("speculative_config")
     @classmethod
     def _speculative(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -80,17 +110,24 @@ class JobRequest(BaseModel):
             raise ValueError("give exactly one of input_uri or rows")
         return self
 
-    def job_spec(self, *, source: str, source_ref: str, idempotency_key: str, s3: S3Options) -> JobSpec:
-        """The spec `workers.jobs.submit` takes; the input must be a URI by now (inline rows stored first)."""
+    def to_job(self, *, executor: str, source: str = JobSource.CLI.value, source_ref: str | None = None,
+               default_key: str | None = None, limits: Limits | None = None, s3: S3Options | None = None) -> NewJob:
+        """The job to create; the input must be a URI by now (inline rows stored first). The Celery workers run
+        the engine they loaded, so a job for them that sets engine settings is refused, not silently run
+        without them."""
         if self.input_uri is None or self.output_uri is None:
             raise SpecError("the job needs an input_uri and an output_uri")
-        return JobSpec(input_uri=self.input_uri, output_uri=self.output_uri, model=self.model,
-                       sampling=self.sampling, engine=self.engine, shard_size=self.shard_size,
-                       limits=Limits.from_env(), s3=s3, openai_output=self.openai_output, source=source,
-                       source_ref=source_ref, priority=self.priority,
-                       idempotency_key=self.idempotency_key or idempotency_key,
-                       job_id=str(self.job_id) if self.job_id else None, executor=CELERY,
-                       speculative_config=self.speculative_config)
+        if executor == CELERY and self.engine:
+            raise SpecError(f"engine: the service's workers run the engine they loaded (tokenmill worker "
+                            f"--kv-cache-memory ...), so a job cannot set {', '.join(sorted(self.engine))}; "
+                            f"a job may set speculative_config")
+        settings = JobSettings(sampling=self.sampling, engine=self.engine, speculative_config=self.speculative_config,
+                               shard_size=self.shard_size, limits=limits or Limits.from_env(), s3=s3 or S3Options(),
+                               openai_output=self.openai_output, executor=executor)
+        return NewJob(input_uri=self.input_uri, output_uri=self.output_uri, model=self.model, settings=settings,
+                      source=source, source_ref=source_ref, priority=self.priority,
+                      idempotency_key=self.idempotency_key or default_key,
+                      job_id=str(self.job_id) if self.job_id else None)
 
 
 def parse_request(payload: bytes | str, **defaults: Any) -> JobRequest:
@@ -101,8 +138,13 @@ def parse_request(payload: bytes | str, **defaults: Any) -> JobRequest:
         raise SpecError(f"not JSON: {error}") from None
     if not isinstance(document, dict):
         raise SpecError(f"a job spec is a JSON object, got {type(document).__name__}")
+    return validate_request({**defaults, **document})
+
+
+def validate_request(fields: dict[str, Any]) -> JobRequest:
+    """A JobRequest from fields; SpecError names each bad field."""
     try:
-        return JobRequest.model_validate({**defaults, **document})
+        return JobRequest.model_validate(fields)
     except ValidationError as error:
         raise SpecError(describe(error)) from None
 

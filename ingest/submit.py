@@ -16,9 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ingest.spec import JobRequest
+from ingest.config import ServiceConfig
+from ingest.spec import validate_request
+from storage.job_settings import CELERY
 from storage.objectstore import ObjectStore, S3Store, normalize_uri, open_store
-from workers.config import ServiceConfig
 
 SEND_TIMEOUT_S = 30
 
@@ -40,7 +41,7 @@ def submit_job(source: str, via: str, config: ServiceConfig, output_uri: str | N
     job_id = str(uuid.uuid4())
     output = output_uri or f"{config.in_bucket('results')}/{job_id}"
     spec = {**settings, "output_uri": output, "job_id": job_id, "idempotency_key": job_id}
-    JobRequest.model_validate({**spec, "input_uri": normalize_uri(source)})  # refuse a bad spec here, not later
+    validate_request({**spec, "input_uri": normalize_uri(source)}).to_job(executor=CELERY)  # refuse it here
     if via == "kafka":
         return _via_kafka(source, spec, config)
     if via == "s3":

@@ -30,9 +30,10 @@ from pathlib import Path
 
 import torch
 
-from engine.bench import throughput as tp
-from engine.bench.tiny_model import SMOLLM2_135M, TINY, save_random_model
-from engine.bench.workload import Workload, mixed_chat_workload
+from tokenmill.bench import throughput as tp
+from tokenmill.bench.tables import speedup, throughput_table
+from tokenmill.bench.tiny_model import SMOLLM2_135M, TINY, save_random_model
+from tokenmill.bench.workload import Workload, mixed_chat_workload
 
 TIME_BUDGET_S = 480
 DTYPE = "bfloat16"
@@ -136,7 +137,7 @@ def pick_model(args: argparse.Namespace, plan: Plan, workdir: Path) -> tuple[Pat
 
 @contextlib.contextmanager
 def hf_models_on(device: torch.device):
-    """The HF baselines of engine/bench/throughput.py load on CPU: move their models and inputs to `device`."""
+    """The HF baselines of tokenmill/bench/throughput.py load on CPU: move their models and inputs to `device`."""
     load = tp.load_hf_model
 
     def load_on_device(model_dir, dtype):
@@ -263,8 +264,6 @@ def decode_cells(row: DecodeRow) -> list[str]:
 
 
 def throughput_cells(result: tp.Result, results: list[tp.Result]) -> list[str]:
-    from tokenmill.commands.bench import speedup
-
     by_system = {r.system: r for r in results}
     return [result.system, result.dtype, f"{result.seconds:.1f}", f"{result.tokens_per_second:.1f}",
             speedup(result, by_system.get("HF static batching")),
@@ -293,8 +292,6 @@ def markdown(results: list[tp.Result], rows: list[DecodeRow], header: str) -> st
 def benchmark(args: argparse.Namespace, plan: Plan, report: Report) -> str:
     from rich.console import Console
     from transformers import AutoTokenizer
-
-    from tokenmill.commands.bench import throughput_table
 
     console = Console(width=max(Console().width, 150))
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as workdir:

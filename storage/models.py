@@ -30,6 +30,8 @@ from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 from sqlalchemy.types import TypeDecorator
 
+from storage.job_settings import JobSettings, JobSettingsJSON
+
 NAMING_CONVENTION = {
     "ix": "ix_%(column_0_label)s",
     "uq": "uq_%(table_name)s_%(column_0_N_name)s",
@@ -121,7 +123,7 @@ class Job(Base):
     model: Mapped[str] = mapped_column(String(512))
     input_uri: Mapped[str] = mapped_column(Text)
     output_uri: Mapped[str] = mapped_column(Text)
-    settings: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)  # sampling, engine, shard size, limits
+    settings: Mapped[JobSettings] = mapped_column(JobSettingsJSON, default=JobSettings)  # sampling, shard size...
     priority: Mapped[int] = mapped_column(Integer, default=0)
     attempts: Mapped[int] = mapped_column(Integer, default=0)
     worker: Mapped[str | None] = mapped_column(String(255))

@@ -1,4 +1,6 @@
-"""Shared fixtures: the real bundled model, its tokenizer and its Hugging Face twin."""
+"""Shared fixtures: the real bundled model, its tokenizer and its Hugging Face twin. Tests are marked by what
+they use: `real_model` (the bundled SmolLM2-135M) and `service` (PostgreSQL, SeaweedFS, the stack), from their
+fixtures or by hand, and `slow` (Triton's CPU interpreter); `make unit` runs the tests with none of them."""
 
 from __future__ import annotations
 
@@ -6,6 +8,22 @@ import pytest
 import torch
 
 torch.set_num_threads(2)
+
+REAL_MODEL_FIXTURES = {"model_dir", "llm_engine"}  # tokenizer, hf_model and the engines built on them use these
+SERVICE_FIXTURES = {"pg_databases", "seaweedfs", "stack"}
+SLOW_FILES = {"test_triton_kernels.py", "test_triton_identity.py", "test_gpu_check.py"}  # Triton's interpreter
+
+
+def pytest_collection_modifyitems(items) -> None:
+    for item in items:
+        used = set(getattr(item, "fixturenames", ()))
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if used & REAL_MODEL_FIXTURES:
+            item.add_marker(pytest.mark.real_model)
+        if used & SERVICE_FIXTURES or "postgresql" in params.values():  # tests that ask for PostgreSQL by name
+            item.add_marker(pytest.mark.service)
+        if item.path.name in SLOW_FILES:
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(scope="session")

@@ -1,12 +1,11 @@
 """Fixtures of real services shared by the test packages: fresh PostgreSQL databases and a SeaweedFS S3 server
-(ops/seaweedfs.sh). A conftest imports the fixtures it uses from here."""
+(tokenmill/stack/seaweedfs.sh). A conftest imports the fixtures it uses from here."""
 
 from __future__ import annotations
 
 import os
 import socket
 import subprocess
-import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,6 +15,7 @@ from sqlalchemy import create_engine, text
 
 from storage import migrate
 from storage.objectstore import S3Options, S3Store
+from tokenmill import stack
 
 REPO = Path(__file__).resolve().parents[1]
 PG_ADMIN_URL = os.environ.get("TOKENMILL_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
@@ -31,7 +31,7 @@ def pg_databases() -> Iterator:
     try:
         with admin.connect() as connection:
             connection.execute(text("SELECT 1"))
-    except Exception as error:  # noqa: BLE001
+    except Exception as error:
         pytest.fail(f"PostgreSQL is not reachable at {PG_ADMIN_URL} (set TOKENMILL_TEST_PG_URL): {error}")
     created: list[str] = []
 
@@ -83,9 +83,9 @@ def _port_free(port: int) -> bool:
 def seaweedfs(tmp_path_factory) -> Iterator[S3Options]:
     """A SeaweedFS server for the session; AWS credentials for it are put in the environment."""
     workdir = tmp_path_factory.mktemp("seaweedfs")
-    script = REPO / "ops" / "seaweedfs.sh"
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-           "S3_ACCESS_KEY": S3_ACCESS_KEY, "S3_SECRET_KEY": S3_SECRET_KEY}
+    script = stack.SCRIPTS / "seaweedfs.sh"
+    env = {**os.environ, "WEED": str(stack.wheel_binary("weed")), "S3_ACCESS_KEY": S3_ACCESS_KEY,
+           "S3_SECRET_KEY": S3_SECRET_KEY}
     base = free_port_block()
     started = subprocess.run(["bash", str(script), "start", str(workdir), str(base)], env=env, capture_output=True,
                              text=True, timeout=120)

@@ -14,7 +14,7 @@ import pytest
 from prometheus_client.metrics_core import Metric
 
 from engine.prometheus import EngineMetrics, new_registry
-from tokenmill.metrics import JobMetricsCollector
+from workers.job_metrics import JobMetricsCollector
 
 SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count")}
 TOKENMILL_NAME = re.compile(r"\btokenmill:[A-Za-z0-9_:]+")
@@ -27,7 +27,7 @@ def sample_names(family: Metric) -> set[str]:
 @functools.cache
 def exported_names() -> frozenset[str]:
     from engine import LLMEngine
-    from engine.bench.tiny_model import save_random_model
+    from tokenmill.bench.tiny_model import save_random_model
 
     with tempfile.TemporaryDirectory() as model_dir:
         save_random_model(model_dir)

@@ -49,6 +49,7 @@ def test_model_list_shows_the_bundled_model_ready():
     assert "smollm2-135m" in proc.stdout and "ready" in proc.stdout
 
 
+@pytest.mark.real_model
 def test_generate_prints_completions_and_throughput():
     proc = run_cli("generate", "What is the capital of France?", "--max-tokens", "12", "--threads", "2")
     assert proc.returncode == 0, proc.stderr
@@ -60,6 +61,7 @@ def test_bad_arguments_fail_with_a_message():
     assert proc.returncode == 2 and "unknown model 'nope'" in proc.stderr
 
 
+@pytest.mark.real_model
 def test_bench_throughput_short_run_prints_all_systems(tmp_path):
     out = tmp_path / "bench.json"
     proc = run_cli("bench", "throughput", "--num-prompts", "4", "--min-tokens", "4", "--max-tokens", "8",

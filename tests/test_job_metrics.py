@@ -10,7 +10,7 @@ from storage import db, migrate
 from storage.models import Job, JobStatus, Shard
 from tests.fixtures_services import pg_databases  # noqa: F401 - fixture
 from tests.scrape import Scrape
-from tokenmill.metrics import JOB_STATUSES, serve_job_metrics
+from workers.job_metrics import JOB_STATUSES, serve_job_metrics
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])

@@ -14,7 +14,7 @@ from __future__ import annotations
 from celery import Celery
 from celery.signals import beat_init, worker_process_init
 
-from workers.config import ServiceConfig
+from ingest.config import ServiceConfig
 
 config = ServiceConfig.from_env()
 
@@ -71,7 +71,7 @@ def _serve_job_metrics(**_kwargs) -> None:
 
     if port := os.environ.get("TOKENMILL_JOB_METRICS_PORT"):
         from storage import db
-        from tokenmill.metrics import serve_job_metrics
+        from workers.job_metrics import serve_job_metrics
 
         sessions = db.session_factory(db.make_engine(config.database_url))
         serve_job_metrics(db.sql_query(sessions), int(port), os.environ.get("TOKENMILL_METRICS_ADDR", "127.0.0.1"))

@@ -1,90 +1,12 @@
-"""Where the service's parts are and how it behaves, read from the environment. `tokenmill stack up` writes
-these variables into `stack.env`; every component (workers, beat, consumer, watcher) reads them here."""
+"""The engine a worker process loads, read from the environment (`tokenmill worker` sets it)."""
 
 from __future__ import annotations
 
 import json
-import os
-import re
 from dataclasses import dataclass
 from typing import Any
 
-from storage.db import resolve_url
-from storage.objectstore import S3Options
-
-DEFAULT_BROKER = "redis://127.0.0.1:6379/0"
-CONTROL_QUEUE = "control"
-
-
-def _env(name: str, default: str | None = None) -> str | None:
-    return os.environ.get(f"TOKENMILL_{name}") or default
-
-
-def _number(name: str, default: float) -> float:
-    raw = _env(name)
-    try:
-        return float(raw) if raw else default
-    except ValueError:
-        raise ValueError(f"TOKENMILL_{name} must be a number, got {raw!r}") from None
-
-
-@dataclass(frozen=True)
-class ServiceConfig:
-    database_url: str
-    broker_url: str
-    result_backend: str | None  # task states and progress; default: the broker when it is Redis
-    kafka_bootstrap: str | None  # no Kafka: no job events are published
-    jobs_topic: str
-    events_topic: str
-    consumer_group: str
-    queue_prefix: str  # lets several stacks share one broker
-    max_shard_attempts: int  # a shard that failed or killed its worker this often fails the job
-    sweep_interval_s: float
-    schedule_interval_s: float
-    s3: S3Options
-    bucket_uri: str | None  # the service's bucket: inbox/, results/, inline/ and uploads/ live under it
-    inbox_uri: str | None  # watched for new input files; default: <bucket>/inbox
-
-    @classmethod
-    def from_env(cls) -> ServiceConfig:
-        broker = _env("BROKER_URL", DEFAULT_BROKER)
-        bucket = (_env("BUCKET_URI") or "").rstrip("/") or None
-        return cls(
-            database_url=resolve_url(),
-            broker_url=broker,
-            result_backend=_env("RESULT_BACKEND", broker if broker.startswith("redis") else None),
-            kafka_bootstrap=_env("KAFKA_BOOTSTRAP"),
-            jobs_topic=_env("JOBS_TOPIC", "tokenmill.jobs"),
-            events_topic=_env("EVENTS_TOPIC", "tokenmill.job-events"),
-            consumer_group=_env("CONSUMER_GROUP", "tokenmill-ingest"),
-            queue_prefix=_env("QUEUE_PREFIX", ""),
-            max_shard_attempts=int(_number("MAX_SHARD_ATTEMPTS", 3)),
-            sweep_interval_s=_number("SWEEP_INTERVAL_S", 30),
-            schedule_interval_s=_number("SCHEDULE_INTERVAL_S", 60),
-            s3=S3Options(endpoint_url=_env("S3_ENDPOINT_URL")),
-            bucket_uri=bucket,
-            inbox_uri=_env("INBOX_URI", f"{bucket}/inbox" if bucket else None),
-        )
-
-    def in_bucket(self, folder: str) -> str | None:
-        """results/ (outputs of jobs that name none), inline/ (inline rows), uploads/ (files `submit` sends)."""
-        return f"{self.bucket_uri}/{folder}" if self.bucket_uri else None
-
-    @property
-    def inline_uri(self) -> str | None:
-        return self.in_bucket("inline")
-
-    @property
-    def control_queue(self) -> str:
-        return self.queue_prefix + CONTROL_QUEUE
-
-    def model_queue(self, model: str) -> str:
-        """The GPU queue of a model: workers that hold that model's engine consume it."""
-        return f"{self.queue_prefix}gpu.{model_slug(model)}"
-
-
-def model_slug(model: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.-]+", "-", model).strip("-") or "model"
+from ingest.config import env_setting
 
 
 @dataclass(frozen=True)
@@ -99,10 +21,11 @@ class WorkerEngine:
     def from_env(cls) -> WorkerEngine:
         from engine.config import DEFAULT_MODEL
 
-        raw = _env("WORKER_ENGINE", "{}")
+        raw = env_setting("WORKER_ENGINE", "{}")
         try:
             settings = json.loads(raw)
         except json.JSONDecodeError as error:
             raise ValueError(f"TOKENMILL_WORKER_ENGINE must be a JSON object of engine settings: {error}") from None
-        model = _env("WORKER_MODEL", settings.get("model", DEFAULT_MODEL))
-        return cls(model, {**settings, "model": model}, _env("ENGINE_FACTORY", "workers.worker_engine:load_engine"))
+        model = env_setting("WORKER_MODEL", settings.get("model", DEFAULT_MODEL))
+        factory = env_setting("ENGINE_FACTORY", "workers.worker_engine:load_engine")
+        return cls(model, {**settings, "model": model}, factory)

@@ -26,7 +26,7 @@ from sqlalchemy.orm import Session
 from storage.models import Job
 
 if TYPE_CHECKING:
-    from workers.config import ServiceConfig
+    from ingest.config import ServiceConfig
 
 log = logging.getLogger("tokenmill.events")
 
@@ -57,7 +57,7 @@ class EventPublisher:
             for payload in payloads:
                 producer.send(self.topic, key=payload["job_id"], value=payload)
             producer.flush(timeout=SEND_WAIT_MS / 1000)
-        except Exception as error:  # noqa: BLE001 - events are best effort, never fatal to the job
+        except Exception as error:  # events are best effort, never fatal to the job
             log.warning("could not publish the events %s: %s",
                         ", ".join(f"{p['job_id']} {p['status']}" for p in payloads), error)
 

@@ -75,7 +75,7 @@ def manifest(job: Job, shards: list[Shard], files: dict[str, Any], finished_at: 
             "draft_tokens": job.spec_draft_tokens, "accepted_tokens": job.spec_accepted_tokens,
             "acceptance_rate": round(job.spec_accepted_tokens / job.spec_draft_tokens, 4)
             if job.spec_draft_tokens else None},
-        "settings": {k: v for k, v in job.settings.items() if k != "s3"},
+        "settings": job.settings.model_dump(mode="json", exclude={"s3"}),
         "files": files,
     }
 
@@ -90,7 +90,7 @@ def finalize_outputs(sessions: sessionmaker[Session], job: Job, shards: list[Sha
         "errors": {"key": ERRORS_KEY, "rows": write_jsonl(store, ERRORS_KEY, all_error_records(sessions, job.id,
                                                                                                  shards))},
     }
-    if job.settings.get("openai_output"):
+    if job.settings.openai_output:
         lines = write_jsonl(store, BATCH_OUTPUT_KEY, batch_output_lines(sessions, job, shards, store))
         files["batch_output"] = {"key": BATCH_OUTPUT_KEY, "rows": lines}
     document = manifest(job, shards, files, finished_at)

@@ -17,12 +17,12 @@ from sqlalchemy import delete
 from sqlalchemy.orm import Session, sessionmaker
 
 from storage import repository as repo
-from storage.formats import InputError, InputReader, Limits, open_input, write_part
+from storage.formats import InputError, InputReader, open_input, write_part
+from storage.liveness import runner_alive, shard_runner_alive, worker_alive, worker_id
 from storage.models import FailedRow, Job, JobStatus, Shard, ShardStatus, utcnow
-from storage.objectstore import ObjectStore, S3Options, open_file_store, open_store
+from storage.objectstore import ObjectStore, open_file_store, open_store
 from storage.states import is_terminal, transition
 from workers.finalize import finalize_outputs
-from workers.liveness import worker_alive, worker_id
 from workers.shards import ShardExecution, ShardOutcome
 
 if TYPE_CHECKING:
@@ -38,18 +38,6 @@ EngineProvider = Callable[[dict[str, Any]], "LLMEngine"]  # engine settings of t
 
 class JobBusy(RuntimeError):
     """Another live process is running this job."""
-
-
-def runner_alive(job: Job) -> bool:
-    """Is some process still running this job: its runner (`tokenmill run`), or a worker running one of its
-    shards (its process on this host, its unexpired lease elsewhere)?"""
-    running = [s for s in job.shards if s.status == ShardStatus.RUNNING]
-    leases = [s.lease_expires_at for s in running if s.lease_expires_at]
-    return worker_alive(job.worker, max(leases, default=None)) or any(shard_runner_alive(s) for s in running)
-
-
-def shard_runner_alive(shard: Shard) -> bool:
-    return worker_alive(shard.worker, shard.lease_expires_at)
 
 
 def mark_cancelled(job: Job) -> None:
@@ -152,11 +140,11 @@ class JobSteps:
 
     def _reader_for(self, job: Job) -> InputReader:
         if self._reader is None:
-            self._reader = open_input(*self._input_location(job), Limits.from_dict(job.settings.get("limits")))
+            self._reader = open_input(*self._input_location(job), job.settings.limits)
         return self._reader
 
     def _input_location(self, job: Job) -> tuple[ObjectStore, str]:
-        return open_file_store(job.input_uri, S3Options.from_dict(job.settings.get("s3")))
+        return open_file_store(job.input_uri, job.settings.s3)
 
     def validate(self) -> Job:
         """validating -> queued with the shards planned, or -> failed with a message naming the problem."""
@@ -177,7 +165,7 @@ class JobSteps:
         return self._plan(reader.num_rows, reader.format, fingerprint, started)
 
     def _check_output_empty(self, job: Job) -> None:
-        existing = open_store(job.output_uri, S3Options.from_dict(job.settings.get("s3"))).list()
+        existing = open_store(job.output_uri, job.settings.s3).list()
         if existing:
             raise InputError(f"output {job.output_uri} already holds {len(existing)} file(s) (e.g. {existing[0]}) "
                              f"from another job; choose an empty --output")
@@ -188,20 +176,21 @@ class JobSteps:
             if job.status == S.CANCELLING:
                 mark_cancelled(job)
                 return job
-            if started and job.settings.get("input_fingerprint") != fingerprint:
+            if started and job.settings.input_fingerprint != fingerprint:
                 transition(job, S.FAILED, error=f"input {job.input_uri} changed since this job started; "
                                                 "write to a new --output to run it as a new job")
                 return job
             if not started:
                 session.execute(delete(Shard).where(Shard.job_id == job.id))
                 session.execute(delete(FailedRow).where(FailedRow.job_id == job.id))
-                size = job.settings["shard_size"]
+                size = job.settings.shard_size
                 repo.add_shards(session, job, ((s, min(s + size, num_rows)) for s in range(0, num_rows, size)))
             job.requests_total = num_rows
-            job.settings = {**job.settings, "input_fingerprint": fingerprint, "input_format": input_format}
+            job.settings = job.settings.model_copy(update={"input_fingerprint": fingerprint,
+                                                           "input_format": input_format})
             transition(job, S.QUEUED)
             log.info("job %s: %d rows of %s in %d shard(s)", job.id, num_rows, input_format,
-                     -(-num_rows // job.settings["shard_size"]))
+                     -(-num_rows // job.settings.shard_size))
             return job
 
     # -- shards -------------------------------------------------------------------------------------
@@ -237,7 +226,7 @@ class JobSteps:
             if outcome.cancelled:
                 self._end_shard(shard, ShardStatus.CANCELLED)
                 return outcome
-            store = open_store(job.output_uri, S3Options.from_dict(job.settings.get("s3")))
+            store = open_store(job.output_uri, job.settings.s3)
             key = write_part(store, shard.index, outcome.records)
         except Exception as error:
             self._end_shard(shard, ShardStatus.FAILED, f"{type(error).__name__}: {error}")
@@ -249,9 +238,9 @@ class JobSteps:
         return outcome
 
     def _execute(self, job: Job, shard: Shard, engine: LLMEngine) -> ShardOutcome:
-        engine.set_speculative_config(job.settings.get("speculative_config"))
+        engine.set_speculative_config(job.settings.speculative_config)
         watch = StatusWatch(self.sessions, job.id, shard.id)
-        execution = ShardExecution(engine, job.settings.get("sampling", {}), f"{job.id[:8]}-{shard.index}-",
+        execution = ShardExecution(engine, job.settings.sampling, f"{job.id[:8]}-{shard.index}-",
                                    should_stop=watch.should_stop, on_progress=self.progress.advance)
         return execution.run(self._reader_for(job).read(shard.row_start, shard.row_end))
 
@@ -293,7 +282,7 @@ class JobSteps:
         self.progress.phase("writing errors and manifest")
         with self.sessions() as session:
             shards = repo.shards(session, job.id)
-        store = open_store(job.output_uri, S3Options.from_dict(job.settings.get("s3")))
+        store = open_store(job.output_uri, job.settings.s3)
         finished_at = utcnow()
         finalize_outputs(self.sessions, job, shards, store, finished_at)
         with self.sessions.begin() as session:
@@ -376,7 +365,7 @@ class JobRunner(JobSteps):
         todo = [s for s in shards if s.status != ShardStatus.COMPLETED]
         if todo and self._engine is None:
             self.progress.phase(f"loading {job.model}")
-            self._engine = self.engine_provider(job.settings.get("engine", {}))
+            self._engine = self.engine_provider(job.settings.engine)
         self.progress.phase("generating")
         self.progress.start(job.requests_total,
                             sum(s.rows_completed + s.rows_failed for s in shards if s not in todo))

@@ -1,18 +1,17 @@
-"""Run one shard's rows through an `LLMEngine`: render and tokenize each row, apply its sampling overrides,
-step the engine (asking between steps whether to stop), and collect one result or one error per row."""
+"""Run one shard's rows through `LLMEngine.stream`: render and tokenize each row, apply its sampling overrides,
+let the engine run them (asking between steps whether to stop), and collect one result or one error per row."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ingest.sampling import sampling_params
 from storage.formats import CHAT, Request, RowError
 
 if TYPE_CHECKING:
     from engine import LLMEngine, RequestOutput, SamplingParams
-
-INTEGER_PARAMS = ("max_tokens", "top_k", "seed", "n")
 
 
 @dataclass
@@ -36,23 +35,6 @@ class ShardOutcome:
         }
 
 
-def sampling_params(defaults: dict[str, Any], overrides: dict[str, Any]) -> SamplingParams:
-    """The job defaults with a row's overrides; ValueError/TypeError name the bad parameter."""
-    from engine import SamplingParams
-
-    merged = {**defaults, **{name: _integral(name, value) for name, value in overrides.items()}}
-    if merged.get("n", 1) != 1:
-        raise ValueError(f"n must be 1 in batch jobs (one completion per row), got {merged['n']!r}")
-    return SamplingParams(**merged)
-
-
-def _integral(name: str, value: Any) -> Any:
-    """8.0 -> 8 for integer parameters: pandas turns integer columns with nulls into floats."""
-    if name in INTEGER_PARAMS and isinstance(value, float) and value.is_integer():
-        return int(value)
-    return value
-
-
 class ShardExecution:
     """One pass over a shard's rows. `should_stop` is asked between engine steps; `on_progress(rows, tokens)`
     reports finished rows and newly generated tokens."""
@@ -66,47 +48,48 @@ class ShardExecution:
         self.pending: dict[str, Request] = {}
 
     def run(self, rows: Iterable[Request | RowError]) -> ShardOutcome:
-        source, exhausted = iter(rows), False
-        max_pending = 2 * self.engine.config.max_num_seqs
+        """Feed the rows through `LLMEngine.stream`; a stop request ends it with `cancelled` set."""
+        self._generated = self.engine.stats.generation_tokens
+        self._spec_seen = self._spec_counts()
+        outputs = self.engine.stream(self._requests(rows), should_stop=self._stop)
+        self.engine.step_observers.append(self._observe_step)
         try:
-            while True:
-                while not exhausted and len(self.pending) < max_pending:
-                    item = next(source, None)
-                    exhausted = item is None
-                    if item is not None:
-                        self._submit(item)
-                if not self.pending:
-                    return self.outcome
-                if self.should_stop():
-                    self.outcome.cancelled = True
-                    return self.outcome
-                self._step()
+            for output in outputs:
+                self._collect(self.pending.pop(output.request_id), output)
         finally:
-            for request_id in self.pending:
-                self.engine.abort(request_id)
+            outputs.close()  # aborts what is still running: a stop request, or an error
+            self.engine.step_observers.remove(self._observe_step)
+        return self.outcome
 
-    def _step(self) -> None:
-        generated_before = self.engine.stats.generation_tokens
+    def _stop(self) -> bool:
+        self.outcome.cancelled = self.should_stop()
+        return self.outcome.cancelled
+
+    def _spec_counts(self) -> tuple[int, int]:
         spec = self.engine.spec.stats if self.engine.spec else None
-        drafted, accepted = (spec.draft_tokens, spec.accepted_tokens) if spec else (0, 0)
-        finished = self.engine.step()
-        if spec:
-            self.outcome.spec_draft_tokens += spec.draft_tokens - drafted
-            self.outcome.spec_accepted_tokens += spec.accepted_tokens - accepted
-        for output in finished:
-            self._collect(self.pending.pop(output.request_id), output)
-        self.on_progress(len(finished), self.engine.stats.generation_tokens - generated_before)
+        return (spec.draft_tokens, spec.accepted_tokens) if spec else (0, 0)
 
-    def _submit(self, item: Request | RowError) -> None:
-        prepared = item if isinstance(item, RowError) else self._prepare(item)
-        if isinstance(prepared, RowError):
-            self.outcome.errors.append(prepared)
-            self.on_progress(1, 0)
-            return
-        token_ids, params = prepared
-        request_id = f"{self.prefix}{item.row}"
-        self.engine.add_request(request_id, token_ids, params)
-        self.pending[request_id] = item
+    def _observe_step(self, finished: list[RequestOutput]) -> None:
+        """After each engine step: the speculation counts and the progress of this shard."""
+        drafted, accepted = self._spec_counts()
+        self.outcome.spec_draft_tokens += drafted - self._spec_seen[0]
+        self.outcome.spec_accepted_tokens += accepted - self._spec_seen[1]
+        self._spec_seen = (drafted, accepted)
+        generated = self.engine.stats.generation_tokens
+        self.on_progress(len(finished), generated - self._generated)
+        self._generated = generated
+
+    def _requests(self, rows: Iterable[Request | RowError]) -> Iterator[tuple[str, list[int], SamplingParams]]:
+        """The rows the engine should run; a row that cannot run becomes its error here."""
+        for item in rows:
+            prepared = item if isinstance(item, RowError) else self._prepare(item)
+            if isinstance(prepared, RowError):
+                self.outcome.errors.append(prepared)
+                self.on_progress(1, 0)
+                continue
+            request_id = f"{self.prefix}{item.row}"
+            self.pending[request_id] = item
+            yield request_id, *prepared
 
     def _prepare(self, request: Request) -> tuple[list[int], SamplingParams] | RowError:
         def error(code: str, message: str) -> RowError:
@@ -121,18 +104,17 @@ class ShardExecution:
         except Exception as problem:  # a chat template or tokenizer refusing this row's content
             code = "invalid_messages" if request.endpoint == CHAT else "invalid_prompt"
             return error(code, f"could not tokenize the row: {problem}")
-        limit = self.engine.max_model_len
-        if len(token_ids) + params.max_tokens > limit:
-            return error("context_length_exceeded",
-                         f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
-                         f"model's context of {limit} tokens")
+        from engine.sampling_params import context_length_error  # the engine's own check, imported lazily
+
+        if too_long := context_length_error(len(token_ids), params.max_tokens, self.engine.max_model_len):
+            return error("context_length_exceeded", too_long)
         return token_ids, params
 
     def _tokenize(self, request: Request) -> list[int]:
         if request.messages is not None:
-            encoded = self.engine.tokenizer.apply_chat_template(request.messages, add_generation_prompt=True,
-                                                                tokenize=True)
-            return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
+            from engine.chat import chat_token_ids
+
+            return chat_token_ids(self.engine.tokenizer, request.messages)
         return self.engine.encode(request.prompt)
 
     def _collect(self, request: Request, output: RequestOutput) -> None:

@@ -16,10 +16,10 @@ from datetime import datetime, timedelta
 from sqlalchemy.orm import Session, sessionmaker
 
 from storage import repository as repo
+from storage.job_settings import CELERY
+from storage.liveness import runner_alive, shard_runner_alive, worker_alive
 from storage.models import Job, JobStatus, ShardStatus, utcnow
-from workers.jobs import CELERY
-from workers.liveness import worker_alive
-from workers.runner import mark_cancelled, runner_alive, shard_runner_alive
+from workers.runner import mark_cancelled
 
 log = logging.getLogger("tokenmill.sweep")
 
@@ -56,7 +56,7 @@ def sweep(sessions: sessionmaker[Session], now: datetime | None = None, stale: t
 
 def _service_jobs(session: Session, statuses) -> list[Job]:
     return [job for job in repo.jobs_in(session, statuses, for_update=True)
-            if job.settings.get("executor") == CELERY]
+            if job.settings.executor == CELERY]
 
 
 def _requeue_dead_shards(job: Job, result: SweepResult) -> None:

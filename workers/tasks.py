@@ -180,7 +180,7 @@ def sweep() -> dict[str, Any]:
 @app.task(name="tokenmill.fire_schedules")
 def fire_schedules(at: str | None = None) -> dict[str, Any]:
     """Create the jobs of due schedules; `at` (ISO time) fires as of that time instead of now."""
-    from workers.schedules import fire_due
+    from ingest.schedules import fire_due
 
     fired = fire_due(sessions(), intake(), datetime.fromisoformat(at) if at else None)
     return {"created": fired.created, "existing": fired.existing, "errors": fired.errors}

@@ -10,7 +10,7 @@ MAX_TOKENS = 16
 
 @pytest.fixture(scope="module")
 def shared_prompts(tokenizer):
-    from engine.bench.workload import chat_ids, questions
+    from tokenmill.bench.workload import chat_ids, questions
 
     system = "Use this background when it helps.\n" + PASSAGE * 4
     prompts = []

@@ -34,7 +34,7 @@ def served():
 def run(served, tokenizer):
     """Copying prompts (they share the chat template's prefix, and n-gram drafts get accepted) plus one request
     larger than the whole pool; one scrape mid-run, one at the end."""
-    from engine.bench.workload import chat_ids
+    from tokenmill.bench.workload import chat_ids
 
     engine, url = served
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)

@@ -16,7 +16,7 @@ CONFIGS = {
 
 @pytest.fixture(scope="module")
 def prompts(tokenizer):
-    from engine.bench.workload import chat_ids, questions
+    from tokenmill.bench.workload import chat_ids, questions
 
     chats = [chat_ids(tokenizer, q) for q in questions()[:20]]
     return chats + long_prompts(tokenizer, 4)

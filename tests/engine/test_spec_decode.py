@@ -11,7 +11,7 @@ MAX_TOKENS = 24
 
 @pytest.fixture(scope="module")
 def prompts(tokenizer):
-    from engine.bench.workload import chat_ids, questions
+    from tokenmill.bench.workload import chat_ids, questions
 
     copying = [chat_ids(tokenizer, f"Repeat this text exactly:\n{PASSAGE[:200 + 40 * i]}") for i in range(8)]
     return copying + [chat_ids(tokenizer, q) for q in questions()[:8]]
@@ -66,6 +66,7 @@ def test_sampled_speculation_respects_limits_and_seeds(model_dir, tokenizer):
     assert llm.engine.spec.stats.draft_tokens > 0
 
 
+@pytest.mark.real_model
 def test_bad_speculative_config_is_refused():
     with pytest.raises(ValueError, match="method must be one of"):
         LLM(speculative_config={"method": "magic"})

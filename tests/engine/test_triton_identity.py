@@ -15,8 +15,8 @@ if not CUDA:
 import triton  # noqa: E402, F401  (in the dev extra: a missing triton fails here, never skips)
 
 from engine import LLM, SamplingParams  # noqa: E402
-from engine.bench.tiny_model import SMOLLM2_135M, TINY, save_random_model  # noqa: E402
 from tests.engine.identity import compare, hf_greedy  # noqa: E402
+from tokenmill.bench.tiny_model import SMOLLM2_135M, TINY, save_random_model  # noqa: E402
 
 MAX_TOKENS = 16
 TEXTS = ["Hello there", "The quick brown fox jumps over the lazy dog. " * 3, "1 2 3 4 5 6 7 8 9", "Paris is",

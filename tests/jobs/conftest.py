@@ -1,5 +1,5 @@
 """Fixtures for the job tests: real SQLite and PostgreSQL databases, a real SeaweedFS S3 server (started with
-ops/seaweedfs.sh; see tests/fixtures_services.py), and the real bundled model, loaded once per session."""
+tokenmill/stack/seaweedfs.sh; see tests/fixtures_services.py), and the real bundled model, loaded once per session."""
 
 from __future__ import annotations
 

@@ -12,8 +12,17 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from storage.formats import ERRORS_KEY, MANIFEST_KEY, read_part
-from storage.objectstore import ObjectStore
+from ingest.spec import JobRequest, NewJob
+from storage.formats import ERRORS_KEY, MANIFEST_KEY, Limits, read_part
+from storage.job_settings import LOCAL
+from storage.objectstore import ObjectStore, S3Options
+
+
+def new_job(input_uri: str, output_uri: str, model: str = "smollm2-135m", *, executor: str = LOCAL,
+            limits: Limits | None = None, s3: S3Options | None = None, **fields) -> NewJob:
+    """A job for `ingest.intake.submit`, as `tokenmill run` makes it (fields are JobRequest's)."""
+    request = JobRequest(input_uri=str(input_uri), output_uri=str(output_uri), model=model, **fields)
+    return request.to_job(executor=executor, limits=limits or Limits(), s3=s3)
 
 
 def no_engine(settings):

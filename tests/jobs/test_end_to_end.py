@@ -10,12 +10,13 @@ import pyarrow as pa
 import pytest
 from sqlalchemy import text
 
+from ingest.intake import submit
 from storage import db
 from storage import repository as repo
 from storage.formats import BATCH_OUTPUT_KEY
 from storage.objectstore import S3Options, open_store
-from tests.jobs.jobhelpers import assert_each_id_once, prompt_rows, write_parquet
-from workers.jobs import JobSpec, NoProgress, cancel_job, run_job, submit
+from tests.jobs.jobhelpers import assert_each_id_once, new_job, prompt_rows, write_parquet
+from workers.jobs import NoProgress, cancel_job, run_job
 
 pytestmark = pytest.mark.real_model
 GREEDY_8 = {"max_tokens": 8, "temperature": 0.0}
@@ -38,8 +39,8 @@ def row_level_problems_input(path: Path) -> tuple[Path, dict[str, str]]:
                          "temperature": temperature}, row_group_size=4, schema=schema)
     return path, {
         "null-prompt": "missing_prompt: prompt is null or empty",
-        "too-long": "context_length_exceeded: prompt (9001 tokens) + max_tokens (8) exceeds the model's context "
-                    "of 8192 tokens",
+        "too-long": "context_length_exceeded: prompt (9001 tokens) + max_tokens (8) exceeds max_model_len (8192), "
+                    "the model's context",
         "negative-max-tokens": "invalid_parameter: max_tokens must be an integer >= 1, got -5",
         "string-temperature": "invalid_parameter: temperature must be a number >= 0, got '0.7'",
     }
@@ -48,7 +49,7 @@ def row_level_problems_input(path: Path) -> tuple[Path, dict[str, str]]:
 def test_sqlite_and_local_folder_with_row_level_problems(sessions, engine_provider, tmp_path: Path) -> None:
     path, expected_errors = row_level_problems_input(tmp_path / "in.parquet")
     output = tmp_path / "out"
-    job = submit(sessions, JobSpec(str(path), str(output), "smollm2-135m", sampling=GREEDY_8, shard_size=4,
+    job = submit(sessions, new_job(str(path), str(output), "smollm2-135m", sampling=GREEDY_8, shard_size=4,
                                    openai_output=True)).job
     job = run_job(sessions, job.id, engine_provider)
     assert job.status == "completed", job.error
@@ -90,7 +91,7 @@ def test_openai_batch_jsonl_input(sessions, engine_provider, tmp_path: Path) -> 
              {"custom_id": "bad-1", "method": "POST", "url": "/v1/embeddings", "body": {"input": "x"}}]
     path = tmp_path / "batch.jsonl"
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    job = run_job(sessions, submit(sessions, JobSpec(str(path), str(tmp_path / "out"), "smollm2-135m",
+    job = run_job(sessions, submit(sessions, new_job(str(path), str(tmp_path / "out"), "smollm2-135m",
                                                      sampling=GREEDY_8, openai_output=True)).job.id, engine_provider)
     assert job.status == "completed", job.error
     store = open_store(str(tmp_path / "out"))
@@ -113,7 +114,7 @@ def test_postgres_and_seaweedfs_s3(pg_url: str, seaweedfs: S3Options, s3_prefix:
     path = write_parquet(tmp_path / "chat.parquet", {"custom_id": [f"c-{i:02d}" for i in range(rows)],
                                                       "messages": messages}, row_group_size=4)
     open_store(s3_prefix, seaweedfs).put_file("in/chat.parquet", path)
-    spec = JobSpec(f"{s3_prefix}/in/chat.parquet", f"{s3_prefix}/out", "smollm2-135m", sampling=GREEDY_8,
+    spec = new_job(f"{s3_prefix}/in/chat.parquet", f"{s3_prefix}/out", "smollm2-135m", sampling=GREEDY_8,
                    shard_size=5, s3=seaweedfs)  # shards 0-4, 5-9, 10-12 cut across the row groups of 4
     job = run_job(sessions, submit(sessions, spec).job.id, engine_provider)
     assert job.status == "completed", job.error
@@ -145,7 +146,7 @@ class CancelAfterRows(NoProgress):
 
 def test_cancel_keeps_finished_shards_and_a_rerun_finishes(sessions, engine_provider, tmp_path: Path) -> None:
     path = write_parquet(tmp_path / "in.parquet", prompt_rows(9))
-    spec = JobSpec(str(path), str(tmp_path / "out"), "smollm2-135m", sampling={"max_tokens": 4}, shard_size=3)
+    spec = new_job(str(path), str(tmp_path / "out"), "smollm2-135m", sampling={"max_tokens": 4}, shard_size=3)
     job = submit(sessions, spec).job
     job = run_job(sessions, job.id, engine_provider, CancelAfterRows(sessions, job.id, 3))
     assert job.status == "cancelled" and job.cancelling_at <= job.cancelled_at

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import socket
 import subprocess
 import sys
@@ -10,21 +11,23 @@ from pathlib import Path
 
 import pyarrow as pa
 import pytest
-from sqlalchemy import func, select
+from sqlalchemy import func, select, text
 
+from ingest.intake import idempotency_key, submit
+from ingest.spec import NewJob
 from storage import repository as repo
 from storage.formats import Limits
+from storage.job_settings import JobSettings
 from storage.models import Job, Shard
-from storage.objectstore import UnsafeURI
-from tests.jobs.jobhelpers import no_engine, prompt_rows, write_parquet
-from workers.jobs import JobBusy, JobSpec, cancel_job, idempotency_key, run_job, submit
+from tests.jobs.jobhelpers import new_job, no_engine, prompt_rows, write_parquet
+from workers.jobs import JobBusy, cancel_job, run_job
 
 
-def spec(input_path: Path, output: Path, **kwargs) -> JobSpec:
-    return JobSpec(input_uri=str(input_path), output_uri=str(output), model="smollm2-135m", **kwargs)
+def spec(input_path: Path, output: Path, **kwargs) -> NewJob:
+    return new_job(input_uri=str(input_path), output_uri=str(output), model="smollm2-135m", **kwargs)
 
 
-def run_to_failure(sessions, job_spec: JobSpec) -> Job:
+def run_to_failure(sessions, job_spec: NewJob) -> Job:
     job = run_job(sessions, submit(sessions, job_spec).job.id, no_engine)
     assert job.status == "failed"
     assert job.validating_at is not None and job.failed_at is not None and job.in_progress_at is None
@@ -39,7 +42,7 @@ def corrupt_data_pages(path: Path) -> None:
 
 
 def bad_inputs(tmp: Path) -> list[tuple[Path, dict, str]]:
-    """(input file, extra JobSpec arguments, expected message) for each file-level problem."""
+    """(input file, extra JobRequest fields, expected message) for each file-level problem."""
     cases = []
     (tmp / "text.parquet").write_text("custom_id,prompt\n1,hello\n")
     cases.append((tmp / "text.parquet", {}, "is not a Parquet file"))
@@ -77,12 +80,12 @@ def test_file_level_problems_fail_the_job_in_validating(sessions, tmp_path: Path
 def test_unsafe_output_uris_are_refused_before_a_job_exists(sessions, tmp_path: Path,
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     path = write_parquet(tmp_path / "in.parquet", prompt_rows(3))
-    with pytest.raises(UnsafeURI, match=r"contains a '\.\.' segment"):
+    with pytest.raises(ValueError, match=r"contains a '\.\.' segment"):
         submit(sessions, spec(path, tmp_path / "out" / ".." / ".." / "etc"))
     monkeypatch.setenv("TOKENMILL_ALLOWED_OUTPUT_PREFIXES", f"{tmp_path}/allowed,s3://results")
-    with pytest.raises(UnsafeURI, match="outside the allowed prefixes"):
+    with pytest.raises(ValueError, match="outside the allowed prefixes"):
         submit(sessions, spec(path, tmp_path / "elsewhere"))
-    with pytest.raises(UnsafeURI, match="outside the allowed prefixes"):
+    with pytest.raises(ValueError, match="outside the allowed prefixes"):
         submit(sessions, spec(path, "s3://results-2/x"))
     with sessions() as session:
         assert session.scalar(select(func.count()).select_from(Job)) == 0
@@ -108,7 +111,7 @@ def test_a_failed_job_is_retried_with_the_new_settings(sessions, tmp_path: Path)
     assert retry.job.status == "validating" and retry.job.error is None
     with sessions() as session:
         settings = repo.get_job(session, failed.id).settings
-    assert (settings["shard_size"], settings["limits"]["max_rows"]) == (8, 100)
+    assert (settings.shard_size, settings.limits.max_rows) == (8, 100)
 
 
 def test_output_holding_another_jobs_files_is_refused(sessions, tmp_path: Path) -> None:
@@ -158,3 +161,18 @@ def test_an_empty_input_completes_without_loading_the_model(sessions, tmp_path: 
     job = run_job(sessions, submit(sessions, spec(path, tmp_path / "out")).job.id, no_engine)
     assert job.status == "completed" and job.requests_total == 0
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["errors.jsonl", "manifest.json"]
+
+
+def test_settings_are_stored_as_json_and_read_back_typed(sessions, tmp_path: Path) -> None:
+    path = write_parquet(tmp_path / "in.parquet", prompt_rows(3))
+    job = submit(sessions, spec(path, tmp_path / "out", sampling={"max_tokens": 3}, engine={"max_num_seqs": 4},
+                                shard_size=2)).job
+    with sessions() as session:
+        stored = session.execute(text("SELECT settings FROM jobs WHERE id = :id"), {"id": job.id}).scalar_one()
+        settings = repo.get_job(session, job.id).settings
+    raw = json.loads(stored) if isinstance(stored, str) else stored  # plain JSON in the column
+    assert (raw["shard_size"], raw["executor"], raw["sampling"]) == (2, "local", {"max_tokens": 3})
+    assert isinstance(settings, JobSettings) and settings.executor == "local"
+    assert (settings.sampling, settings.engine, settings.shard_size) == ({"max_tokens": 3}, {"max_num_seqs": 4}, 2)
+    with pytest.raises(ValueError, match="shard_size"):
+        spec(path, tmp_path / "out", shard_size=0)

@@ -7,11 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from engine.bench.workload import PASSAGES
+from ingest.intake import submit
 from ingest.spec import SpecError, parse_request
 from storage.objectstore import open_store
-from tests.jobs.jobhelpers import assert_each_id_once, write_parquet
-from workers.jobs import JobSpec, run_job, submit
+from tests.jobs.jobhelpers import assert_each_id_once, new_job, write_parquet
+from tokenmill.bench.workload import PASSAGES
+from workers.jobs import run_job
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4}
 
@@ -22,7 +23,7 @@ def test_manifest_reports_the_acceptance_of_the_jobs_speculation(sessions, engin
     ids = [f"copy-{i}" for i in range(4)]
     prompts = [f"Copy this passage exactly:\n{PASSAGES[i]}\nCopy:\n{PASSAGES[i][:40]}" for i in range(4)]
     path = write_parquet(tmp_path / "in.parquet", {"custom_id": ids, "prompt": prompts})
-    spec = JobSpec(str(path), str(tmp_path / "out"), "smollm2-135m", sampling={"max_tokens": 24, "temperature": 0},
+    spec = new_job(str(path), str(tmp_path / "out"), "smollm2-135m", sampling={"max_tokens": 24, "temperature": 0},
                    shard_size=2, speculative_config=NGRAM)
     job = run_job(sessions, submit(sessions, spec).job.id, engine_provider)
     assert job.status == "completed", job.error

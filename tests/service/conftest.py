@@ -46,9 +46,9 @@ def tokenmill(*args: str, env: dict[str, str] | None = None, timeout: float = 30
 
 
 def stack_module():
-    from tokenmill.commands.service import _stack_module
+    from tokenmill import stack
 
-    return _stack_module()
+    return stack
 
 
 @dataclass

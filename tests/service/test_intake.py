@@ -50,6 +50,8 @@ def count(sessions, model) -> int:
     (b'{"input_uri": "/i.parquet", "output_uri": "/tmp/o", "shard_size": 0}', "shard_size: Input should be greater"),
     (b'{"input_uri": "/i.parquet", "output_uri": "/tmp/o", "job_id": "7"}', "job_id: Input should be a valid UUID"),
     (b'{"input_uri": "/i.parquet", "output_uri": "/tmp/o", "outptu": 1}', "outptu: Extra inputs are not permitted"),
+    (b'{"input_uri": "/i.parquet", "output_uri": "/tmp/o", "engine": {"kv_cache_mem": 1}}',
+     "engine: unknown engine setting(s): kv_cache_mem"),
 ])
 def test_specs_that_cannot_run_say_which_field_and_why(payload: bytes, message: str) -> None:
     with pytest.raises(SpecError) as raised:
@@ -66,6 +68,20 @@ def test_a_bad_message_is_stored_once_with_where_it_came_from(consumer) -> None:
         rejected = session.scalars(select(RejectedMessage)).one()
     assert (rejected.topic, rejected.partition, rejected.offset, rejected.key) == ("jobs", 3, 41, "k1")
     assert rejected.payload == "not json" and rejected.error.startswith("not JSON")
+    assert handed_out == [] and count(sessions, Job) == 0
+
+
+def test_engine_settings_for_the_workers_are_refused_not_dropped(consumer, tmp_path: Path) -> None:
+    """The workers run the engine they loaded: a job that sets engine settings is rejected, saying why."""
+    job_consumer, handed_out = consumer
+    spec = {"input_uri": str(tmp_path / "in.parquet"), "output_uri": str(tmp_path / "out"),
+            "engine": {"max_num_seqs": 4}}
+    assert job_consumer.handle(Record("jobs", 0, 9, json.dumps(spec).encode())) == "rejected"
+    sessions = job_consumer.intake.sessions
+    with sessions() as session:
+        rejected = session.scalars(select(RejectedMessage)).one()
+    assert "engine: the service's workers run the engine they loaded" in rejected.error
+    assert "max_num_seqs" in rejected.error
     assert handed_out == [] and count(sessions, Job) == 0
 
 

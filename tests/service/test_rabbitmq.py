@@ -15,10 +15,11 @@ import pyarrow as pa
 import pytest
 from celery import Celery
 
+from ingest.intake import submit
+from storage.job_settings import CELERY
 from tests.fixtures_services import REPO
-from tests.jobs.jobhelpers import write_parquet
+from tests.jobs.jobhelpers import new_job, write_parquet
 from tests.service.conftest import wait_for_job, wait_until
-from workers.jobs import CELERY, JobSpec, submit
 
 RABBIT_URL = os.environ.get("TOKENMILL_TEST_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672//")
 
@@ -56,7 +57,7 @@ def test_a_worker_on_rabbitmq_runs_the_control_tasks(stack, sessions, rabbit, tm
     stack.store(f"{stack.bucket}/rabbit").put_file("empty.parquet", empty)
     tag = uuid.uuid4().hex[:8]
     specs = {"missing": f"{stack.bucket}/rabbit/missing.parquet", "empty": f"{stack.bucket}/rabbit/empty.parquet"}
-    jobs = {what: submit(sessions, JobSpec(uri, f"{stack.bucket}/rabbit-out/{what}-{tag}", "smollm2-135m",
+    jobs = {what: submit(sessions, new_job(uri, f"{stack.bucket}/rabbit-out/{what}-{tag}", "smollm2-135m",
                                            s3=stack.s3, executor=CELERY)).job.id for what, uri in specs.items()}
     for job_id in jobs.values():
         app.send_task("tokenmill.plan_job", args=[job_id], queue=queue)

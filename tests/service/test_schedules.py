@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 from sqlalchemy import select, text
 
+from ingest.schedules import ScheduleError, add_schedule, due_date, fire_due, list_schedules, remove_schedule
 from storage.models import Job, Schedule, ScheduleRun
 from tests.jobs.jobhelpers import assert_each_id_once, prompt_rows, write_parquet
 from tests.service.conftest import wait_for_job, wait_until
-from workers.schedules import ScheduleError, add_schedule, due_date, fire_due, list_schedules, remove_schedule
 
 ADDED = datetime(2026, 12, 1, 10, 30, 15, tzinfo=UTC)
 
@@ -69,7 +69,7 @@ def test_firing_twice_for_a_date_makes_one_job(sqlite_sessions, local_intake, tm
     job = jobs[first.created[0]]
     assert (job.source, job.source_ref) == ("schedule", f"nightly@{now.date().isoformat()}")
     assert job.input_uri.endswith(f"in-{now.date().isoformat()}.parquet")
-    assert job.settings["sampling"] == {"max_tokens": 4} and job.settings["executor"] == "celery"
+    assert job.settings.sampling == {"max_tokens": 4} and job.settings.executor == "celery"
 
 
 @pytest.mark.real_model

@@ -11,9 +11,9 @@ from datetime import timedelta
 
 from storage import db, migrate
 from storage import repository as repo
+from storage.job_settings import CELERY, LOCAL, JobSettings
+from storage.liveness import worker_id
 from storage.models import Job, Shard, utcnow
-from workers.jobs import CELERY, LOCAL
-from workers.liveness import worker_id
 from workers.runner import JobSteps
 from workers.shards import ShardOutcome
 from workers.sweep import sweep
@@ -29,7 +29,7 @@ def dead_worker() -> str:
 def make_job(sessions, status: str = "in_progress", shards: int = 2, executor: str = CELERY) -> str:
     with sessions.begin() as session:
         job = Job(idempotency_key=f"k-{uuid.uuid4()}", status=status, model="m", input_uri="in",
-                  output_uri="out", settings={"executor": executor, "shard_size": 1}, requests_total=shards,
+                  output_uri="out", settings=JobSettings(executor=executor, shard_size=1), requests_total=shards,
                   created_at=utcnow(), finalizing_at=utcnow() if status == "finalizing" else None)
         session.add(job)
         session.flush()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from tokenmill.bench.tables import speedup, throughput_table
 from tokenmill.options import add_engine_options, engine_kwargs
 
 SYSTEMS = ("hf-static", "hf-continuous", "tokenmill", "floor")
@@ -130,9 +131,9 @@ def run_throughput(args: argparse.Namespace) -> int:
     from rich.console import Console
     from transformers import AutoTokenizer
 
-    from engine.bench import throughput as tp
-    from engine.bench.workload import mixed_chat_workload
     from engine.model_loader import resolve_model
+    from tokenmill.bench import throughput as tp
+    from tokenmill.bench.workload import mixed_chat_workload
 
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     unknown = set(systems) - set(SYSTEMS)
@@ -199,8 +200,8 @@ def write_throughput_plots(args: argparse.Namespace, model_dir, dtypes: list[str
     """The concurrency sweep and its table, then both PNGs under --plots."""
     from pathlib import Path
 
-    from engine.bench import plots
-    from engine.bench import throughput as tp
+    from tokenmill.bench import plots
+    from tokenmill.bench import throughput as tp
 
     if not latencies:
         console.print("plots skipped: they show the tokenmill system, which was not run")
@@ -224,7 +225,7 @@ def run_latency(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from engine import EngineConfig, LLMEngine
-    from engine.bench import latency
+    from tokenmill.bench import latency
 
     if args.output_tokens < 2 or args.prompt_tokens < 1 or args.requests < 1:
         raise ValueError("--output-tokens must be at least 2, --prompt-tokens and --requests at least 1")
@@ -248,9 +249,9 @@ def run_prefix(args: argparse.Namespace) -> int:
     from rich.console import Console
     from transformers import AutoTokenizer
 
-    from engine.bench import throughput as tp
-    from engine.bench.workload import interleaved_templates_workload, shared_prefix_workload
     from engine.model_loader import resolve_model
+    from tokenmill.bench import throughput as tp
+    from tokenmill.bench.workload import interleaved_templates_workload, shared_prefix_workload
 
     torch.set_num_threads(args.threads)
     logging.getLogger("ContinuousBatchingLogger").setLevel(logging.WARNING)
@@ -299,9 +300,9 @@ def run_spec(args: argparse.Namespace) -> int:
     from rich.console import Console
     from transformers import AutoTokenizer
 
-    from engine.bench import spec
-    from engine.bench.workload import copy_workload, long_tail_workload, mixed_chat_workload
     from engine.model_loader import resolve_model
+    from tokenmill.bench import spec
+    from tokenmill.bench.workload import copy_workload, long_tail_workload, mixed_chat_workload
 
     torch.set_num_threads(args.threads)
     console = Console(width=max(Console().width, 150))
@@ -343,7 +344,7 @@ def run_capacity(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from engine.bench import capacity
+    from tokenmill.bench import capacity
 
     if args.bytes_per_token is None and args.model_shape not in capacity.MODEL_SHAPES:
         raise ValueError(f"unknown --model-shape {args.model_shape!r}; known: {sorted(capacity.MODEL_SHAPES)}")
@@ -394,30 +395,10 @@ def prefix_table(results, title: str, baseline_system: str):
                   "x HF static", "x HF continuous", title=f"{title} (baseline: {baseline_system})")
     by_system = {r.system: r for r in results}
     for r in results:
-        fmt = lambda value: "-" if value is None else f"{value:,}"  # noqa: E731
+        fmt = lambda value: "-" if value is None else f"{value:,}"
         references = [by_system.get(name) for name in (baseline_system, "HF static batching", "HF continuous batching")]
         table.add_row(r.system, fmt(r.prefill_tokens), fmt(r.preemptions), f"{r.seconds:.1f}",
                       f"{r.tokens_per_second:.1f}", *(speedup(r, ref) for ref in references))
-    return table
-
-
-def speedup(result, reference) -> str:
-    return f"{result.tokens_per_second / reference.tokens_per_second:.2f}x" if reference else "-"
-
-
-def throughput_table(results):
-    from rich.table import Table
-
-    table = Table("system", "dtype", "seconds", "useful tok/s", "x HF static", "x HF continuous", "% of floor",
-                  "note", title="throughput (useful generated tokens per second)")
-    by_key = {(r.system, r.dtype): r for r in results}
-    for r in results:
-        static = by_key.get(("HF static batching", r.dtype))
-        cont = by_key.get(("HF continuous batching", r.dtype))
-        floor = by_key.get(("dense matmul floor", r.dtype))
-        share = f"{100 * r.tokens_per_second / floor.tokens_per_second:.0f}%" if floor else "-"
-        table.add_row(r.system, r.dtype, f"{r.seconds:.1f}", f"{r.tokens_per_second:.1f}", speedup(r, static),
-                      speedup(r, cont), share, r.note)
     return table
 
 

@@ -37,13 +37,14 @@ def _friendly(handler):
 
         if not logging.getLogger().isEnabledFor(logging.DEBUG):  # alembic logs at INFO, even on import
             logging.getLogger("alembic").setLevel(logging.WARNING)
+        from ingest.spec import SpecError
         from storage.migrate import SchemaOutOfDate
         from storage.repository import JobNotFound
         from workers.jobs import JobBusy
 
         try:
             return handler(args)
-        except (JobNotFound, JobBusy, SchemaOutOfDate) as error:
+        except (JobNotFound, JobBusy, SchemaOutOfDate, SpecError) as error:
             print(f"error: {error}", file=sys.stderr)
             return 2
 
@@ -142,19 +143,23 @@ def _sessions(url: str):
     return db.session_factory(db.make_engine(url))
 
 
-def _job_spec(args: argparse.Namespace):
+def _new_job(args: argparse.Namespace):
+    from ingest.spec import validate_request
     from storage.formats import Limits
+    from storage.job_settings import DEFAULT_SHARD_SIZE, LOCAL
     from storage.objectstore import S3Options
-    from workers.jobs import DEFAULT_SHARD_SIZE, JobSpec
 
     limits = Limits.from_env(max_rows=args.max_input_rows, max_uncompressed_bytes=args.max_input_bytes,
                              max_file_bytes=args.max_input_bytes)
-    return JobSpec(input_uri=args.input or sample_input(), output_uri=args.output or default_output(args.input),
-                   model=args.model, sampling=sampling_kwargs(args), engine=engine_kwargs(args),
-                   speculative_config=engine_kwargs(args).get("speculative_config"),
-                   shard_size=args.shard_size or DEFAULT_SHARD_SIZE, limits=limits,
-                   s3=S3Options(args.s3_endpoint_url, args.s3_region, args.s3_profile),
-                   openai_output=args.openai_output)
+    engine = engine_kwargs(args)
+    request = validate_request(dict(input_uri=args.input or sample_input(),
+                                    output_uri=args.output or default_output(args.input), model=args.model,
+                                    sampling=sampling_kwargs(args), engine=engine,
+                                    speculative_config=engine.get("speculative_config"),
+                                    shard_size=args.shard_size or DEFAULT_SHARD_SIZE,
+                                    openai_output=args.openai_output))
+    return request.to_job(executor=LOCAL, limits=limits,
+                          s3=S3Options(args.s3_endpoint_url, args.s3_region, args.s3_profile))
 
 
 def _load_engine(settings: dict):
@@ -167,7 +172,7 @@ def _serving_metrics(port: int, sessions):
     """An engine loader that also serves the engine's and the jobs' metrics (the loader runs once per job)."""
     from engine.prometheus import EngineMetrics, new_registry, start_metrics_server
     from storage import db
-    from tokenmill.metrics import JobMetricsCollector
+    from workers.job_metrics import JobMetricsCollector
 
     registry = new_registry()
     registry.register(JobMetricsCollector(db.sql_query(sessions)))
@@ -178,14 +183,15 @@ def _serving_metrics(port: int, sessions):
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
+    from ingest.intake import submit
     from storage import db
     from tokenmill.progress import JobProgressBar
-    from workers.jobs import run_job, submit
+    from workers.jobs import run_job
 
     console = Console(soft_wrap=True)
     url = db.resolve_url(args.database_url)
     sessions = _sessions(url)
-    submission = submit(sessions, _job_spec(args))
+    submission = submit(sessions, _new_job(args))
     job = submission.job
     console.print(f"job [bold]{job.id}[/bold] ({submission.outcome}): {_where(job.input_uri)} -> "
                   f"{_where(job.output_uri)}", highlight=False)
@@ -248,10 +254,15 @@ def list_jobs(args: argparse.Namespace) -> int:
 def _row_dict(row) -> dict:
     from datetime import datetime
 
+    from pydantic import BaseModel
     from sqlalchemy import inspect
 
-    values = {attr.key: getattr(row, attr.key) for attr in inspect(row).mapper.column_attrs}
-    return {k: v.isoformat() if isinstance(v, datetime) else v for k, v in values.items()}
+    def plain(value):
+        if isinstance(value, datetime):
+            return value.isoformat()
+        return value.model_dump(mode="json") if isinstance(value, BaseModel) else value
+
+    return {attr.key: plain(getattr(row, attr.key)) for attr in inspect(row).mapper.column_attrs}
 
 
 def show_status(args: argparse.Namespace) -> int:
@@ -286,9 +297,9 @@ def show_status(args: argparse.Namespace) -> int:
 
 
 def cancel(args: argparse.Namespace) -> int:
+    from ingest.config import ServiceConfig
     from storage import db
     from workers import events
-    from workers.config import ServiceConfig
     from workers.jobs import cancel_job
 
     config = ServiceConfig.from_env()

@@ -55,35 +55,18 @@ def _friendly(handler):
         from botocore.exceptions import BotoCoreError, ClientError
         from kafka.errors import KafkaError
 
+        from ingest.spec import SpecError
+        from tokenmill.stack import StackError
+
         try:
             return handler(args)
         except Exception as error:
-            known = isinstance(error, KafkaError | BotoCoreError | ClientError)
-            if not known and type(error).__module__ != STACK_MODULE:
+            if not isinstance(error, KafkaError | BotoCoreError | ClientError | StackError | SpecError):
                 raise
             print(f"error: {type(error).__name__}: {error}", file=sys.stderr)
             return 2
 
     return wrapper
-
-
-STACK_MODULE = "tokenmill_ops_stack"
-
-
-def _stack_module():
-    """ops/stack.py of the source checkout this package runs from."""
-    import importlib.util
-
-    if STACK_MODULE in sys.modules:
-        return sys.modules[STACK_MODULE]
-    path = Path(__file__).resolve().parents[2] / "ops" / "stack.py"
-    if not path.is_file():
-        raise FileNotFoundError(f"`tokenmill stack` needs the source checkout's ops/stack.py (not found at {path})")
-    spec = importlib.util.spec_from_file_location(STACK_MODULE, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[STACK_MODULE] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 # ---- registration -------------------------------------------------------------------------------------
@@ -212,7 +195,7 @@ def _use_stack(args: argparse.Namespace) -> None:
 
 
 def _service_config():
-    from workers.config import ServiceConfig
+    from ingest.config import ServiceConfig
 
     return ServiceConfig.from_env()
 
@@ -264,7 +247,7 @@ def _wait(job_id: str, timeout_s: float) -> int:
 
 
 def schedule_add(args: argparse.Namespace) -> int:
-    from workers.schedules import add_schedule
+    from ingest.schedules import add_schedule
 
     settings = {"sampling": sampling_kwargs(args), "shard_size": args.shard_size, "priority": args.priority}
     schedule = add_schedule(_sessions(), args.name, args.cron, args.input, args.output, args.model, settings)
@@ -276,7 +259,7 @@ def schedule_list(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from workers.schedules import list_schedules
+    from ingest.schedules import list_schedules
 
     rows = list_schedules(_sessions())
     table = Table("name", "cron (UTC)", "model", "input", "output", "last date", "last job")
@@ -288,7 +271,7 @@ def schedule_list(args: argparse.Namespace) -> int:
 
 
 def schedule_remove(args: argparse.Namespace) -> int:
-    from workers.schedules import remove_schedule
+    from ingest.schedules import remove_schedule
 
     remove_schedule(_sessions(), args.name)
     print(f"schedule {args.name} removed")
@@ -296,7 +279,8 @@ def schedule_remove(args: argparse.Namespace) -> int:
 
 
 def stack_up(args: argparse.Namespace) -> int:
-    stack = _stack_module()
+    from tokenmill import stack
+
     workers = max(args.workers, 1)
     threads = args.threads or max(1, (os.cpu_count() or 1) // workers)
     extra_env = dict(item.split("=", 1) for item in args.env)
@@ -311,7 +295,9 @@ def stack_up(args: argparse.Namespace) -> int:
 
 def stack_down(args: argparse.Namespace) -> int:
     state_dir = args.state_dir or default_state_dir()
-    problems = _stack_module().down(state_dir)
+    from tokenmill import stack
+
+    problems = stack.down(state_dir)
     for problem in problems:
         print(f"error: {problem}", file=sys.stderr)
     if not problems:
@@ -320,7 +306,9 @@ def stack_down(args: argparse.Namespace) -> int:
 
 
 def stack_env(args: argparse.Namespace) -> int:
-    print(_stack_module().env_script(args.state_dir or default_state_dir()), end="")
+    from tokenmill import stack
+
+    print(stack.env_script(args.state_dir or default_state_dir()), end="")
     return 0
 
 

@@ -6,7 +6,7 @@ import os
 import socket
 from datetime import datetime
 
-from storage.models import utcnow
+from storage.models import Job, Shard, ShardStatus, utcnow
 
 
 def worker_id() -> str:
@@ -38,3 +38,15 @@ def _process_alive(pid: int) -> bool:
         return state not in ("Z", "X")
     except (OSError, IndexError):
         return True
+
+
+def runner_alive(job: Job) -> bool:
+    """Is some process still running this job: its runner (`tokenmill run`), or a worker running one of its
+    shards (its process on this host, its unexpired lease elsewhere)?"""
+    running = [s for s in job.shards if s.status == ShardStatus.RUNNING]
+    leases = [s.lease_expires_at for s in running if s.lease_expires_at]
+    return worker_alive(job.worker, max(leases, default=None)) or any(shard_runner_alive(s) for s in running)
+
+
+def shard_runner_alive(shard: Shard) -> bool:
+    return worker_alive(shard.worker, shard.lease_expires_at)

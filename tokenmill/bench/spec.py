@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.bench.workload import Workload
+from tokenmill.bench.workload import Workload
 
 
 @dataclass

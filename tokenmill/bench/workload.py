@@ -6,6 +6,8 @@ import random
 from dataclasses import dataclass
 from importlib import resources
 
+from engine.chat import chat_token_ids
+
 EXTRA_QUESTIONS = [
     "Describe how a rainbow forms.", "What is a black hole?", "Give three tips for better sleep.",
     "Explain what an API is.", "Why do cats purr?", "Write a short poem about autumn rain.",
@@ -40,9 +42,7 @@ def questions() -> list[str]:
 
 
 def chat_ids(tokenizer, question: str) -> list[int]:
-    encoded = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
-                                            tokenize=True)
-    return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
+    return chat_token_ids(tokenizer, [{"role": "user", "content": question}])
 
 
 def mixed_chat_workload(tokenizer, num_prompts: int = 64, min_tokens: int = 16, max_tokens: int = 192,
@@ -73,10 +73,7 @@ def system_prompt(min_tokens: int, tokenizer, title: str = "Library assistant gu
 
 
 def _chat(tokenizer, system: str, question: str) -> list[int]:
-    encoded = tokenizer.apply_chat_template([{"role": "system", "content": system},
-                                             {"role": "user", "content": question}],
-                                            add_generation_prompt=True, tokenize=True)
-    return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
+    return chat_token_ids(tokenizer, [{"role": "system", "content": system}, {"role": "user", "content": question}])
 
 
 def shared_prefix_workload(tokenizer, num_prompts: int = 64, prefix_tokens: int = 600,

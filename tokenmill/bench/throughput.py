@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from engine.bench.workload import Workload
+from tokenmill.bench.workload import Workload
 
 log = logging.getLogger("tokenmill.bench")
 

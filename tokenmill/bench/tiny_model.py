@@ -42,7 +42,7 @@ def build_tokenizer(vocab_size: int = 1024):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from engine.bench.workload import questions
+    from tokenmill.bench.workload import questions
 
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

@@ -12,8 +12,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from engine.bench.throughput import random_prompt
 from engine.sampling_params import SamplingParams
+from tokenmill.bench.throughput import random_prompt
 
 
 @dataclass

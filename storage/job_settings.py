@@ -1,0 +1,56 @@
+"""`JobSettings`: how a job runs, typed. Built once on the way in (`ingest.spec.JobRequest.to_job`, which
+validates the parts only the engine knows: sampling, speculative decoding, engine settings), stored as JSON in
+`jobs.settings`, and read by attribute (`job.settings.shard_size`) everywhere after."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_serializer
+from sqlalchemy import JSON
+from sqlalchemy.engine import Dialect
+from sqlalchemy.types import TypeDecorator
+
+from storage.formats.rows import Limits
+from storage.objectstore import S3Options
+
+DEFAULT_SHARD_SIZE = 500
+LOCAL, CELERY = "local", "celery"  # who runs a job: `tokenmill run` in process, or the Celery workers
+ShardSize = Annotated[int, Field(ge=1)]  # rows per shard
+
+
+class JobSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    sampling: dict[str, Any] = Field(default_factory=dict)  # SamplingParams defaults; rows may override
+    engine: dict[str, Any] = Field(default_factory=dict)  # EngineConfig settings (local jobs only)
+    speculative_config: dict[str, Any] | None = None  # the job's speculative decoding (None: the engine's own)
+    shard_size: ShardSize = DEFAULT_SHARD_SIZE
+    limits: Limits = Field(default_factory=Limits)
+    s3: S3Options = Field(default_factory=S3Options)
+    openai_output: bool = False
+    executor: Literal["local", "celery"] = LOCAL
+    input_fingerprint: dict[str, Any] | None = None  # set when the input is validated
+    input_format: str | None = None
+
+    @field_serializer("s3")
+    def _s3(self, value: S3Options) -> dict[str, Any]:
+        return value.to_dict()
+
+    def to_json(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+
+class JobSettingsJSON(TypeDecorator):
+    """A JSON column holding a `JobSettings`."""
+
+    impl = JSON
+    cache_ok = True
+
+    def process_bind_param(self, value: JobSettings | dict | None, dialect: Dialect) -> dict | None:
+        if value is None:
+            return None
+        return (value if isinstance(value, JobSettings) else JobSettings.model_validate(value)).to_json()
+
+    def process_result_value(self, value: dict | None, dialect: Dialect) -> JobSettings | None:
+        return None if value is None else JobSettings.model_validate(value)

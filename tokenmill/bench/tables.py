@@ -1,0 +1,23 @@
+"""Result tables shared by `tokenmill bench` and ops/gpu_check.py."""
+
+from __future__ import annotations
+
+
+def speedup(result, reference) -> str:
+    return f"{result.tokens_per_second / reference.tokens_per_second:.2f}x" if reference else "-"
+
+
+def throughput_table(results):
+    from rich.table import Table
+
+    table = Table("system", "dtype", "seconds", "useful tok/s", "x HF static", "x HF continuous", "% of floor",
+                  "note", title="throughput (useful generated tokens per second)")
+    by_key = {(r.system, r.dtype): r for r in results}
+    for r in results:
+        static = by_key.get(("HF static batching", r.dtype))
+        cont = by_key.get(("HF continuous batching", r.dtype))
+        floor = by_key.get(("dense matmul floor", r.dtype))
+        share = f"{100 * r.tokens_per_second / floor.tokens_per_second:.0f}%" if floor else "-"
+        table.add_row(r.system, r.dtype, f"{r.seconds:.1f}", f"{r.tokens_per_second:.1f}", speedup(r, static),
+                      speedup(r, cont), share, r.note)
+    return table
