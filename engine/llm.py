@@ -28,11 +28,17 @@ class LLM:
 
     def generate(self, prompts: Prompt | Seq[Prompt],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
-        """Strings or token-id lists; one SamplingParams for all or one per prompt. Outputs in input order."""
+                 use_tqdm: bool = False, priority: Seq[int] | None = None,
+                 cache_salt: str | None = None) -> list[RequestOutput]:
+        """Strings or token-id lists; one SamplingParams for all or one per prompt. Outputs in input order.
+        `priority`: one int per prompt, lower first (with `scheduling_policy="priority"`); `cache_salt`:
+        these prompts share prefix-cache blocks only with requests of the same salt."""
         prompts = normalize_prompts(prompts)
         params = per_prompt_params(sampling_params, len(prompts))
-        return self._run(prompts, params, use_tqdm)
+        priority = [0] * len(prompts) if priority is None else list(priority)
+        if len(priority) != len(prompts):
+            raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
+        return self._run(prompts, params, use_tqdm, priority, cache_salt)
 
     def chat(self, conversations: Conversation | Seq[Conversation],
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
@@ -48,7 +54,8 @@ class LLM:
             conversation, add_generation_prompt=add_generation_prompt, tokenize=True)
         return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
 
-    def _run(self, prompts: list[Prompt], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, prompts: list[Prompt], params: list[SamplingParams], use_tqdm: bool,
+             priority: list[int] | None = None, cache_salt: str | None = None) -> list[RequestOutput]:
         engine = self.engine
         first_id = f"gen-{id(prompts):x}-"
         ids = [f"{first_id}{i}" for i in range(len(prompts))]
@@ -59,7 +66,9 @@ class LLM:
 
             progress = tqdm(total=len(prompts), desc="generating", unit="req")
         try:
-            for output in engine.stream(zip(ids, prompts, params, strict=True)):
+            priority = priority or [0] * len(prompts)
+            requests = ((i, p, sp, pr, cache_salt) for i, p, sp, pr in zip(ids, prompts, params, priority, strict=True))
+            for output in engine.stream(requests):
                 results[output.request_id] = output
                 if progress is not None:
                     progress.update(1)
