@@ -67,7 +67,9 @@ class LLM:
             progress = tqdm(total=len(prompts), desc="generating", unit="req")
         try:
             priority = priority or [0] * len(prompts)
-            requests = ((i, p, sp, pr, cache_salt) for i, p, sp, pr in zip(ids, prompts, params, priority, strict=True))
+            requests = list(zip(ids, prompts, params, priority, [cache_salt] * len(prompts), strict=True))
+            if engine.config.scheduling_policy == "priority":  # the engine holds only some at a time: feed by priority
+                requests.sort(key=lambda request: request[3])
             for output in engine.stream(requests):
                 results[output.request_id] = output
                 if progress is not None:

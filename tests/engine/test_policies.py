@@ -14,13 +14,14 @@ def llm(model_dir):
 
 
 def test_priority_policy_runs_the_lowest_value_first(llm):
-    prompts = ["The capital of France is", "One, two, three,", "def fibonacci(n):"]
-    outs = llm.generate(prompts, GREEDY, priority=[2, 0, 1])
-    order = sorted(range(3), key=lambda i: outs[i].metrics.first_token_time)
-    assert order == [1, 2, 0]
+    prompts = ["The capital of France is", "One, two, three,", "def fibonacci(n):", "Hello"]
+    # one runs at a time and the engine holds two: generate feeds them by priority too
+    outs = llm.generate(prompts, GREEDY, priority=[3, 0, 2, 1])
+    order = sorted(range(4), key=lambda i: outs[i].metrics.first_token_time)
+    assert order == [1, 3, 2, 0]
     by_fcfs = llm.generate(prompts, GREEDY)  # same tokens whatever the order
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in by_fcfs]
-    with pytest.raises(ValueError, match="2 priorities for 3 prompts"):
+    with pytest.raises(ValueError, match="2 priorities for 4 prompts"):
         llm.generate(prompts, GREEDY, priority=[0, 1])
 
 
