@@ -9,6 +9,7 @@ DEFAULT_MODEL = "smollm2-135m"
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 BACKENDS = ("auto", "torch", "triton")
 DEVICES = ("auto", "cpu", "cuda")
+SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 @dataclass
@@ -29,6 +30,10 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     admission_lookahead: int = 32  # prefix-aware admission window (1: strict first come, first served)
+    scheduling_policy: str = "fcfs"  # or "priority": lowest request priority first, then arrival (as vLLM)
+    # Cap on one prompt's prefill chunk per step (0: off, only max_num_batched_tokens caps it). vLLM's default
+    # is 0 too unless it runs several partial prefills, then 4% of max_model_len.
+    long_prefill_token_threshold: int = 0
     attention_backend: str = "auto"  # auto: triton on CUDA, torch on CPU
     enforce_eager: bool = False  # CUDA: run decode steps eagerly instead of replaying CUDA graphs
     seed: int = 0
@@ -56,6 +61,11 @@ class EngineConfig:
              f"max_model_len must be >= 2, got {self.max_model_len}")
         need(self.num_kv_blocks is None or self.num_kv_blocks >= 2,
              f"num_kv_blocks must be >= 2 (one is the null block), got {self.num_kv_blocks}")
+        need(self.scheduling_policy in SCHEDULING_POLICIES,
+             f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
+        need(self.long_prefill_token_threshold >= 0,
+             f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
+        need(self.admission_lookahead >= 1, f"admission_lookahead must be >= 1, got {self.admission_lookahead}")
         need(0 < self.memory_utilization <= 1, f"memory_utilization must be in (0, 1], got {self.memory_utilization}")
         if not self.enable_chunked_prefill and self.max_model_len is not None:
             need(self.max_num_batched_tokens >= self.max_model_len,

@@ -29,11 +29,17 @@ class LLM:
 
     def generate(self, prompts: Prompt | Seq[Prompt],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
-        """Strings or token-id lists; one SamplingParams for all or one per prompt. Outputs in input order."""
+                 use_tqdm: bool = False, priority: Seq[int] | None = None,
+                 cache_salt: str | None = None) -> list[RequestOutput]:
+        """Strings or token-id lists; one SamplingParams for all or one per prompt. Outputs in input order.
+        `priority`: one int per prompt, lower first (with `scheduling_policy="priority"`); `cache_salt`:
+        these prompts share prefix-cache blocks only with requests of the same salt."""
         prompts = normalize_prompts(prompts)
         params = per_prompt_params(sampling_params, len(prompts))
-        return self._run(prompts, params, use_tqdm)
+        priority = [0] * len(prompts) if priority is None else list(priority)
+        if len(priority) != len(prompts):
+            raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
+        return self._run(prompts, params, use_tqdm, priority, cache_salt)
 
     def chat(self, conversations: Conversation | Seq[Conversation],
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
@@ -47,7 +53,8 @@ class LLM:
     def apply_chat_template(self, conversation: Conversation, add_generation_prompt: bool = True) -> list[int]:
         return chat_token_ids(self.engine.tokenizer, conversation, add_generation_prompt)
 
-    def _run(self, prompts: list[Prompt], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, prompts: list[Prompt], params: list[SamplingParams], use_tqdm: bool,
+             priority: list[int] | None = None, cache_salt: str | None = None) -> list[RequestOutput]:
         engine = self.engine
         first_id = f"gen-{id(prompts):x}-"
         ids = [f"{first_id}{i}" for i in range(len(prompts))]
@@ -58,7 +65,11 @@ class LLM:
 
             progress = tqdm(total=len(prompts), desc="generating", unit="req")
         try:
-            for output in engine.stream(zip(ids, prompts, params, strict=True)):
+            priority = priority or [0] * len(prompts)
+            requests = list(zip(ids, prompts, params, priority, [cache_salt] * len(prompts), strict=True))
+            if engine.config.scheduling_policy == "priority":  # the engine holds only some at a time: feed by priority
+                requests.sort(key=lambda request: request[3])
+            for output in engine.stream(requests):
                 results[output.request_id] = output
                 if progress is not None:
                     progress.update(1)

@@ -61,7 +61,8 @@ class LLMEngine:
         kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
                             watermark_blocks=max(1, self.runner.num_blocks // 100))
         limits = SchedulerLimits(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
-                                 config.enable_chunked_prefill, config.admission_lookahead)
+                                 config.enable_chunked_prefill, config.admission_lookahead,
+                                 config.scheduling_policy, config.long_prefill_token_threshold)
         self._seq_ids = itertools.count()
         self.scheduler = Scheduler(limits, kv, frozenset(eos_token_ids(self.model_dir, self.tokenizer)),
                                    next_seq_id=self._seq_ids.__next__)
@@ -104,13 +105,21 @@ class LLMEngine:
             raise ValueError(f"prompt token ids must be integers in [0, {self.runner.vocab_size})")
         return list(prompt)
 
-    def add_request(self, request_id: str | None, prompt: Prompt, params: SamplingParams | None = None) -> str:
-        """Queue a request. One that can never run comes back from the next `step()` with an error."""
+    def add_request(self, request_id: str | None, prompt: Prompt, params: SamplingParams | None = None,
+                    priority: int = 0, cache_salt: str | None = None) -> str:
+        """Queue a request. One that can never run comes back from the next `step()` with an error.
+        `priority` orders admission under `scheduling_policy="priority"` (lower first); requests share
+        prefix-cache blocks only with requests of the same `cache_salt` (None: the shared, unsalted cache)."""
         params = params or SamplingParams()
         request_id = str(next(self._request_ids)) if request_id is None else request_id
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in the engine")
-        seq = Sequence(next(self._seq_ids), request_id, self.encode(prompt), params)
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
+        seq = Sequence(next(self._seq_ids), request_id, self.encode(prompt), params, priority=priority,
+                       cache_salt=cache_salt)
         request = _Request(request_id, prompt if isinstance(prompt, str) else None, [])
         request.add_sample(seq, self.tokenizer)
         self.requests[request_id] = request
@@ -148,9 +157,11 @@ class LLMEngine:
         done = [self._finalize(r) for r in self._rejected]
         self._rejected = []
         plan = self.scheduler.schedule(self.spec.lookahead(self.scheduler.running) if self.spec else 0)
-        if plan.is_empty:
-            if self.scheduler.has_unfinished:
-                raise RuntimeError("the scheduler could not schedule any work; the KV pool is too small")
+        for seq in plan.failed:
+            request = self.requests.get(seq.request_id)
+            if request is not None and (request.finished or seq.fork_pending):
+                done.append(self._finalize(request))
+        if plan.is_empty:  # everything was preempted or failed: the next step admits again
             return done
         if self.spec:
             self.spec.propose(plan)
@@ -256,12 +267,13 @@ class LLMEngine:
                                    first.num_preemptions),
         )
 
-    def stream(self, requests: Iterable[tuple[str | None, Prompt, SamplingParams]],
-               max_pending: int | None = None,
+    def stream(self, requests: Iterable[tuple], max_pending: int | None = None,
                should_stop: Callable[[], bool] | None = None) -> Iterator[RequestOutput]:
         """Feed requests as they come (lazily, keeping at most `max_pending` in the engine) and yield
-        each finished output as soon as it is ready. `should_stop` is asked before each step; when it says
-        so, or the caller stops iterating, the requests this stream added that have not finished are aborted."""
+        each finished output as soon as it is ready. Each request is `add_request`'s arguments:
+        (request_id, prompt, params), optionally followed by priority and cache_salt. `should_stop` is asked
+        before each step; when it says so, or the caller stops iterating, the requests this stream added
+        that have not finished are aborted."""
         max_pending = max_pending or 2 * self.config.max_num_seqs
         source = iter(requests)
         exhausted = False

@@ -1,9 +1,11 @@
-"""Iteration-level scheduling: running sequences first, then (chunked) prefills of waiting ones,
-under a token budget; recompute preemption of the most recently admitted sequence when blocks run out.
+"""Iteration-level scheduling under a token budget: decoding sequences first (forked samples included),
+then the chunks of running prefills, then (chunked) prefills of waiting ones; recompute preemption when
+blocks run out, of the most recently admitted sequence (fcfs) or the lowest-priority, latest-arrived one.
 """
 
 from __future__ import annotations
 
+import bisect
 import itertools
 from collections import deque
 from collections.abc import Callable
@@ -29,6 +31,7 @@ class SchedulerOutput:
     spec_lookahead: dict[int, int] = field(default_factory=dict)  # seq_id -> draft tokens it has slots for
     spec_drafts: dict[int, int] = field(default_factory=dict)  # seq_id -> drafts actually proposed
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst) blocks
+    failed: list[Sequence] = field(default_factory=list)  # waiting sequences that could never be scheduled
 
     def sample_groups(self) -> list[tuple[Sequence, list[Sequence]]]:
         """Each sampled row with the sequences that draw from it, in order (a forking parent feeds n)."""
@@ -54,6 +57,8 @@ class SchedulerLimits:
     max_model_len: int
     enable_chunked_prefill: bool = True
     admission_lookahead: int = 1  # waiting requests searched for the longest cached prefix (1: strict FCFS)
+    policy: str = "fcfs"  # "fcfs", or "priority": lowest `priority` value first, then arrival
+    long_prefill_token_threshold: int = 0  # cap on one prompt's chunk per step (0: only the budget caps it)
 
 
 class Scheduler:
@@ -86,6 +91,8 @@ class Scheduler:
         if not self.limits.enable_chunked_prefill and prompt_len > self.limits.max_num_batched_tokens:
             return (f"prompt ({prompt_len} tokens) exceeds max_num_batched_tokens "
                     f"({self.limits.max_num_batched_tokens}) and chunked prefill is off")
+        if seq.params.n > self.limits.max_num_seqs:
+            return f"n ({seq.params.n}) exceeds max_num_seqs ({self.limits.max_num_seqs})"
         return None
 
     def add(self, seq: Sequence) -> bool:
@@ -95,25 +102,54 @@ class Scheduler:
             seq.finish(FinishReason.ERROR, reason)
             return False
         seq.status = SequenceStatus.WAITING
-        self.waiting.append(seq)
+        self._enqueue(seq)
         return True
+
+    def _enqueue(self, seq: Sequence, front: bool = False) -> None:
+        """fcfs: the back of the queue (the front for a preempted sequence); priority: by (priority, arrival)."""
+        if self.limits.policy == "priority":
+            self.waiting.insert(bisect.bisect_right(self.waiting, _priority_key(seq), key=_priority_key), seq)
+        elif front:
+            self.waiting.appendleft(seq)
+        else:
+            self.waiting.append(seq)
 
     def schedule(self, num_spec_tokens: int = 0) -> SchedulerOutput:
         """Plan one step. With `num_spec_tokens`, decoding sequences also get KV slots (and budget) for up
         to that many draft tokens, recorded in `spec_lookahead`; drafts are dropped before anything is
-        preempted for them."""
+        preempted for them. A waiting sequence that cannot be scheduled even with nothing running is
+        finished with an error (in `failed`), so no request can stall the others."""
         out = SchedulerOutput()
+        budget = self._schedule_running(out, num_spec_tokens)
+        blocked = None if out.preempted else self._schedule_waiting(out, budget)
+        if blocked is not None and not out.scheduled and not self.running:
+            seq, why = blocked
+            self.finish(seq, FinishReason.ERROR)
+            seq.error = f"could not be scheduled even with nothing else running: {why}"
+            out.failed.append(seq)
+        for seq, _, sample in out.scheduled:
+            if sample and seq.fork_pending:
+                out.forks[seq.seq_id] = [seq.fork(self.next_seq_id(), i) for i in range(1, seq.params.n)]
+        out.block_copies = self.kv.take_copies()
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, num_spec_tokens: int) -> int:
+        """Decoding sequences (one token to compute), then the running prefills' chunks; returns the budget left."""
         budget = self.limits.max_num_batched_tokens
-        index = 0
-        while index < len(self.running) and budget > 0:
-            seq = self.running[index]
-            num_new = min(seq.num_uncomputed_tokens, budget)
+        decodes_first = sorted(self.running, key=lambda s: s.num_uncomputed_tokens > 1)
+        for seq in decodes_first:
+            if budget <= 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:  # preempted for an earlier one
+                continue
+            num_new = self._chunk(seq.num_uncomputed_tokens, budget)
             lookahead = self._spec_room(seq, num_spec_tokens, budget - num_new)
             while not self.kv.allocate_slots(seq, num_new + lookahead):
                 if lookahead:
                     lookahead = 0
                     continue
-                victim = self.running.pop()
+                victim = self._victim()
+                budget += self._unschedule(out, victim)
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is seq:
@@ -123,18 +159,21 @@ class Scheduler:
                 if lookahead:
                     out.spec_lookahead[seq.seq_id] = lookahead
                 budget -= num_new + lookahead
-                index += 1
+        return budget
 
-        while self.waiting and budget > 0 and not out.preempted:
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> tuple[Sequence, str] | None:
+        """Admit waiting sequences while they fit; returns the one that did not, with why."""
+        limits = self.limits
+        while self.waiting and budget > 0:
             seq, cached = self._next_waiting()
-            if len(self.running) + (seq.params.n if seq.fork_pending else 1) > self.limits.max_num_seqs:
-                break
+            if len(self.running) + (seq.params.n if seq.fork_pending else 1) > limits.max_num_seqs:
+                return seq, f"max_num_seqs ({limits.max_num_seqs}) is reached"
             num_new = seq.num_tokens - len(cached) * self.kv.block_size
-            if num_new > budget and not self.limits.enable_chunked_prefill:
-                break
-            num_new = min(num_new, budget)
-            if not self.kv.can_admit(seq, cached, num_new):
-                break
+            if num_new > budget and not limits.enable_chunked_prefill:
+                return seq, f"{num_new} tokens to prefill exceed the token budget and chunked prefill is off"
+            num_new = self._chunk(num_new, budget)
+            if not self.kv.can_admit(seq, cached, num_new, keep_watermark=bool(self.running)):
+                return seq, f"its first {num_new} tokens do not fit in the free KV blocks"
             self._take_waiting(seq)
             self.kv.admit(seq, cached)
             if not self.kv.allocate_slots(seq, num_new):
@@ -145,19 +184,41 @@ class Scheduler:
             self.running.append(seq)
             out.scheduled.append(self._scheduled(seq, num_new))
             budget -= num_new
-        for seq, _, sample in out.scheduled:
-            if sample and seq.fork_pending:
-                out.forks[seq.seq_id] = [seq.fork(self.next_seq_id(), i) for i in range(1, seq.params.n)]
-        out.block_copies = self.kv.take_copies()
-        return out
+        return None
+
+    def _chunk(self, num_uncomputed: int, budget: int) -> int:
+        """Tokens of one sequence to compute this step: under the budget and, for a prompt, under
+        `long_prefill_token_threshold`, so several prefills share a step and none stalls the rest."""
+        num_new = min(num_uncomputed, budget)
+        threshold = self.limits.long_prefill_token_threshold
+        if self.limits.enable_chunked_prefill and 0 < threshold < num_new:
+            num_new = threshold
+        return num_new
+
+    def _victim(self) -> Sequence:
+        """The running sequence to preempt: the most recently admitted (fcfs), or under "priority" the
+        one with the largest priority value, the latest-arrived among those."""
+        if self.limits.policy == "priority":
+            return max(reversed(self.running), key=lambda s: (s.priority, s.arrival_time))
+        return self.running[-1]
+
+    @staticmethod
+    def _unschedule(out: SchedulerOutput, seq: Sequence) -> int:
+        """Take a sequence already planned in this step back out of the plan; returns the budget it held."""
+        for index, planned in enumerate(out.scheduled):
+            if planned.seq is seq:
+                del out.scheduled[index]
+                return planned.num_new_tokens + out.spec_lookahead.pop(seq.seq_id, 0)
+        return 0
 
     def _next_waiting(self) -> tuple[Sequence, list[int]]:
         """The waiting sequence to admit next, with its cached prefix blocks.
 
-        First come, first served, except that within the first `admission_lookahead` waiting requests
-        the one with the longest prefix already in the cache goes first: rows sharing a prefix are
-        admitted together while that prefix is resident, instead of being interleaved with rows that
-        would evict it. A preempted sequence, or one passed over too often, is never overtaken."""
+        Queue order (first come, first served, or by priority), except that within the first
+        `admission_lookahead` waiting requests the one with the longest prefix already in the cache goes
+        first: rows sharing a prefix are admitted together while that prefix is resident, instead of being
+        interleaved with rows that would evict it. A preempted sequence, or one passed over too often, is
+        never overtaken; under "priority" only a request of the head's own priority may overtake it."""
         head = self.waiting[0]
         head_cached = self.kv.find_cached_prefix(head)
         lookahead = self.limits.admission_lookahead
@@ -165,7 +226,10 @@ class Scheduler:
         if lookahead <= 1 or not self.kv.enable_caching or head.num_preemptions or overtaken_enough:
             return head, head_cached
         best, best_cached = head, head_cached
-        for seq in itertools.islice(self.waiting, 1, lookahead):
+        candidates = itertools.islice(self.waiting, 1, lookahead)
+        if self.limits.policy == "priority":
+            candidates = itertools.takewhile(lambda s: s.priority == head.priority, candidates)
+        for seq in candidates:
             cached = self.kv.find_cached_prefix(seq)
             if len(cached) > len(best_cached):
                 best, best_cached = seq, cached
@@ -190,7 +254,8 @@ class Scheduler:
         return ScheduledSeq(seq, num_new, seq.num_computed_tokens + num_new == seq.num_tokens)
 
     def _preempt(self, seq: Sequence) -> None:
-        """Recompute preemption: drop seq's KV and send it to the front of the waiting queue."""
+        """Recompute preemption: drop seq's KV and send it back to the waiting queue (fcfs: its front)."""
+        self.running.remove(seq)
         self.kv.free(seq)
         seq.num_computed_tokens = 0
         seq.draft_computed_tokens = 0
@@ -198,7 +263,7 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        self._enqueue(seq, front=True)
 
     def update(self, out: SchedulerOutput, sampled: list[list[int]]) -> list[Sequence]:
         """Advance the counters of every scheduled sequence and append the new tokens (one list per
@@ -257,3 +322,7 @@ class Scheduler:
             self.waiting.remove(seq)
         self.kv.free(seq)
         seq.finish(reason)
+
+
+def _priority_key(seq: Sequence) -> tuple[int, float, int]:
+    return seq.priority, seq.arrival_time, seq.seq_id

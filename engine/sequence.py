@@ -39,7 +39,9 @@ class Sequence:
     token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
-    block_hashes: list[int] = field(default_factory=list)  # chain hashes of the full blocks, in order
+    priority: int = 0  # lower runs first under the "priority" scheduling policy
+    cache_salt: str | None = None  # prefix-cache blocks are shared only between requests with the same salt
+    block_hashes: list[bytes] = field(default_factory=list)  # chain hashes of the full blocks, in order
     num_registered_blocks: int = 0  # leading blocks of block_table entered in the prefix cache
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
@@ -76,7 +78,8 @@ class Sequence:
 
     def fork(self, seq_id: int, sample_index: int) -> Sequence:
         """A new sample sharing this sequence's tokens and KV blocks (the caller takes the block references)."""
-        child = Sequence(seq_id, self.request_id, self.prompt_token_ids, self.params, self.arrival_time)
+        child = Sequence(seq_id, self.request_id, self.prompt_token_ids, self.params, self.arrival_time,
+                         priority=self.priority, cache_salt=self.cache_salt)
         child.sample_index = sample_index
         child.token_ids = list(self.token_ids)
         child.num_computed_tokens = self.num_computed_tokens

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from engine.config import BACKENDS, DEFAULT_MODEL, DTYPES
+from engine.config import BACKENDS, DEFAULT_MODEL, DTYPES, SCHEDULING_POLICIES
 
 
 def add_engine_options(parser: argparse.ArgumentParser) -> None:
@@ -26,6 +26,12 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--admission-lookahead", type=int, default=32, metavar="N",
                        help="waiting requests searched for the longest cached prefix when admitting (1: strict "
                             "first come, first served; default: 32)")
+    group.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default="fcfs",
+                       help="admission order: fcfs, or priority (a request's lower priority value first, then "
+                            "arrival; preemption takes the highest value, latest arrival) (default: fcfs)")
+    group.add_argument("--long-prefill-token-threshold", type=int, default=0, metavar="TOKENS",
+                       help="cap on one prompt's prefill chunk per step, so long prompts share steps with other "
+                            "prefills and decodes (default: 0, off, as vLLM with one partial prefill)")
     group.add_argument("--attention-backend", choices=BACKENDS, default="auto",
                        help="paged attention implementation (auto: triton on CUDA, torch on CPU)")
     group.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's choice)")
@@ -41,7 +47,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         model=args.model, dtype=args.dtype, block_size=args.block_size, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=not args.no_prefix_caching,
-        admission_lookahead=args.admission_lookahead,
+        admission_lookahead=args.admission_lookahead, scheduling_policy=args.scheduling_policy,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
         attention_backend=args.attention_backend, num_threads=args.threads,
     )
     if args.kv_cache_memory is not None:

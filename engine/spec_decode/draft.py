@@ -3,6 +3,9 @@ layers and head (self-speculative). The draft keeps its own paged KV pool over t
 
 from __future__ import annotations
 
+import logging
+from typing import Any
+
 import torch
 
 from engine.attention.base import allocate_kv_pool
@@ -10,6 +13,45 @@ from engine.batch import BatchItem, PoolZeroing, build_step_batch
 from engine.models.llama import head_dim_of
 from engine.sequence import Sequence
 from engine.spec_decode.config import SpeculativeConfig
+
+log = logging.getLogger("tokenmill.engine")
+
+
+def self_draft_layers(config: SpeculativeConfig, total: int) -> int:
+    layers = config.draft_layers or max(1, total // 4)
+    if not 1 <= layers < total:
+        raise ValueError(f"draft_layers must be in [1, {total - 1}], got {layers}")
+    return layers
+
+
+def kv_bytes_per_block(num_layers: int, num_kv_heads: int, block_size: int, head_dim: int, element: int) -> int:
+    return 2 * num_layers * num_kv_heads * block_size * head_dim * element
+
+
+def draft_memory(settings: dict[str, Any] | None, runner) -> tuple[int, int]:
+    """(weights bytes, KV bytes per block) that the proposer of `settings` adds to the target's: a draft
+    model's weights and KV pool, the self-draft's KV pool over the target's first layers, nothing for
+    n-gram lookups. Read before the proposer exists, so the memory plan can count it."""
+    if not settings:
+        return 0, 0
+    from transformers import AutoConfig
+
+    from engine.model_loader import resolve_model
+    from engine.models.llama import LlamaForCausalLM
+
+    config = SpeculativeConfig.from_dict(settings)
+    element = runner.dtype.itemsize
+    if config.method == "self":
+        layers = self_draft_layers(config, runner.num_layers)
+        return 0, kv_bytes_per_block(layers, runner.num_kv_heads, runner.block_size, runner.head_dim, element)
+    if config.method != "draft":
+        return 0, 0
+    hf_config = AutoConfig.from_pretrained(resolve_model(config.model))
+    with torch.device("meta"):
+        model = LlamaForCausalLM(hf_config, runner.max_model_len)
+    weights = sum(p.numel() for p in model.parameters()) * element
+    return weights, kv_bytes_per_block(hf_config.num_hidden_layers, hf_config.num_key_value_heads,
+                                       runner.block_size, head_dim_of(hf_config), element)
 
 
 class DraftProposer:
@@ -22,10 +64,7 @@ class DraftProposer:
         self.runner = runner
         if config.method == "self":
             self.model = runner.model
-            total = runner.num_layers
-            self.num_layers = config.draft_layers or max(1, total // 4)
-            if not 1 <= self.num_layers < total:
-                raise ValueError(f"draft_layers must be in [1, {total - 1}], got {self.num_layers}")
+            self.num_layers = self_draft_layers(config, runner.num_layers)
             hf_config = runner.model.config
         else:
             draft_dir = resolve_model(config.model)
@@ -39,6 +78,10 @@ class DraftProposer:
                                 head_dim_of(hf_config), runner.dtype, runner.device)
         self.attention = runner.make_backend(k, v, hf_config.num_attention_heads)
         self.zeroing = PoolZeroing(k + v)
+        pool_bytes = sum(t.nbytes for t in k + v)
+        if pool_bytes > runner.num_blocks * runner.kv_plan.draft_bytes_per_block:
+            log.warning("the draft's KV pool (%.0f MiB) was not in the memory plan: set speculative_config on the "
+                        "engine, not only per job, to count it", pool_bytes / 2**20)
 
     def _run(self, items: list[BatchItem]) -> torch.Tensor:
         """Draft logits at each item's last token."""

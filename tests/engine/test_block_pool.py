@@ -65,6 +65,38 @@ def test_chain_hash_depends_on_parent_and_tokens():
     assert chain_hash(None, [1, 3]) != h1
 
 
+def test_chain_hash_is_a_sha256_digest_and_folds_in_the_extra_key():
+    h = chain_hash(None, [1, 2])
+    assert isinstance(h, bytes) and len(h) == 32
+    assert chain_hash(None, [1, 2], "tenant-a") not in (h, chain_hash(None, [1, 2], "tenant-b"))
+    assert chain_hash(None, [1, 2, 3]) != chain_hash(None, [1, 2]) != chain_hash(None, [2**40 + 1, 2])
+
+
+def test_requests_share_blocks_only_with_the_same_cache_salt():
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    tokens = list(range(9))
+    first = make_seq(0, tokens)
+    first.cache_salt = "tenant-a"
+    kv.admit(first, kv.find_cached_prefix(first))
+    kv.allocate_slots(first, 9)
+    for salt, hits in ((None, 0), ("tenant-b", 0), ("tenant-a", 2)):
+        other = make_seq(1, tokens)
+        other.cache_salt = salt
+        assert len(kv.find_cached_prefix(other)) == hits
+
+
+def test_hit_and_query_counters_count_a_first_admission_only():
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    seq = make_seq(0, list(range(9)))
+    kv.admit(seq, kv.find_cached_prefix(seq))
+    seq.num_cached_tokens = 0  # what the scheduler records at the first admission
+    kv.allocate_slots(seq, 9)
+    kv.free(seq)  # preempted
+    kv.admit(seq, kv.find_cached_prefix(seq))  # re-admitted with its own blocks as hits
+    assert seq.num_computed_tokens == 8
+    assert kv.stats.queries == 9 and kv.stats.hits == 0
+
+
 def test_prefix_hits_are_counted_in_whole_blocks_and_leave_one_token_to_compute():
     kv = KVCacheManager(num_blocks=16, block_size=4)
     first = make_seq(0, list(range(10)))  # 2 full blocks + 2 tokens

@@ -36,8 +36,10 @@ def reference(hf_model, shared_prompts):
         dict(enable_prefix_caching=True),
         dict(enable_prefix_caching=False),
         dict(enable_prefix_caching=True, num_kv_blocks=100, block_size=4, max_num_batched_tokens=128),
+        dict(enable_prefix_caching=True, long_prefill_token_threshold=48, scheduling_policy="priority",
+             max_num_batched_tokens=160),
     ],
-    ids=["on", "off", "on-kv-pressure"],
+    ids=["on", "off", "on-kv-pressure", "on-capped-chunks-priority"],
 )
 def test_greedy_is_identical_with_prefix_caching_on_and_off(config, model_dir, shared_prompts, reference):
     llm = LLM(str(model_dir), num_threads=2, **config)
@@ -56,6 +58,8 @@ def test_greedy_is_identical_with_prefix_caching_on_and_off(config, model_dir, s
         assert stats.computed_prefill_tokens >= sum(map(len, shared_prompts))
     if "num_kv_blocks" in config:
         assert stats.num_preemptions > 0
+    if config["enable_prefix_caching"]:  # each prompt looked up once, however often it was preempted
+        assert stats.prefix_cache_queries == sum(map(len, shared_prompts))
     kv = llm.engine.kv_manager
     assert kv.pool.num_free_blocks == kv.usable_blocks and not any(kv.pool.ref_counts)
 

@@ -24,7 +24,7 @@ def plan_of(out):
 
 def step(sched, token=5):
     out = sched.schedule()
-    finished = sched.update(out, [[token]] * sum(1 for s in out.scheduled if s.sample))
+    finished = sched.update(out, [[token]] * out.num_samples)
     return out, finished
 
 
@@ -201,3 +201,129 @@ def test_drafts_stop_at_max_tokens_and_at_a_finishing_token():
     assert out.spec_lookahead == {0: 1}  # room for 2 more tokens: 1 draft + 1 sampled
     finished = sched.update(out, [[EOS, 7]])
     assert finished == [seq] and seq.output_token_ids == [5, EOS] and seq.finish_reason is FinishReason.STOP
+
+
+def test_the_watermark_does_not_keep_a_request_out_of_an_idle_engine():
+    kv = KVCacheManager(5, 4, enable_caching=False, watermark_blocks=1)
+    sched = Scheduler(SchedulerLimits(8, 32, 64), kv, frozenset({EOS}))
+    whole_pool, small = make_seq(0, 14, max_tokens=2), make_seq(1, 3, max_tokens=2, first_token=50)
+    sched.add(whole_pool)  # 16 tokens: all 4 usable blocks
+    sched.add(small)
+    out, _ = step(sched)
+    assert plan_of(out) == [(0, 14, True)]  # admitted with nothing running; small waits for blocks
+    step(sched)
+    out, _ = step(sched)
+    assert plan_of(out) == [(1, 3, True)] and whole_pool.finish_reason is FinishReason.LENGTH
+
+
+def test_a_waiting_sequence_that_cannot_run_even_alone_fails_alone():
+    sched = make_scheduler(num_blocks=4, block_size=4)
+    impossible, fine = make_seq(0, 20), make_seq(1, 3, max_tokens=2, first_token=50)
+    sched.waiting.append(impossible)  # past add()'s checks: the scheduler's own safety net
+    sched.add(fine)
+    out = sched.schedule()
+    assert out.failed == [impossible] and out.is_empty
+    assert impossible.finish_reason is FinishReason.ERROR and "nothing else running" in impossible.error
+    out, _ = step(sched)
+    assert plan_of(out) == [(1, 3, True)]
+
+
+def test_n_above_max_num_seqs_is_rejected():
+    sched = make_scheduler(max_num_seqs=2)
+    seq = Sequence(0, "r0", [5, 6], SamplingParams(n=3))
+    assert not sched.add(seq) and "n (3) exceeds max_num_seqs (2)" in seq.error
+
+
+def test_forked_samples_decode_before_a_running_prefill_chunk():
+    sched = make_scheduler(budget=8, max_model_len=256)
+    forked = Sequence(0, "f", [10, 11, 12, 13, 14], SamplingParams(n=3, max_tokens=6, ignore_eos=True))
+    long = make_seq(1, 60, max_tokens=2, first_token=100)
+    sched.add(forked)
+    sched.add(long)
+    out, _ = step(sched)
+    assert plan_of(out) == [(0, 5, True), (1, 3, False)]
+    children = [c.seq_id for c in forked.children]
+    for _ in range(3):
+        out, _ = step(sched)
+        assert plan_of(out)[:3] == [(0, 1, True), (children[0], 1, True), (children[1], 1, True)]
+        assert plan_of(out)[3][0] == 1 and plan_of(out)[3][1] == 5
+
+
+def test_long_prefill_token_threshold_caps_each_prompt_chunk():
+    kv = KVCacheManager(64, 4, enable_caching=False)
+    sched = Scheduler(SchedulerLimits(8, 16, 128, long_prefill_token_threshold=6), kv, frozenset({EOS}))
+    a, b, c = make_seq(0, 20), make_seq(1, 20, first_token=50), make_seq(2, 3, first_token=90)
+    for seq in (a, b, c):
+        sched.add(seq)
+    out, _ = step(sched)
+    assert plan_of(out) == [(0, 6, False), (1, 6, False), (2, 3, True)]
+    out, _ = step(sched)
+    assert plan_of(out) == [(2, 1, True), (0, 6, False), (1, 6, False)]
+
+
+def make_priority_scheduler(num_blocks=64, lookahead=1):
+    kv = KVCacheManager(num_blocks, 4, enable_caching=True)
+    limits = SchedulerLimits(8, 64, 128, admission_lookahead=lookahead, policy="priority")
+    return Scheduler(limits, kv, frozenset({EOS}))
+
+
+def prioritized(seq_id, priority, prompt_len=4, first_token=None, arrival=0.0):
+    first = 10 * seq_id + 10 if first_token is None else first_token
+    seq = Sequence(seq_id, f"r{seq_id}", list(range(first, first + prompt_len)),
+                   SamplingParams(max_tokens=8, temperature=0), arrival, priority=priority)
+    return seq
+
+
+def test_priority_policy_admits_lowest_value_first_then_by_arrival():
+    sched = make_priority_scheduler()
+    seqs = [prioritized(0, 5, arrival=1.0), prioritized(1, 0, arrival=2.0), prioritized(2, 5, arrival=0.5),
+            prioritized(3, -1, arrival=3.0)]
+    for seq in seqs:
+        sched.add(seq)
+    assert [s.seq_id for s in sched.waiting] == [3, 1, 2, 0]
+    sched.limits.max_num_seqs = 2
+    out, _ = step(sched)
+    assert [s.seq.seq_id for s in out.scheduled] == [3, 1]
+
+
+def test_fcfs_ignores_priority():
+    sched = make_scheduler()
+    low, high = prioritized(0, 9), prioritized(1, 0)
+    sched.add(low)
+    sched.add(high)
+    assert [s.seq_id for s in sched.waiting] == [0, 1]
+
+
+def test_priority_preemption_takes_the_lowest_priority_latest_arrival():
+    # 7 usable blocks of 4 tokens; three 7-token prompts take 2 blocks each (one left)
+    sched = make_priority_scheduler(num_blocks=8)
+    seqs = [prioritized(0, 9, 7, arrival=1.0), prioritized(1, 9, 7, arrival=2.0), prioritized(2, 0, 7, arrival=3.0)]
+    for seq in seqs:
+        sched.add(seq)
+    step(sched)
+    step(sched)
+    out, _ = step(sched)  # every sequence needs a third block: only one is free
+    assert [s.seq_id for s in out.preempted] == [1]  # not the latest (2, priority 0), the latest of priority 9
+    assert {s.seq.seq_id for s in out.scheduled} == {0, 2}
+    assert list(sched.waiting) == [seqs[1]]
+
+
+def test_a_victim_planned_earlier_in_the_step_is_taken_back_out():
+    # decode of 1 (admitted last) is planned before 0's prefill chunk, then preempted for it (fcfs)
+    kv = KVCacheManager(6, 4, enable_caching=False)
+    sched = Scheduler(SchedulerLimits(8, 8, 64), kv, frozenset({EOS}))
+    long, short = make_seq(0, 16, max_tokens=2), make_seq(1, 3, max_tokens=8, first_token=60)
+    sched.add(long)
+    sched.add(short)
+    out, _ = step(sched)
+    assert plan_of(out) == [(0, 8, False)]
+    sched.limits.max_num_batched_tokens = 4
+    out, _ = step(sched)  # long: 4 more tokens (block 3 of 5)
+    sched.limits.max_num_batched_tokens = 8
+    assert plan_of(out) == [(0, 4, False)]
+    out, _ = step(sched)  # long's last 4 tokens, then short admitted
+    assert plan_of(out) == [(0, 4, True), (1, 3, True)]
+    assert kv.pool.num_free_blocks == 0
+    out, _ = step(sched)  # both decode: long needs a 5th block, short fits in its block
+    assert [s.seq_id for s in out.preempted] == [1] and plan_of(out) == [(0, 1, True)]
+    assert out.num_batched_tokens == 1

@@ -48,6 +48,13 @@ def test_greedy_with_speculation_matches_hugging_face(case, model_dir, prompts, 
         assert spec.accepted_tokens > 0
     if case == "draft":
         assert spec.acceptance_rate > 0.9  # the draft is the target itself
+    if case in ("draft", "self"):  # the memory plan counted the draft's pool and weights as allocated
+        plan, draft = llm.engine.runner.kv_plan, llm.engine.spec.draft
+        pool = draft.attention.k_caches + draft.attention.v_caches
+        assert sum(t.nbytes for t in pool) == plan.num_blocks * plan.draft_bytes_per_block > 0
+        own_weights = 0 if case == "self" else sum(p.nbytes for p in draft.model.parameters())
+        assert plan.draft_weights_bytes == own_weights
+        assert plan.total_bytes <= plan.budget_bytes
     if case == "ngram-preemption":
         assert llm.engine.get_stats().num_preemptions > 0
     kv = llm.engine.kv_manager

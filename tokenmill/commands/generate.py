@@ -17,6 +17,8 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("prompts", nargs="*", help="prompts (default: the bundled sample)")
     parser.add_argument("--file", help="read prompts from this file, one per line")
     parser.add_argument("--raw", action="store_true", help="send prompts as plain text, without the chat template")
+    parser.add_argument("--cache-salt", metavar="TEXT",
+                        help="share prefix-cache blocks only with requests of this salt (default: none)")
     add_sampling_options(parser, max_tokens=64)
     add_engine_options(parser)
     parser.set_defaults(handler=run)
@@ -44,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
     params = SamplingParams(**sampling_kwargs(args))
     started = time.perf_counter()
     if args.raw:
-        outputs = llm.generate(prompts, params, use_tqdm=True)
+        outputs = llm.generate(prompts, params, use_tqdm=True, cache_salt=args.cache_salt)
     else:
         outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=True)
     elapsed = time.perf_counter() - started
