@@ -30,6 +30,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     tp.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {','.join(SYSTEMS)}")
     tp.add_argument("--static-batch-size", type=int, default=16, help="HF static batch size (default: 16)")
     tp.add_argument("--threads", type=int, default=2, help="torch CPU threads for every system (default: 2)")
+    add_against_options(tp)
     tp.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     tp.add_argument("--plots", metavar="DIR", default="bench-out",
                     help="write PNG plots here: throughput_concurrency.png (a concurrency sweep of tokenmill under "
@@ -60,6 +61,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     px.add_argument("--per-template", type=int, default=16, help="rows per template in workload 2 (default: 16)")
     px.add_argument("--pressure-blocks", type=int, default=96, help="KV blocks in workload 2 (default: 96)")
     px.add_argument("--threads", type=int, default=2, help="torch CPU threads (default: 2)")
+    add_against_options(px)
     px.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     px.set_defaults(handler=run_prefix)
 
@@ -122,6 +124,31 @@ def register(commands: argparse._SubParsersAction) -> None:
     lt.set_defaults(handler=run_latency)
 
 
+def add_against_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--against", default="", metavar="SYSTEMS",
+                        help="external engines to run on the same token ids and output lengths: vllm (its CPU "
+                             "build, from its own virtualenv, in a subprocess; build it with `make vllm-venv`)")
+    parser.add_argument("--vllm-venv", help="vLLM's virtualenv (default: $TOKENMILL_VLLM_VENV or .vllm-venv)")
+    parser.add_argument("--batch1-tokens", type=int, default=128,
+                        help="output tokens of the batch-1 time-per-output-token measurement (default: 128; "
+                             "0 skips it)")
+
+
+def against_vllm(args: argparse.Namespace, console):
+    """vLLM's interpreter when `--against vllm` asked for it and it is installed; else None, saying why."""
+    from engine.bench import vllm_compare
+
+    wanted = {s.strip() for s in args.against.split(",") if s.strip()}
+    if wanted - {"vllm"}:
+        raise ValueError(f"unknown --against system(s) {sorted(wanted - {'vllm'})}; choose from vllm")
+    if "vllm" not in wanted:
+        return None
+    python = vllm_compare.vllm_python(args.vllm_venv)
+    if python is None:
+        console.print(f"[yellow]{vllm_compare.INSTALL_HINT}; running the other systems[/yellow]")
+    return python
+
+
 def run_throughput(args: argparse.Namespace) -> int:
     import json
     import logging
@@ -131,6 +158,7 @@ def run_throughput(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
     from engine.bench import throughput as tp
+    from engine.bench import vllm_compare
     from engine.bench.workload import mixed_chat_workload
     from engine.model_loader import resolve_model
 
@@ -146,6 +174,8 @@ def run_throughput(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     logging.getLogger("ContinuousBatchingLogger").setLevel(logging.WARNING)
     console = Console(width=max(Console().width, 150))
+    console.print(f"machine: {vllm_compare.cpu_description()}")
+    vllm = against_vllm(args, console)
     model_dir = resolve_model(args.model)
     workload = mixed_chat_workload(AutoTokenizer.from_pretrained(model_dir), args.num_prompts, args.min_tokens,
                                    args.max_tokens)
@@ -154,8 +184,10 @@ def run_throughput(args: argparse.Namespace) -> int:
                   f"{args.threads} threads")
     results: list[tp.Result] = []
     latencies: dict[str, list[tp.RequestLatency]] = {}
+    batch1: list[tuple[str, str, float]] = []  # (system, dtype, seconds per output token)
+    batch1_prompt = (workload.prompts[0], args.batch1_tokens) if args.batch1_tokens > 1 else None
     for dtype in dtypes:
-        steps = []
+        steps, tokenmill_ids = [], None
         for system in systems:
             console.print(f"running {system} ({dtype}) ...")
             if system == "hf-static":
@@ -164,12 +196,27 @@ def run_throughput(args: argparse.Namespace) -> int:
                 results.append(tp.hf_continuous(model_dir, workload, dtype))
             elif system == "tokenmill":
                 run = tp.tokenmill_run(str(model_dir), workload, dtype, num_threads=args.threads)
-                steps = run.steps
+                steps, tokenmill_ids = run.steps, run.output_token_ids
                 results.append(run.result)
                 latencies[f"tokenmill {dtype}"] = run.latencies
+                if batch1_prompt:
+                    batch1.append(("tokenmill", dtype, vllm_compare.tokenmill_batch1_tpot(
+                        str(model_dir), dtype, *batch1_prompt, num_threads=args.threads)))
             elif system == "floor" and steps:
                 results.append(tp.dense_matmul_floor(model_dir, steps, dtype))
+        if vllm is not None:
+            console.print(f"running vLLM ({dtype}) in {vllm.parents[1]} ...")
+            run = vllm_compare.run_vllm(vllm, model_dir, workload, dtype, args.threads,
+                                        vllm_compare.model_context(model_dir), batch1=batch1_prompt)
+            results.append(run.result)
+            if run.batch1_tpot is not None:
+                batch1.append(("vLLM", dtype, run.batch1_tpot))
+            if tokenmill_ids:
+                same, total = vllm_compare.agreement(tokenmill_ids, run.output_token_ids)
+                console.print(f"{dtype}: {same}/{total} outputs identical between tokenmill and vLLM (greedy)")
     console.print(throughput_table(results))
+    if batch1:
+        console.print(batch1_table(batch1, args.batch1_tokens))
     if args.json:
         with open(args.json, "w") as f:
             json.dump([{**r.__dict__, "tokens_per_second": r.tokens_per_second} for r in results], f, indent=2)
@@ -249,12 +296,15 @@ def run_prefix(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
     from engine.bench import throughput as tp
+    from engine.bench import vllm_compare
     from engine.bench.workload import interleaved_templates_workload, shared_prefix_workload
     from engine.model_loader import resolve_model
 
     torch.set_num_threads(args.threads)
     logging.getLogger("ContinuousBatchingLogger").setLevel(logging.WARNING)
     console = Console(width=max(Console().width, 150))
+    console.print(f"machine: {vllm_compare.cpu_description()}")
+    vllm = against_vllm(args, console)
     model_dir = resolve_model(args.model)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     systems = {s.strip() for s in args.systems.split(",") if s.strip()}
@@ -272,6 +322,11 @@ def run_prefix(args: argparse.Namespace) -> int:
             run = tp.tokenmill_run(str(model_dir), shared, "float32", label, num_threads=args.threads,
                                    enable_prefix_caching=caching)
             results.append(run.result)
+    if vllm is not None:
+        console.print(f"running vLLM (float32, prefix caching on) in {vllm.parents[1]} ...")
+        results.append(vllm_compare.run_vllm(vllm, model_dir, shared, "float32", args.threads,
+                                             vllm_compare.model_context(model_dir),
+                                             "vLLM, prefix caching on").result)
     console.print(prefix_table(results, "workload 1: shared system prompt", "tokenmill, prefix caching off"))
 
     templates = interleaved_templates_workload(tokenizer, per_template=args.per_template,
@@ -390,12 +445,14 @@ def spec_table(results):
 def prefix_table(results, title: str, baseline_system: str):
     from rich.table import Table
 
-    table = Table("system", "prefill tokens computed", "preemptions", "seconds", "useful tok/s", "x baseline",
-                  "x HF static", "x HF continuous", title=f"{title} (baseline: {baseline_system})")
     by_system = {r.system: r for r in results}
+    names = [baseline_system, "HF static batching", "HF continuous batching", "vLLM, prefix caching on"]
+    headers = ["x baseline", "x HF static", "x HF continuous", "x vLLM"][:4 if names[3] in by_system else 3]
+    table = Table("system", "prefill tokens computed", "preemptions", "seconds", "useful tok/s", *headers,
+                  title=f"{title} (baseline: {baseline_system})")
     for r in results:
         fmt = lambda value: "-" if value is None else f"{value:,}"  # noqa: E731
-        references = [by_system.get(name) for name in (baseline_system, "HF static batching", "HF continuous batching")]
+        references = [by_system.get(name) for name in names[:len(headers)]]
         table.add_row(r.system, fmt(r.prefill_tokens), fmt(r.preemptions), f"{r.seconds:.1f}",
                       f"{r.tokens_per_second:.1f}", *(speedup(r, ref) for ref in references))
     return table
@@ -408,16 +465,28 @@ def speedup(result, reference) -> str:
 def throughput_table(results):
     from rich.table import Table
 
-    table = Table("system", "dtype", "seconds", "useful tok/s", "x HF static", "x HF continuous", "% of floor",
-                  "note", title="throughput (useful generated tokens per second)")
+    table = Table("system", "dtype", "seconds", "useful tok/s", "x vLLM", "x HF static", "x HF continuous",
+                  "% of floor", "note", title="throughput (useful generated tokens per second)")
     by_key = {(r.system, r.dtype): r for r in results}
     for r in results:
         static = by_key.get(("HF static batching", r.dtype))
         cont = by_key.get(("HF continuous batching", r.dtype))
         floor = by_key.get(("dense matmul floor", r.dtype))
         share = f"{100 * r.tokens_per_second / floor.tokens_per_second:.0f}%" if floor else "-"
-        table.add_row(r.system, r.dtype, f"{r.seconds:.1f}", f"{r.tokens_per_second:.1f}", speedup(r, static),
-                      speedup(r, cont), share, r.note)
+        table.add_row(r.system, r.dtype, f"{r.seconds:.1f}", f"{r.tokens_per_second:.1f}",
+                      speedup(r, by_key.get(("vLLM", r.dtype))), speedup(r, static), speedup(r, cont), share, r.note)
+    return table
+
+
+def batch1_table(rows: list[tuple[str, str, float]], tokens: int):
+    from rich.table import Table
+
+    table = Table("system", "dtype", "ms per output token", "x vLLM",
+                  title=f"batch 1: time per output token ({tokens}-token answers, one request alone)")
+    by_key = {(system, dtype): seconds for system, dtype, seconds in rows}
+    for system, dtype, seconds in rows:
+        reference = by_key.get(("vLLM", dtype))
+        table.add_row(system, dtype, f"{1000 * seconds:.1f}", f"{seconds / reference:.2f}x" if reference else "-")
     return table
 
 
