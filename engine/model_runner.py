@@ -48,10 +48,22 @@ def pick_device(setting: str) -> torch.device:
     return torch.device(setting)
 
 
+def cpu_has_native_bf16() -> bool:
+    """avx512_bf16 or AMX: bf16 matmuls in hardware, where bf16 runs about twice as fast as float32."""
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+
+
 def pick_dtype(setting: str, device: torch.device) -> torch.dtype:
-    if setting == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return DTYPES[setting]
+    """auto: bfloat16 on CUDA and on CPUs with native bf16, float32 on other CPUs."""
+    if setting != "auto":
+        return DTYPES[setting]
+    if device.type == "cuda":
+        return torch.bfloat16
+    native = cpu_has_native_bf16()
+    dtype = torch.bfloat16 if native else torch.float32
+    log.info("dtype auto: %s (the CPU %s native bf16: avx512_bf16 or AMX)", str(dtype).removeprefix("torch."),
+             "has" if native else "lacks")
+    return dtype
 
 
 def available_host_memory() -> int:
