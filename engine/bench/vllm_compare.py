@@ -35,7 +35,7 @@ def vllm_python(venv: str | None = None) -> Path | None:
     for candidate in candidates:
         python = Path(candidate) / "bin" / "python"
         if python.exists():
-            return python
+            return python.absolute()  # not resolve(): the venv's python is a link to the base interpreter
     return None
 
 
@@ -58,15 +58,13 @@ def run_vllm(python: Path, model_dir, workload: Workload, dtype: str, threads: i
             "enable_prefix_caching": enable_prefix_caching, "prompts": workload.prompts,
             "output_lens": workload.output_lens, "batch1_prompt": batch1[0] if batch1 else None,
             "batch1_tokens": batch1[1] if batch1 else None}))
-        started = time.perf_counter()
         proc = subprocess.run([str(python), str(WORKER), str(spec_path), str(result_path)], env=vllm_env(threads),
                               cwd=tmp, capture_output=True, text=True, timeout=timeout)
         if proc.returncode != 0 or not result_path.exists():
             tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-25:])
             raise RuntimeError(f"vLLM run failed (exit {proc.returncode}):\n{tail}")
         result = json.loads(result_path.read_text())
-    note = (f"vLLM {result['version']}, subprocess; start-up {result['startup_seconds']:.0f} s, "
-            f"total {time.perf_counter() - started:.0f} s")
+    note = f"vLLM {result['version']} (its venv; start-up {result['startup_seconds']:.0f} s)"
     return VllmRun(Result(label, dtype, result["seconds"], workload.useful_tokens, note),
                    result["output_token_ids"], result.get("batch1_tpot"))
 
