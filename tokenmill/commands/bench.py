@@ -61,7 +61,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     px.add_argument("--per-template", type=int, default=16, help="rows per template in workload 2 (default: 16)")
     px.add_argument("--pressure-blocks", type=int, default=96, help="KV blocks in workload 2 (default: 96)")
     px.add_argument("--threads", type=int, default=2, help="torch CPU threads (default: 2)")
-    add_against_options(px)
+    add_against_options(px, batch1=False)
     px.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     px.set_defaults(handler=run_prefix)
 
@@ -124,11 +124,13 @@ def register(commands: argparse._SubParsersAction) -> None:
     lt.set_defaults(handler=run_latency)
 
 
-def add_against_options(parser: argparse.ArgumentParser) -> None:
+def add_against_options(parser: argparse.ArgumentParser, batch1: bool = True) -> None:
     parser.add_argument("--against", default="", metavar="SYSTEMS",
                         help="external engines to run on the same token ids and output lengths: vllm (its CPU "
                              "build, from its own virtualenv, in a subprocess; build it with `make vllm-venv`)")
     parser.add_argument("--vllm-venv", help="vLLM's virtualenv (default: $TOKENMILL_VLLM_VENV or .vllm-venv)")
+    if not batch1:
+        return
     parser.add_argument("--batch1-tokens", type=int, default=128,
                         help="output tokens of the batch-1 time-per-output-token measurement (default: 128; "
                              "0 skips it)")
