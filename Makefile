@@ -6,7 +6,7 @@ PIP := $(PY) -m pip --disable-pip-version-check -q
 STAMP := $(VENV)/.installed
 TESTS ?= tests
 
-.PHONY: setup demo test unit lint bench clean-venv
+.PHONY: setup demo test unit lint bench vllm-venv clean-venv
 
 setup: $(STAMP)
 
@@ -36,6 +36,11 @@ lint: setup
 
 bench: setup
 	$(VENV)/bin/tokenmill bench throughput
+
+# vLLM's CPU build in its own venv, the comparator of `tokenmill bench throughput --against vllm`
+VLLM_VENV ?= .vllm-venv
+vllm-venv:
+	./ops/vllm_venv.sh $(VLLM_VENV)
 
 clean-venv:
 	rm -rf $(VENV)

@@ -34,10 +34,10 @@ class Rows:
 
 def build_step_batch(items: list[BatchItem], block_size: int,
                      to_tensor: Callable[[list], torch.Tensor]) -> tuple[StepBatch, dict[int, Rows]]:
-    """The flat batch with single-token items first, and each sequence's rows in it (by seq_id).
-    `sample_indices` is left empty: callers choose their rows."""
+    """The flat batch with single-token items first, shortest context first, and each sequence's rows in it
+    (by seq_id). `sample_indices` is left empty: callers choose their rows."""
     bs = block_size
-    decodes = [item for item in items if len(item.token_ids) == 1]
+    decodes = sorted((item for item in items if len(item.token_ids) == 1), key=lambda item: item.start)
     prefills = [item for item in items if len(item.token_ids) > 1]
     input_ids: list[int] = []
     positions: list[int] = []
@@ -67,7 +67,7 @@ def build_step_batch(items: list[BatchItem], block_size: int,
             block_tables=tables(prefills),
             shared_blocks=shared(prefills),
         )
-    decode_lens = [i.start + 1 for i in decodes]
+    decode_lens = [i.start + 1 for i in decodes]  # ascending
     batch = StepBatch(
         input_ids=to_tensor(input_ids),
         positions=to_tensor(positions),
@@ -76,6 +76,7 @@ def build_step_batch(items: list[BatchItem], block_size: int,
         decode_context_lens=to_tensor(decode_lens),
         decode_block_tables=tables(decodes) if decodes else to_tensor([[NULL_BLOCK]]),
         decode_max_context_len=max(decode_lens, default=0),
+        decode_context_lens_list=decode_lens,
         prefill=prefill,
         sample_indices=to_tensor([]),
         decode_shared_blocks=shared(decodes),

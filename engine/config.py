@@ -17,7 +17,7 @@ class EngineConfig:
     """Everything `LLM(...)` / `LLMEngine(...)` accept as keyword arguments."""
 
     model: str = DEFAULT_MODEL
-    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    dtype: str = "auto"  # auto: bfloat16 on CUDA and on CPUs with avx512_bf16 or AMX, else float32
     device: str = "auto"
     block_size: int = 16
     max_model_len: int | None = None  # default: the model's context length

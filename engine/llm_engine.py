@@ -15,7 +15,7 @@ from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer, find_stop
 from engine.metrics import EngineStats
 from engine.model_loader import resolve_model
-from engine.model_runner import ModelRunner
+from engine.model_runner import ModelRunner, ModelRunnerOutput
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerLimits
@@ -163,31 +163,29 @@ class LLMEngine:
                 done.append(self._finalize(request))
         if plan.is_empty:  # everything was preempted or failed: the next step admits again
             return done
-        if self.spec:
-            self.spec.propose(plan)
         num_decode_tokens = sum(1 for s in plan.scheduled
                                 if s.num_new_tokens == 1 and s.seq.num_computed_tokens >= s.seq.num_prompt_tokens)
-        executed = time.perf_counter()
-        tokens = self.runner.execute(plan)
         if self.spec:
-            self.spec.observe_step(plan, time.perf_counter() - executed)
-            sampled = [seq for _, group in plan.sample_groups() for seq in group]
-            self._record_spec(*self.spec.record(plan, {s.seq_id: len(t) for s, t in zip(sampled, tokens, strict=True)}))
+            output, counts = self.spec.step(plan, self.runner.execute)
+            self._record_spec(*counts)
+        else:
+            output = self.runner.execute(plan)
+        tokens = output.sampled_token_ids
         finished = self.scheduler.update(plan, tokens)
         for children in plan.forks.values():
             request = self.requests.get(children[0].request_id)
             for child in children if request is not None else []:
                 request.add_sample(child, self.tokenizer)
-        self._check_stop_strings(plan, finished)
-        self._record(plan, plan.num_batched_tokens - num_decode_tokens, sum(map(len, tokens)), started)
+        self._check_stop_strings(output, finished)
+        self._record(plan, plan.num_batched_tokens - num_decode_tokens, output.num_tokens, started)
         for seq in finished:
             request = self.requests.get(seq.request_id)
             if request is not None and request.finished:
                 done.append(self._finalize(request))
         return done
 
-    def _check_stop_strings(self, plan, finished: list[Sequence]) -> None:
-        for seq in (s for _, group in plan.sample_groups() for s in group):
+    def _check_stop_strings(self, output: ModelRunnerOutput, finished: list[Sequence]) -> None:
+        for seq in output.seqs:
             request = self.requests.get(seq.request_id)
             if request is None or seq.seq_id not in request.detokenizers:
                 continue

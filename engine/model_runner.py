@@ -11,11 +11,12 @@ from pathlib import Path
 import torch
 
 from engine.attention.base import AttentionBackend, StepBatch, allocate_kv_pool
-from engine.batch import BatchItem, PoolZeroing, build_step_batch
+from engine.batch import BatchItem, PoolZeroing, Rows, build_step_batch
 from engine.config import EngineConfig
 from engine.models.llama import LlamaForCausalLM, head_dim_of, rope_tables
 from engine.sampler import Sampler
 from engine.scheduler import SchedulerOutput
+from engine.sequence import Sequence
 from engine.spec_decode.verifier import verify_drafts
 
 log = logging.getLogger("tokenmill.engine")
@@ -68,10 +69,22 @@ def pick_device(setting: str) -> torch.device:
     return torch.device(setting)
 
 
+def cpu_has_native_bf16() -> bool:
+    """avx512_bf16 or AMX: bf16 matmuls in hardware, where bf16 runs about twice as fast as float32."""
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+
+
 def pick_dtype(setting: str, device: torch.device) -> torch.dtype:
-    if setting == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return DTYPES[setting]
+    """auto: bfloat16 on CUDA and on CPUs with native bf16, float32 on other CPUs."""
+    if setting != "auto":
+        return DTYPES[setting]
+    if device.type == "cuda":
+        return torch.bfloat16
+    native = cpu_has_native_bf16()
+    dtype = torch.bfloat16 if native else torch.float32
+    log.info("dtype auto: %s (the CPU %s native bf16: avx512_bf16 or AMX)", str(dtype).removeprefix("torch."),
+             "has" if native else "lacks")
+    return dtype
 
 
 def available_host_memory() -> int:
@@ -103,7 +116,10 @@ def load_model(model_dir: Path, hf_config, max_positions: int, dtype: torch.dtyp
     model.load_hf_weights(weights())
     cos, sin = rope_tables(hf_config, max_positions)
     model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
-    return model.to(dtype).eval()
+    model = model.to(dtype).eval()
+    if device.type == "cpu":
+        model.pack_for_cpu()
+    return model
 
 
 class ModelRunner:
@@ -271,24 +287,16 @@ class ModelRunner:
         log.info(plan.describe(self.block_size, self.max_model_len))
         return plan
 
-    def prepare(self, plan: SchedulerOutput) -> tuple[StepBatch, list[int]]:
-        """The flat batch (drafts ride along after each decoding sequence's token) and the rows whose
-        logits are needed, in `plan.sample_groups()` order: one row per sample, or every row of a
-        sequence with drafts (the target at each draft position and one beyond)."""
+    def prepare(self, plan: SchedulerOutput, layout: SampleLayout) -> StepBatch:
+        """The flat batch (drafts ride along after each decoding sequence's token), with the logits rows
+        of `layout` as `sample_indices`."""
         items = [BatchItem(s.seq, s.seq.num_computed_tokens,
                            s.seq.token_ids[s.seq.num_computed_tokens:s.seq.num_computed_tokens + s.num_new_tokens]
                            + s.seq.spec_token_ids) for s in plan.scheduled]
         self.zeroing.cover(items)
         batch, rows = build_step_batch(items, self.block_size, self._tensor)
-        sample_rows: list[int] = []
-        for row_seq, seqs in plan.sample_groups():
-            r = rows[row_seq.seq_id]
-            if row_seq.spec_token_ids:
-                sample_rows.extend(range(r.first, r.first + r.count))
-            else:
-                sample_rows.extend([r.last] * len(seqs))
-        batch.sample_indices = self._tensor(sample_rows)
-        return batch, sample_rows
+        batch.sample_indices = self._tensor(layout.batch_rows(rows))
+        return batch
 
     def _tensor(self, values) -> torch.Tensor:
         if self.device.type == "cuda":  # through pinned host memory: an async copy, no pageable bounce
@@ -304,37 +312,101 @@ class ModelRunner:
             cache[:, dst] = cache[:, src]
 
     @torch.inference_mode()
-    def execute(self, plan: SchedulerOutput) -> list[list[int]]:
-        """Run one step; returns the new tokens of each sequence of `plan.sample_groups()`, in order:
-        one sampled token, or the accepted drafts and then one recovered or bonus token."""
+    def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step; returns each sampled sequence's new tokens: one sampled token, or the accepted
+        drafts and then one recovered or bonus token."""
         if plan.block_copies:
             self.copy_blocks(plan.block_copies)
-        batch, sample_rows = self.prepare(plan)
+        layout = SampleLayout.of(plan)
+        batch = self.prepare(plan, layout)
         if self.graphs is not None and self.graphs.can_run(batch):  # decode-only step: replay a CUDA graph
             hidden = self.graphs.run(batch)
         else:
             self.attention.begin_step(batch)
             hidden = self.model(batch.input_ids, batch.positions, self.attention.forward)
-        if not sample_rows:
-            return []
+        if not layout.seqs:
+            return ModelRunnerOutput.of([], [])
         logits = self.model.compute_logits(hidden.index_select(0, batch.sample_indices))
-        return self.sample(plan, logits)
+        return self.sample(layout, logits)
 
-    def sample(self, plan: SchedulerOutput, logits: torch.Tensor) -> list[list[int]]:
-        plain_rows, plain_seqs, spec_slices, spec_seqs = [], [], [], []
+    def sample(self, layout: SampleLayout, logits: torch.Tensor) -> ModelRunnerOutput:
+        plain_seqs = [layout.seqs[i] for i in layout.plain]
+        if not plain_seqs:
+            plain = []
+        elif len(layout.plain_rows) == logits.shape[0]:  # every row is a plain sample, in order: no gather
+            plain = self.sampler(logits, plain_seqs)
+        else:
+            plain = self.sampler(logits[layout.plain_rows], plain_seqs)
+        spec_seqs = [layout.seqs[i] for i in layout.spec]
+        verified = verify_drafts([logits[a:b] for a, b in layout.spec_rows], spec_seqs, self.sampler) if spec_seqs \
+            else []
+        tokens: list[list[int]] = [[]] * len(layout.seqs)
+        for index, token in zip(layout.plain, plain, strict=True):
+            tokens[index] = [token]
+        for index, accepted in zip(layout.spec, verified, strict=True):
+            tokens[index] = accepted
+        return ModelRunnerOutput.of(layout.seqs, tokens)
+
+
+@dataclass
+class SampleLayout:
+    """A step's sampled sequences and their logits rows, laid out once per step. A forking parent's row
+    feeds its n samples; a sequence with drafts has one row per draft position and one beyond."""
+
+    seqs: list[Sequence]  # every sequence that gets tokens this step, in plan order (forks after their parent)
+    row_seqs: list[tuple[Sequence, int]]  # sequences whose batch rows are read, in logits order; samples each
+    plain: list[int]  # indices into seqs sampled from one row
+    plain_rows: list[int]  # their logits rows
+    spec: list[int]  # indices into seqs verifying drafts
+    spec_rows: list[tuple[int, int]]  # their logits rows [start, end)
+
+    @classmethod
+    def of(cls, plan: SchedulerOutput) -> SampleLayout:
+        layout = cls([], [], [], [], [], [])
         row = 0
         for row_seq, seqs in plan.sample_groups():
+            layout.row_seqs.append((row_seq, len(seqs)))
             if row_seq.spec_token_ids:
-                spec_slices.append(logits[row:row + 1 + len(row_seq.spec_token_ids)])
-                spec_seqs.append(row_seq)
-                row += 1 + len(row_seq.spec_token_ids)
+                end = row + 1 + len(row_seq.spec_token_ids)
+                layout.spec.append(len(layout.seqs))
+                layout.spec_rows.append((row, end))
+                layout.seqs.append(row_seq)
+                row = end
                 continue
             for seq in seqs:
-                plain_rows.append(row)
-                plain_seqs.append(seq)
+                layout.plain.append(len(layout.seqs))
+                layout.plain_rows.append(row)
+                layout.seqs.append(seq)
                 row += 1
-        plain = self.sampler(logits[plain_rows], plain_seqs) if plain_seqs else []
-        verified = verify_drafts(spec_slices, spec_seqs, self.sampler) if spec_seqs else []
-        by_seq = dict(zip((s.seq_id for s in plain_seqs), ([t] for t in plain), strict=True))
-        by_seq.update(zip((s.seq_id for s in spec_seqs), verified, strict=True))
-        return [by_seq[seq.seq_id] for _, seqs in plan.sample_groups() for seq in seqs]
+        return layout
+
+    def batch_rows(self, rows: dict[int, Rows]) -> list[int]:
+        """The flat-batch rows whose hidden states become logits, in logits order."""
+        out: list[int] = []
+        for row_seq, num_samples in self.row_seqs:
+            r = rows[row_seq.seq_id]
+            if row_seq.spec_token_ids:
+                out.extend(range(r.first, r.first + r.count))
+            else:
+                out.extend([r.last] * num_samples)
+        return out
+
+
+@dataclass
+class ModelRunnerOutput:
+    """One step's result keyed by sequence id, like vLLM v1's `ModelRunnerOutput` with `req_id_to_index`."""
+
+    seqs: list[Sequence]  # the sequences that got tokens, in the order the scheduler's update takes them
+    seq_id_to_index: dict[int, int]
+    sampled_token_ids: list[list[int]]  # per sequence: the accepted drafts, then one sampled token
+
+    @classmethod
+    def of(cls, seqs: list[Sequence], tokens: list[list[int]]) -> ModelRunnerOutput:
+        return cls(seqs, {seq.seq_id: i for i, seq in enumerate(seqs)}, tokens)
+
+    def tokens_of(self, seq_id: int) -> list[int]:
+        return self.sampled_token_ids[self.seq_id_to_index[seq_id]]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(map(len, self.sampled_token_ids))

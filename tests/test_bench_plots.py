@@ -16,7 +16,8 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 def test_bench_throughput_writes_the_plots(tmp_path, capsys):
     plots = tmp_path / "plots"
     code = main(["bench", "throughput", "--num-prompts", "4", "--min-tokens", "4", "--max-tokens", "8",
-                 "--dtypes", "float32", "--systems", "tokenmill,floor", "--threads", "2", "--plots", str(plots)])
+                 "--dtypes", "float32", "--systems", "tokenmill,floor", "--threads", "2", "--plots", str(plots),
+                 "--batch1-tokens", "0"])
     printed = capsys.readouterr().out
     assert code == 0, printed
     assert "throughput (useful generated tokens per second)" in printed  # the table, as before
@@ -36,7 +37,7 @@ def test_no_plots_leaves_no_files(tmp_path, capsys):
     plots = tmp_path / "plots"
     code = main(["bench", "throughput", "--num-prompts", "2", "--min-tokens", "2", "--max-tokens", "3",
                  "--dtypes", "float32", "--systems", "tokenmill", "--threads", "2", "--plots", str(plots),
-                 "--no-plots"])
+                 "--no-plots", "--batch1-tokens", "0"])
     assert code == 0, capsys.readouterr().out
     assert not plots.exists()
 
@@ -44,3 +45,15 @@ def test_no_plots_leaves_no_files(tmp_path, capsys):
 def test_a_bad_sweep_is_refused_before_anything_runs(capsys):
     assert main(["bench", "throughput", "--sweep-tokens", "1"]) == 2
     assert "--sweep-tokens >= 2" in capsys.readouterr().err
+
+
+def test_against_vllm_without_its_venv_says_how_to_build_it_and_runs_the_rest(tmp_path, capsys):
+    code = main(["bench", "throughput", "--num-prompts", "2", "--min-tokens", "2", "--max-tokens", "3",
+                 "--dtypes", "float32", "--systems", "tokenmill", "--threads", "2", "--no-plots",
+                 "--against", "vllm", "--vllm-venv", str(tmp_path / "no-venv"), "--batch1-tokens", "4"])
+    printed = capsys.readouterr().out.replace("\n", " ")
+    assert code == 0, printed
+    assert "vLLM is not installed: run `make vllm-venv`" in printed
+    assert "machine: " in printed and " cores, flags: " in printed
+    assert "throughput (useful generated tokens per second)" in printed
+    assert "batch 1: time per output token" in printed and "x vLLM" in printed

@@ -65,7 +65,7 @@ def test_bad_arguments_fail_with_a_message():
 def test_bench_throughput_short_run_prints_all_systems(tmp_path):
     out = tmp_path / "bench.json"
     proc = run_cli("bench", "throughput", "--num-prompts", "4", "--min-tokens", "4", "--max-tokens", "8",
-                   "--dtypes", "float32", "--json", str(out), "--no-plots", timeout=600)
+                   "--dtypes", "float32", "--json", str(out), "--no-plots", "--batch1-tokens", "0", timeout=600)
     assert proc.returncode == 0, proc.stderr
     for system in ("HF static batching", "HF continuous batching", "tokenmill", "dense matmul floor"):
         assert system in proc.stdout

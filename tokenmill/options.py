@@ -13,7 +13,8 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--model", default=DEFAULT_MODEL,
                        help=f"bundled model name or a local Hugging Face directory (default: {DEFAULT_MODEL})")
     group.add_argument("--dtype", choices=DTYPES, default="auto",
-                       help="weights and KV dtype (auto: float32 on CPU, bfloat16 on CUDA)")
+                       help="weights and KV dtype (auto: bfloat16 on CUDA and on CPUs with native bf16, "
+                            "avx512_bf16 or AMX; float32 elsewhere)")
     group.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
     group.add_argument("--max-model-len", type=int, help="context length limit (default: the model's)")
     group.add_argument("--max-num-seqs", type=int, default=256, help="sequences running at once (default: 256)")

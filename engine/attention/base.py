@@ -38,6 +38,7 @@ class StepBatch:
     # cache or a fork) and that lie wholly before each query: attention over them needs no mask, so a
     # backend may read them once for the whole group (cascade attention). 0 when there is none.
     decode_shared_blocks: int = 0
+    decode_context_lens_list: list[int] | None = None  # decode_context_lens on the host, when known
 
 
 def shared_prefix_blocks(tables: list[list[int]], first_query_positions: list[int], block_size: int) -> int:

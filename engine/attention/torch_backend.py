@@ -51,6 +51,32 @@ def attend_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return torch.matmul(torch.exp(scores - lse), v.float()), lse
 
 
+def decode_groups(context_lens: list[int] | None, block_size: int, max_groups: int = 4,
+                  min_saving: float = 0.1) -> list[tuple[int, int]]:
+    """Decodes sorted by context length, cut into up to `max_groups` runs [first, end), each reading keys up
+    to its own longest context: a cut is kept where it reads at least `min_saving` fewer key blocks."""
+    if not context_lens:
+        return []
+    blocks = [-(-n // block_size) for n in context_lens]
+    groups = [(0, len(blocks))]
+    while len(groups) < max_groups:
+        best = None  # (saving, group index, cut)
+        for index, (first, end) in enumerate(groups):
+            whole = (end - first) * blocks[end - 1]
+            if end - first < 8:
+                continue
+            cost, cut = min(((k - first) * blocks[k - 1] + (end - k) * blocks[end - 1], k)
+                            for k in range(first + 1, end))
+            if cost <= (1 - min_saving) * whole and (best is None or whole - cost > best[0]):
+                best = (whole - cost, index, cut)
+        if best is None:
+            break
+        _, index, cut = best
+        first, end = groups[index]
+        groups[index:index + 1] = [(first, cut), (cut, end)]
+    return groups
+
+
 def additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
 
@@ -66,7 +92,8 @@ class TorchAttention(AttentionBackend):
         self.write_index = (heads[:, None] * pool_slots + batch.slot_mapping[None, :]).reshape(-1)
         self.groups: list[_Group] = []
         if batch.num_decodes:
-            self.groups.append(self._decode_group(batch, heads))
+            runs = decode_groups(batch.decode_context_lens_list, self.block_size) or [(0, batch.num_decodes)]
+            self.groups.extend(self._decode_group(batch, heads, first, end) for first, end in runs)
         if batch.prefill is not None:
             self.groups.append(self._prefill_group(batch, heads))
 
@@ -80,13 +107,17 @@ class TorchAttention(AttentionBackend):
         prefix_rows = (heads[:, None] * self.num_blocks + tables[0, :shared_blocks][None]).reshape(-1)
         return tables[:, shared_blocks:], prefix_rows, shared_blocks * self.block_size
 
-    def _decode_group(self, batch: StepBatch, heads: torch.Tensor) -> _Group:
-        tables, prefix_rows, prefix_len = self._split_shared(batch.decode_block_tables, batch.decode_shared_blocks,
-                                                             heads)
+    def _decode_group(self, batch: StepBatch, heads: torch.Tensor, first: int, end: int) -> _Group:
+        """Decodes [first, end) of the batch; their keys are read up to the longest context among them."""
+        tables = batch.decode_block_tables[first:end]
+        if batch.decode_context_lens_list is not None:
+            tables = tables[:, :-(-max(batch.decode_context_lens_list[first:end]) // self.block_size)]
+        tables, prefix_rows, prefix_len = self._split_shared(tables, batch.decode_shared_blocks, heads)
         length = tables.shape[1] * self.block_size
         key_pos = prefix_len + torch.arange(length, device=tables.device)
-        mask = additive((key_pos[None, :] < batch.decode_context_lens[:, None])[None, :, None, :], self.dtype)
-        return _Group(0, batch.num_decodes, batch.num_decodes, 1, length, self._rows(tables, heads), mask, None, None,
+        context_lens = batch.decode_context_lens[first:end]
+        mask = additive((key_pos[None, :] < context_lens[:, None])[None, :, None, :], self.dtype)
+        return _Group(first, end - first, end - first, 1, length, self._rows(tables, heads), mask, None, None,
                       prefix_rows, prefix_len)
 
     def _prefill_group(self, batch: StepBatch, heads: torch.Tensor) -> _Group:

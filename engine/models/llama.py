@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.models.cpu_gemm import Linear, PackedWeight
+
 Attention = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -25,12 +27,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:  # fused kernel; bit-identical to the float32 formula below
+        # The fused kernel is bit-identical to HF's float32 formula, x * rsqrt(mean(x^2) + eps).
+        if x.dtype == torch.float32:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return self.weight * F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
 
 
 def rope_tables(config, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,16 +72,16 @@ class DecoderLayer(nn.Module):
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.split = (q_size, kv_size, kv_size)
         bias = bool(getattr(config, "attention_bias", False)) or config.model_type == "qwen2"
-        self.qkv_proj = nn.Linear(config.hidden_size, sum(self.split), bias=bias)
-        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
+        self.qkv_proj = Linear(config.hidden_size, sum(self.split), bias=bias)
+        self.o_proj = Linear(q_size, config.hidden_size, bias=False)
         self.q_norm = self.k_norm = None
         if config.model_type == "qwen3":
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.intermediate_size = config.intermediate_size
         mlp_bias = bool(getattr(config, "mlp_bias", False))
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=mlp_bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=mlp_bias)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=mlp_bias)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=mlp_bias)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -112,10 +112,11 @@ class LlamaForCausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = None
         if not self.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         cos, sin = rope_tables(config, max_positions)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        self.packed_head: PackedWeight | None = None
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -133,7 +134,16 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.packed_head is not None:
+            return self.packed_head(hidden).float()
         return F.linear(hidden, self.lm_head_weight).float()
+
+    def pack_for_cpu(self) -> None:
+        """Prepack every projection and the LM head for the CPU GEMM kernels (after loading and casting)."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack()
+        self.packed_head = PackedWeight(self.lm_head_weight)
 
     def load_hf_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load Hugging Face parameter names, fusing q/k/v and gate/up as they arrive."""

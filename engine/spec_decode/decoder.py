@@ -4,13 +4,18 @@ and the counters."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.scheduler import SchedulerOutput
 from engine.sequence import Sequence
 from engine.spec_decode.config import SpeculativeConfig
 from engine.spec_decode.cost import StepCost
 from engine.spec_decode.ngram import propose_ngram
+
+if TYPE_CHECKING:
+    from engine.model_runner import ModelRunnerOutput
 
 
 @dataclass
@@ -112,6 +117,19 @@ class SpecDecoder:
     def lookahead(self, running: list[Sequence]) -> int:
         decoding = sum(1 for s in running if s.num_uncomputed_tokens == 1 and s.num_output_tokens > 0)
         return self.control.lookahead(decoding)
+
+    def step(self, plan: SchedulerOutput, execute: Callable[[SchedulerOutput], ModelRunnerOutput]
+             ) -> tuple[ModelRunnerOutput, tuple[int, int, list[int]]]:
+        """The one entry point of a step: propose drafts for the sequences the plan made room for, run
+        `execute` (the runner) on the plan, refine the cost model and count what was accepted. Returns
+        the runner's output and this step's (drafted, accepted, accepted by draft position)."""
+        self.propose(plan)
+        started = time.perf_counter()
+        output = execute(plan)
+        self.observe_step(plan, time.perf_counter() - started)
+        new_tokens = {seq_id: len(output.tokens_of(seq_id)) for seq_id in plan.spec_lookahead
+                      if seq_id in output.seq_id_to_index}
+        return output, self.record(plan, new_tokens)
 
     def propose(self, plan: SchedulerOutput) -> None:
         """Fill `spec_token_ids` of the sequences the plan made room for."""

@@ -9,7 +9,7 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0)
 
 @pytest.fixture(scope="module")
 def llm(model_dir):
-    return LLM(str(model_dir), num_threads=2, max_model_len=512, kv_cache_memory=256 << 20)
+    return LLM(str(model_dir), dtype="float32", num_threads=2, max_model_len=512, kv_cache_memory=256 << 20)
 
 
 def test_strings_and_token_ids_give_the_same_greedy_output_in_input_order(llm):
@@ -123,3 +123,15 @@ def test_counters_move(llm):
     assert after["prompt_tokens"] - before["prompt_tokens"] == len(llm.get_tokenizer().encode(prompt))
     assert after["num_steps"] > before["num_steps"] and after["step_time_total"] > before["step_time_total"]
     assert after["num_running"] == 0 and after["kv_cache_usage"] == 0.0
+
+
+def test_dtype_auto_picks_bf16_exactly_where_the_cpu_flags_say_native_bf16():
+    import torch
+
+    from engine.model_runner import pick_dtype
+
+    with open("/proc/cpuinfo") as f:
+        flags = next(line for line in f if line.startswith("flags")).split(":", 1)[1].split()
+    native = "avx512_bf16" in flags or "amx_bf16" in flags
+    assert pick_dtype("auto", torch.device("cpu")) == (torch.bfloat16 if native else torch.float32)
+    assert pick_dtype("float32", torch.device("cpu")) == torch.float32

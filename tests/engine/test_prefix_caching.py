@@ -42,7 +42,7 @@ def reference(hf_model, shared_prompts):
     ids=["on", "off", "on-kv-pressure", "on-capped-chunks-priority"],
 )
 def test_greedy_is_identical_with_prefix_caching_on_and_off(config, model_dir, shared_prompts, reference):
-    llm = LLM(str(model_dir), num_threads=2, **config)
+    llm = LLM(str(model_dir), dtype="float32", num_threads=2, **config)
     outputs = llm.generate(shared_prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0))
     failures, allowances = compare([o.outputs[0].token_ids for o in outputs], reference)
     assert not failures, failures
@@ -65,7 +65,7 @@ def test_greedy_is_identical_with_prefix_caching_on_and_off(config, model_dir, s
 
 
 def test_hits_are_counted_in_tokens(model_dir, tokenizer):
-    llm = LLM(str(model_dir), num_threads=2, kv_cache_memory=64 << 20)
+    llm = LLM(str(model_dir), dtype="float32", num_threads=2, kv_cache_memory=64 << 20)
     prompt = tokenizer.encode(PASSAGE)  # well over 3 blocks
     first = llm.generate([prompt], SamplingParams(max_tokens=2, temperature=0))[0]
     again = llm.generate([prompt], SamplingParams(max_tokens=2, temperature=0))[0]
@@ -76,7 +76,7 @@ def test_hits_are_counted_in_tokens(model_dir, tokenizer):
 
 
 def test_n_samples_share_the_prompt_blocks_and_are_reproducible(model_dir, tokenizer):
-    llm = LLM(str(model_dir), num_threads=2, kv_cache_memory=64 << 20)
+    llm = LLM(str(model_dir), dtype="float32", num_threads=2, kv_cache_memory=64 << 20)
     engine = llm.engine
     prompt = tokenizer.encode(PASSAGE)[:40]  # 2 full blocks and a partial one of 8 tokens
     params = SamplingParams(n=4, max_tokens=20, temperature=1.0, seed=11, ignore_eos=True)

@@ -30,7 +30,7 @@ def reference(hf_model, prompts):
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_greedy_matches_hugging_face(name, model_dir, prompts, reference):
     assert len(prompts) >= 24 and max(map(len, prompts)) > 300
-    llm = LLM(str(model_dir), num_threads=2, **CONFIGS[name])
+    llm = LLM(str(model_dir), dtype="float32", num_threads=2, **CONFIGS[name])
     outputs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0))
     failures, allowances = compare([o.outputs[0].token_ids for o in outputs], reference)
     stats = llm.engine.get_stats()

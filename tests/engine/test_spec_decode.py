@@ -35,7 +35,7 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_greedy_with_speculation_matches_hugging_face(case, model_dir, prompts, reference):
     assert len(prompts) >= 16
-    llm = LLM(str(model_dir), num_threads=2, **CASES[case])
+    llm = LLM(str(model_dir), dtype="float32", num_threads=2, **CASES[case])
     outputs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0))
     failures, allowances = compare([o.outputs[0].token_ids for o in outputs], reference)
     spec = llm.engine.spec.stats
@@ -62,7 +62,7 @@ def test_greedy_with_speculation_matches_hugging_face(case, model_dir, prompts, 
 
 
 def test_sampled_speculation_respects_limits_and_seeds(model_dir, tokenizer):
-    llm = LLM(str(model_dir), num_threads=2, kv_cache_memory=64 << 20,
+    llm = LLM(str(model_dir), dtype="float32", num_threads=2, kv_cache_memory=64 << 20,
               speculative_config={"method": "ngram", "num_speculative_tokens": 4})
     prompt = tokenizer.encode("Repeat: " + PASSAGE[:300] + "\n" + PASSAGE[:300])
     params = SamplingParams(max_tokens=30, temperature=0.8, seed=5, ignore_eos=True)

@@ -35,7 +35,7 @@ def test_tiny_model_greedy_matches_hf(model_type, tmp_path, tokenizer, prompts):
     hf = save_tiny(tmp_path, tokenizer, model_type)
     reference = hf_greedy(hf, prompts, 20)
     for config in (dict(), dict(max_num_batched_tokens=8, num_kv_blocks=12, block_size=8)):
-        llm = LLM(str(tmp_path), num_threads=2, **config)
+        llm = LLM(str(tmp_path), dtype="float32", num_threads=2, **config)
         outs = llm.generate(prompts, SamplingParams(max_tokens=20, temperature=0))
         failures, allowances = compare([o.outputs[0].token_ids for o in outs], reference)
         assert not failures and allowances <= 1, (config, failures)

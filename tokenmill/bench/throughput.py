@@ -52,6 +52,7 @@ class TokenmillRun:
     result: Result
     steps: list[StepShape] = field(default_factory=list)
     latencies: list[RequestLatency] = field(default_factory=list)
+    output_token_ids: list[list[int]] = field(default_factory=list)
 
 
 def load_hf_model(model_dir, dtype: torch.dtype):
@@ -150,7 +151,7 @@ def tokenmill_run(model: str, workload: Workload, dtype: str, label: str = "toke
     del llm
     gc.collect()
     return TokenmillRun(Result(label, dtype, seconds, workload.useful_tokens, note, prefill, preemptions), steps,
-                        [request_latency(out) for out in outputs])
+                        [request_latency(out) for out in outputs], [list(o.outputs[0].token_ids) for o in outputs])
 
 
 def request_latency(output) -> RequestLatency:

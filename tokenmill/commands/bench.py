@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from tokenmill.bench.tables import speedup, throughput_table
+from tokenmill.bench.tables import batch1_table, speedup, throughput_table
 from tokenmill.options import add_engine_options, engine_kwargs
 
 SYSTEMS = ("hf-static", "hf-continuous", "tokenmill", "floor")
@@ -31,6 +31,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     tp.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {','.join(SYSTEMS)}")
     tp.add_argument("--static-batch-size", type=int, default=16, help="HF static batch size (default: 16)")
     tp.add_argument("--threads", type=int, default=2, help="torch CPU threads for every system (default: 2)")
+    add_against_options(tp)
     tp.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     tp.add_argument("--plots", metavar="DIR", default="bench-out",
                     help="write PNG plots here: throughput_concurrency.png (a concurrency sweep of tokenmill under "
@@ -61,6 +62,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     px.add_argument("--per-template", type=int, default=16, help="rows per template in workload 2 (default: 16)")
     px.add_argument("--pressure-blocks", type=int, default=96, help="KV blocks in workload 2 (default: 96)")
     px.add_argument("--threads", type=int, default=2, help="torch CPU threads (default: 2)")
+    add_against_options(px, batch1=False)
     px.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     px.set_defaults(handler=run_prefix)
 
@@ -123,6 +125,33 @@ def register(commands: argparse._SubParsersAction) -> None:
     lt.set_defaults(handler=run_latency)
 
 
+def add_against_options(parser: argparse.ArgumentParser, batch1: bool = True) -> None:
+    parser.add_argument("--against", default="", metavar="SYSTEMS",
+                        help="external engines to run on the same token ids and output lengths: vllm (its CPU "
+                             "build, from its own virtualenv, in a subprocess; build it with `make vllm-venv`)")
+    parser.add_argument("--vllm-venv", help="vLLM's virtualenv (default: $TOKENMILL_VLLM_VENV or .vllm-venv)")
+    if not batch1:
+        return
+    parser.add_argument("--batch1-tokens", type=int, default=128,
+                        help="output tokens of the batch-1 time-per-output-token measurement (default: 128; "
+                             "0 skips it)")
+
+
+def against_vllm(args: argparse.Namespace, console):
+    """vLLM's interpreter when `--against vllm` asked for it and it is installed; else None, saying why."""
+    from tokenmill.bench import vllm_compare
+
+    wanted = {s.strip() for s in args.against.split(",") if s.strip()}
+    if wanted - {"vllm"}:
+        raise ValueError(f"unknown --against system(s) {sorted(wanted - {'vllm'})}; choose from vllm")
+    if "vllm" not in wanted:
+        return None
+    python = vllm_compare.vllm_python(args.vllm_venv)
+    if python is None:
+        console.print(f"[yellow]{vllm_compare.INSTALL_HINT}; running the other systems[/yellow]")
+    return python
+
+
 def run_throughput(args: argparse.Namespace) -> int:
     import json
     import logging
@@ -133,6 +162,7 @@ def run_throughput(args: argparse.Namespace) -> int:
 
     from engine.model_loader import resolve_model
     from tokenmill.bench import throughput as tp
+    from tokenmill.bench import vllm_compare
     from tokenmill.bench.workload import mixed_chat_workload
 
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
@@ -147,6 +177,8 @@ def run_throughput(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     logging.getLogger("ContinuousBatchingLogger").setLevel(logging.WARNING)
     console = Console(width=max(Console().width, 150))
+    console.print(f"machine: {vllm_compare.cpu_description()}")
+    vllm = against_vllm(args, console)
     model_dir = resolve_model(args.model)
     workload = mixed_chat_workload(AutoTokenizer.from_pretrained(model_dir), args.num_prompts, args.min_tokens,
                                    args.max_tokens)
@@ -155,8 +187,10 @@ def run_throughput(args: argparse.Namespace) -> int:
                   f"{args.threads} threads")
     results: list[tp.Result] = []
     latencies: dict[str, list[tp.RequestLatency]] = {}
+    batch1: list[tuple[str, str, float]] = []  # (system, dtype, seconds per output token)
+    batch1_prompt = (workload.prompts[0], args.batch1_tokens) if args.batch1_tokens > 1 else None
     for dtype in dtypes:
-        steps = []
+        steps, tokenmill_ids = [], None
         for system in systems:
             console.print(f"running {system} ({dtype}) ...")
             if system == "hf-static":
@@ -165,12 +199,27 @@ def run_throughput(args: argparse.Namespace) -> int:
                 results.append(tp.hf_continuous(model_dir, workload, dtype))
             elif system == "tokenmill":
                 run = tp.tokenmill_run(str(model_dir), workload, dtype, num_threads=args.threads)
-                steps = run.steps
+                steps, tokenmill_ids = run.steps, run.output_token_ids
                 results.append(run.result)
                 latencies[f"tokenmill {dtype}"] = run.latencies
+                if batch1_prompt:
+                    batch1.append(("tokenmill", dtype, vllm_compare.tokenmill_batch1_tpot(
+                        str(model_dir), dtype, *batch1_prompt, num_threads=args.threads)))
             elif system == "floor" and steps:
                 results.append(tp.dense_matmul_floor(model_dir, steps, dtype))
+        if vllm is not None:
+            console.print(f"running vLLM ({dtype}) in {vllm.parents[1]} ...")
+            run = vllm_compare.run_vllm(vllm, model_dir, workload, dtype, args.threads,
+                                        vllm_compare.model_context(model_dir), batch1=batch1_prompt)
+            results.append(run.result)
+            if run.batch1_tpot is not None:
+                batch1.append(("vLLM", dtype, run.batch1_tpot))
+            if tokenmill_ids:
+                same, total = vllm_compare.agreement(tokenmill_ids, run.output_token_ids)
+                console.print(f"{dtype}: {same}/{total} outputs identical between tokenmill and vLLM (greedy)")
     console.print(throughput_table(results))
+    if batch1:
+        console.print(batch1_table(batch1, args.batch1_tokens))
     if args.json:
         with open(args.json, "w") as f:
             json.dump([{**r.__dict__, "tokens_per_second": r.tokens_per_second} for r in results], f, indent=2)
@@ -251,11 +300,14 @@ def run_prefix(args: argparse.Namespace) -> int:
 
     from engine.model_loader import resolve_model
     from tokenmill.bench import throughput as tp
+    from tokenmill.bench import vllm_compare
     from tokenmill.bench.workload import interleaved_templates_workload, shared_prefix_workload
 
     torch.set_num_threads(args.threads)
     logging.getLogger("ContinuousBatchingLogger").setLevel(logging.WARNING)
     console = Console(width=max(Console().width, 150))
+    console.print(f"machine: {vllm_compare.cpu_description()}")
+    vllm = against_vllm(args, console)
     model_dir = resolve_model(args.model)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     systems = {s.strip() for s in args.systems.split(",") if s.strip()}
@@ -273,6 +325,11 @@ def run_prefix(args: argparse.Namespace) -> int:
             run = tp.tokenmill_run(str(model_dir), shared, "float32", label, num_threads=args.threads,
                                    enable_prefix_caching=caching)
             results.append(run.result)
+    if vllm is not None:
+        console.print(f"running vLLM (float32, prefix caching on) in {vllm.parents[1]} ...")
+        results.append(vllm_compare.run_vllm(vllm, model_dir, shared, "float32", args.threads,
+                                             vllm_compare.model_context(model_dir),
+                                             "vLLM, prefix caching on").result)
     console.print(prefix_table(results, "workload 1: shared system prompt", "tokenmill, prefix caching off"))
 
     templates = interleaved_templates_workload(tokenizer, per_template=args.per_template,
@@ -391,12 +448,14 @@ def spec_table(results):
 def prefix_table(results, title: str, baseline_system: str):
     from rich.table import Table
 
-    table = Table("system", "prefill tokens computed", "preemptions", "seconds", "useful tok/s", "x baseline",
-                  "x HF static", "x HF continuous", title=f"{title} (baseline: {baseline_system})")
     by_system = {r.system: r for r in results}
+    names = [baseline_system, "HF static batching", "HF continuous batching", "vLLM, prefix caching on"]
+    headers = ["x baseline", "x HF static", "x HF continuous", "x vLLM"][:4 if names[3] in by_system else 3]
+    table = Table("system", "prefill tokens computed", "preemptions", "seconds", "useful tok/s", *headers,
+                  title=f"{title} (baseline: {baseline_system})")
     for r in results:
         fmt = lambda value: "-" if value is None else f"{value:,}"
-        references = [by_system.get(name) for name in (baseline_system, "HF static batching", "HF continuous batching")]
+        references = [by_system.get(name) for name in names[:len(headers)]]
         table.add_row(r.system, fmt(r.prefill_tokens), fmt(r.preemptions), f"{r.seconds:.1f}",
                       f"{r.tokens_per_second:.1f}", *(speedup(r, ref) for ref in references))
     return table

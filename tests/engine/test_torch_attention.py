@@ -1,0 +1,46 @@
+"""The torch backend's decode groups: decodes cut by context length read fewer keys, same results."""
+
+import random
+
+import torch
+
+import engine.attention.torch_backend as tb
+from engine.attention.base import StepBatch, allocate_kv_pool
+
+
+def test_decode_groups_cut_sorted_lengths_where_it_saves_reading():
+    assert tb.decode_groups([], 16) == []
+    assert tb.decode_groups([100] * 20, 16) == [(0, 20)]  # equal lengths: nothing to save
+    assert tb.decode_groups([10, 20, 30], 16) == [(0, 3)]  # too few to cut
+    lens = [20] * 30 + [300] * 2
+    assert tb.decode_groups(lens, 16) == [(0, 30), (30, 32)]
+    rng = random.Random(0)
+    groups = tb.decode_groups(sorted(rng.randint(20, 400) for _ in range(64)), 16)
+    assert 2 <= len(groups) <= 4 and groups[0][0] == 0 and groups[-1][1] == 64
+    assert all(a[1] == b[0] for a, b in zip(groups, groups[1:], strict=False))
+
+
+def test_grouped_decode_attention_equals_one_group(monkeypatch):
+    rng = random.Random(1)
+    hkv, hq, d, bs, num_blocks, seqs = 2, 6, 16, 4, 1800, 40
+    k, v = allocate_kv_pool(1, hkv, num_blocks, bs, d, torch.float32, torch.device("cpu"))
+    k[0].normal_()
+    v[0].normal_()
+    lens = sorted(rng.randint(3, 150) for _ in range(seqs))
+    free = list(range(1, num_blocks))
+    rng.shuffle(free)
+    tables = [[free.pop() for _ in range(-(-n // bs))] for n in lens]
+    width = max(map(len, tables))
+    slots = [t[(n - 1) // bs] * bs + (n - 1) % bs for t, n in zip(tables, lens, strict=True)]
+    batch = StepBatch(torch.zeros(seqs, dtype=torch.long), torch.tensor([n - 1 for n in lens]), torch.tensor(slots),
+                      seqs, torch.tensor(lens), torch.tensor([t + [0] * (width - len(t)) for t in tables]),
+                      max(lens), None, torch.tensor([]), 0, lens)
+    q, new_k, new_v = torch.randn(seqs, hq * d), torch.randn(seqs, hkv * d), torch.randn(seqs, hkv * d)
+    attention = tb.TorchAttention(k, v, hq)
+    attention.begin_step(batch)
+    assert len(attention.groups) > 1
+    grouped = attention.forward(0, q, new_k, new_v)
+    monkeypatch.setattr(tb, "decode_groups", lambda *args, **kwargs: [])
+    attention.begin_step(batch)
+    assert len(attention.groups) == 1
+    torch.testing.assert_close(grouped, attention.forward(0, q, new_k, new_v), rtol=1e-5, atol=1e-6)
