@@ -32,6 +32,7 @@ STACK_ENV = {
     "TOKENMILL_SWEEP_INTERVAL_S": "2",
     "TOKENMILL_SCHEDULE_INTERVAL_S": "2",
     "TOKENMILL_MAX_SHARD_ATTEMPTS": "2",
+    "TOKENMILL_MAX_SPEC_BYTES": "262144",
 }
 TERMINAL = ("completed", "failed", "cancelled", "expired")
 

@@ -345,7 +345,8 @@ def consumer(args: argparse.Namespace) -> int:
     if not config.kafka_bootstrap:
         raise ValueError("no Kafka broker: set TOKENMILL_KAFKA_BOOTSTRAP (or start the stack)")
     events.install(config)
-    run_forever(JobConsumer(_intake(), config.kafka_bootstrap, config.jobs_topic, config.consumer_group))
+    run_forever(JobConsumer(_intake(), config.kafka_bootstrap, config.jobs_topic, config.consumer_group,
+                            max_bytes=config.max_spec_bytes))
     return 0
 
 
