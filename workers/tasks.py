@@ -15,10 +15,11 @@ import functools
 import logging
 import time
 from collections.abc import Iterable
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 from celery import Task
+from kombu.exceptions import ChannelError
 
 from ingest.intake import Intake
 from storage import db
@@ -166,7 +167,7 @@ def finalize_job(self: Task, job_id: str) -> dict[str, Any]:
 def sweep() -> dict[str, Any]:
     from workers.sweep import sweep as find_lost_work
 
-    found = find_lost_work(sessions())
+    found = find_lost_work(sessions(), stale=timedelta(seconds=config.sweep_grace_s), queued=queued_tasks)
     for job_id, shard_id, model in found.requeue:
         enqueue_shards(job_id, model, [shard_id])
     for job_id in found.plan:
@@ -175,6 +176,23 @@ def sweep() -> dict[str, Any]:
         finalize_later(job_id)
     return {"requeued": [shard for _, shard, _ in found.requeue], "validating": found.plan,
             "finalizing": found.finalize, "cancelled": found.cancelled}
+
+
+def queued_tasks(model: str | None) -> int:
+    """Tasks waiting in a model's queue (None: the control queue). Declaring it first also restores its binding
+    after the broker lost its state (a Redis FLUSHALL or restart), so what the sweep sends arrives."""
+    name = config.model_queue(model) if model else config.control_queue
+    try:
+        with app.connection_for_write() as connection:
+            queue = app.amqp.queues[name](connection.default_channel)
+            queue.declare()
+            try:
+                return queue.queue_declare(passive=True).message_count
+            except ChannelError:  # Redis keeps no empty queue
+                return 0
+    except Exception as error:  # unknown: the sweep resends after the grace period anyway
+        log.warning("could not count the tasks in queue %s: %s", name, error)
+        return 0
 
 
 @app.task(name="tokenmill.fire_schedules")
