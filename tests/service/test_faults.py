@@ -4,6 +4,9 @@ exactly once in the outputs and none of its jobs left non-terminal."""
 from __future__ import annotations
 
 import json
+import re
+import subprocess
+import time
 import uuid
 
 import pytest
@@ -11,7 +14,7 @@ from sqlalchemy import text
 
 from ingest.submit import send
 from tests.jobs.jobhelpers import assert_each_id_once, prompt_rows
-from tests.service.conftest import TERMINAL, job_row, submit_file, wait_for_job, wait_until
+from tests.service.conftest import TERMINAL, job_row, shard_rows, submit_file, wait_for_job, wait_until
 from tests.service.test_front_doors import committed_offset, jobs_where
 
 pytestmark = pytest.mark.real_model
@@ -91,4 +94,60 @@ def test_a_seed_out_of_range_fails_its_row_only(stack, sessions, tmp_path) -> No
     assert len(results) == 19 and [e["custom_id"] for e in errors] == [ids[7]]
     assert "seed must be an integer in [0, 2^63), got 18446744073709551616" in json.dumps(errors[0])
     assert manifest["counts"] == {"total": 20, "completed": 19, "failed": 1}
+    assert_all_ended(sessions, [job_id])
+
+
+def test_a_redis_flushall_mid_job_loses_no_shard(stack, sessions, tmp_path) -> None:
+    """Redis (broker and result backend) loses every queued task; the sweep's reconciler finds the shards that
+    wait with no task in the database and sends them again."""
+    import redis
+
+    from tests.jobs.jobhelpers import write_parquet
+
+    rows = prompt_rows(24, "flush")
+    path = write_parquet(tmp_path / "flush.parquet", rows)
+    job_id = submit_file(stack, path, "--output", f"{stack.bucket}/flush-{uuid.uuid4().hex[:8]}",
+                         "--shard-size", "2", "--max-tokens", "24")
+    wait_until(lambda: any(s["status"] == "completed" for s in shard_rows(sessions, job_id)),
+               "a first shard to complete", timeout=180)
+    client = redis.Redis(port=stack.state["ports"]["redis"])
+    client.flushall()
+    waiting = [s for s in shard_rows(sessions, job_id) if s["status"] == "pending"]
+    assert waiting, "every shard had started before the flush: nothing was lost"
+    job = wait_for_job(sessions, job_id, timeout=300)
+    assert job["status"] == "completed", job["error"]
+    assert_each_id_once(stack.store(job["output_uri"]), rows["custom_id"])
+    assert_all_ended(sessions, [job_id])
+    logs = "".join(path.read_text(errors="replace") for path in (stack.dir / "logs").glob("worker*.log"))
+    assert re.search(rf"job {job_id}: shard \d+ has been \w+ since .* with no task; sending it again", logs)
+
+
+def test_seaweedfs_down_mid_job_is_waited_out_without_using_up_attempts(stack, sessions, tmp_path) -> None:
+    """S3 stopped for 40 s while shards run (the stack allows 2 attempts a shard): the shards that hit the
+    outage wait it out, their attempts not counted, and the job completes."""
+    from tests.jobs.jobhelpers import write_parquet
+    from tests.service.conftest import stack_module
+
+    module, weed_dir, port = stack_module(), str(stack.dir / "seaweedfs"), stack.state["ports"]["s3"]
+    script = str(module.SCRIPTS / "seaweedfs.sh")
+    rows = prompt_rows(16, "s3down")
+    job_id = submit_file(stack, write_parquet(tmp_path / "s3down.parquet", rows), "--output",
+                         f"{stack.bucket}/s3down-{uuid.uuid4().hex[:8]}", "--shard-size", "2", "--max-tokens", "24")
+    wait_until(lambda: any(s["status"] == "completed" for s in shard_rows(sessions, job_id)),
+               "a first shard to complete", timeout=180)
+    subprocess.run(["bash", script, "stop", weed_dir], check=True, timeout=60)
+    seen_errors: set[str] = set()
+    try:
+        deadline = time.monotonic() + 40
+        while time.monotonic() < deadline:
+            seen_errors |= {s["error"] for s in shard_rows(sessions, job_id) if s["error"]}
+            time.sleep(0.5)
+    finally:
+        subprocess.run(["bash", script, "start", weed_dir, str(port)], env={**stack.env, **module.script_env()},
+                       check=True, timeout=180, capture_output=True)
+    assert seen_errors, "no shard met the outage"
+    assert job_row(sessions, job_id)["status"] not in TERMINAL, "the job ended during the outage"
+    job = wait_for_job(sessions, job_id, timeout=300)
+    assert job["status"] == "completed", job["error"]
+    assert_each_id_once(stack.store(job["output_uri"]), rows["custom_id"])
     assert_all_ended(sessions, [job_id])
