@@ -151,3 +151,31 @@ def test_seaweedfs_down_mid_job_is_waited_out_without_using_up_attempts(stack, s
     assert job["status"] == "completed", job["error"]
     assert_each_id_once(stack.store(job["output_uri"]), rows["custom_id"])
     assert_all_ended(sessions, [job_id])
+
+
+def test_a_bad_object_in_the_inbox_is_recorded_and_the_watcher_goes_on(stack, sessions, tmp_path) -> None:
+    from tests.jobs.jobhelpers import write_parquet
+
+    tag = uuid.uuid4().hex[:8]
+    inbox = stack.store(f"{stack.bucket}/inbox")
+    inbox.put_bytes(f"a-bad-{tag}.job.json", b'{"sampling": ' + b"[" * 5000 + b"]" * 5000 + b"}")
+    inbox.put_bytes(f"b-bad-{tag}.job.json", json.dumps(
+        {"speculative_config": {"method": "ngram", "num_speculative_tokens": "4"}}).encode())
+    rows = prompt_rows(3, "after-bad-drop")
+    for name in (f"a-bad-{tag}", f"b-bad-{tag}", f"c-good-{tag}"):
+        inbox.put_file(f"{name}.parquet", write_parquet(tmp_path / "in.parquet", rows))
+
+    def seen(name: str):
+        with sessions() as session:
+            return session.execute(text("SELECT job_id, error FROM inbox_objects WHERE key = :k"),
+                                   {"k": f"inbox/{name}.parquet"}).one_or_none()
+
+    job_id, error = wait_until(lambda: seen(f"c-good-{tag}"), "the watcher to take the good file", timeout=90)
+    assert error is None and job_id
+    assert seen(f"a-bad-{tag}") == (None, "nested too deep (the limit is 32 levels)")
+    bad_type = seen(f"b-bad-{tag}")
+    assert bad_type[0] is None and "num_speculative_tokens must be int, got str '4'" in bad_type[1]
+    job = wait_for_job(sessions, job_id)
+    assert job["status"] == "completed", job["error"]
+    assert_each_id_once(stack.store(job["output_uri"]), rows["custom_id"])
+    assert_all_ended(sessions, [job_id])
