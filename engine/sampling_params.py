@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+SEED_LIMIT = 1 << 63  # seeds are signed 64-bit in torch
+
 
 @dataclass
 class SamplingParams:
@@ -40,7 +42,8 @@ class SamplingParams:
             (_is_number(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}"),
             (isinstance(self.top_k, int) and self.top_k >= 0 or self.top_k == -1,
              f"top_k must be an integer >= 0 (0 or -1 disables it), got {self.top_k!r}"),
-            (self.seed is None or isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}"),
+            (self.seed is None or isinstance(self.seed, int) and not isinstance(self.seed, bool)
+             and 0 <= self.seed < SEED_LIMIT, f"seed must be an integer in [0, 2^63), got {self.seed!r}"),
             (isinstance(self.n, int) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}"),
             (all(isinstance(s, str) and s for s in self.stop), "stop must be a list of non-empty strings"),
             (all(isinstance(t, int) for t in self.stop_token_ids), "stop_token_ids must be integers"),

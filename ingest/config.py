@@ -7,6 +7,7 @@ import os
 import re
 from dataclasses import dataclass
 
+from ingest.spec import MAX_SPEC_BYTES
 from storage.db import resolve_url
 from storage.objectstore import S3Options
 
@@ -39,6 +40,8 @@ class ServiceConfig:
     queue_prefix: str  # lets several stacks share one broker
     max_shard_attempts: int  # a shard that failed or killed its worker this often fails the job
     sweep_interval_s: float
+    sweep_grace_s: float  # work with no live task this long is handed out again by the sweep
+    max_spec_bytes: int  # a larger job message is rejected
     schedule_interval_s: float
     s3: S3Options
     bucket_uri: str | None  # the service's bucket: inbox/, results/, inline/ and uploads/ live under it
@@ -59,6 +62,8 @@ class ServiceConfig:
             queue_prefix=env_setting("QUEUE_PREFIX", ""),
             max_shard_attempts=int(_number("MAX_SHARD_ATTEMPTS", 3)),
             sweep_interval_s=_number("SWEEP_INTERVAL_S", 30),
+            sweep_grace_s=_number("SWEEP_GRACE_S", 600),
+            max_spec_bytes=int(_number("MAX_SPEC_BYTES", MAX_SPEC_BYTES)),
             schedule_interval_s=_number("SCHEDULE_INTERVAL_S", 60),
             s3=S3Options(endpoint_url=env_setting("S3_ENDPOINT_URL")),
             bucket_uri=bucket,

@@ -3,8 +3,10 @@
 At-least-once: a message is first recorded durably (its job created, or the message stored as rejected), and
 only then is its offset committed. A message delivered again, or a duplicate of one (same content or same
 idempotency key), finds its job and changes nothing. A message that is not JSON or not a valid spec is kept in
-`rejected_messages` with its topic, partition, offset and the error, and the consumer goes on. When the
-database or S3 is down, the message is retried (from the same offset) until they are back.
+`rejected_messages` with its topic, partition, offset and the error, and the consumer goes on: so is any
+message whose handling fails for a reason of its own (a null value, too large, nested too deep, a wrong type).
+Only a transient error (`storage.faults.is_transient`: the database, S3 or the Celery broker down) retries the
+message, from the same offset, until the service is back.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
 from ingest.intake import Intake, content_key
-from ingest.spec import SpecError, parse_request
+from ingest.spec import MAX_SPEC_BYTES, SpecError, parse_request
+from storage.faults import is_transient
 from storage.models import JobSource, RejectedMessage
 
 log = logging.getLogger("tokenmill.consumer")
@@ -36,8 +39,10 @@ def kafka_consumer(bootstrap: str, topic: str, group: str):
 
 
 class JobConsumer:
-    def __init__(self, intake: Intake, bootstrap: str, topic: str, group: str) -> None:
+    def __init__(self, intake: Intake, bootstrap: str, topic: str, group: str,
+                 max_bytes: int = MAX_SPEC_BYTES) -> None:
         self.intake, self.bootstrap, self.topic, self.group = intake, bootstrap, topic, group
+        self.max_bytes = max_bytes
 
     def run(self, stop: threading.Event | None = None) -> None:
         stop = stop or threading.Event()
@@ -61,7 +66,7 @@ class JobConsumer:
             partition = TopicPartition(record.topic, record.partition)
             try:
                 self.handle(record)
-            except Exception:  # the database or S3 is down: try this message again
+            except Exception:  # handle() raises only transient errors: try this message again
                 log.exception("could not record %s/%d/%d; retrying", record.topic, record.partition, record.offset)
                 consumer.seek(partition, record.offset)
                 return False
@@ -69,22 +74,30 @@ class JobConsumer:
         return True
 
     def handle(self, record) -> str:
-        """Record one message durably: the job's id, or 'rejected'."""
+        """Record one message durably: the job's id, or 'rejected'. Raises only transient errors."""
         ref = f"{record.topic}/{record.partition}/{record.offset}"
         try:
-            request = parse_request(record.value)
+            request = parse_request(record.value, max_bytes=self.max_bytes)
             submission = self.intake.accept(request, source=JobSource.KAFKA.value, source_ref=ref,
                                             default_key=content_key("kafka", request.model_dump_json()))
         except SpecError as error:
-            self._reject(record, str(error))
-            log.warning("rejected %s: %s", ref, error)
-            return "rejected"
+            return self._rejected(record, ref, str(error))
+        except Exception as error:
+            if is_transient(error):
+                raise
+            log.exception("%s cannot become a job", ref)
+            return self._rejected(record, ref, f"cannot become a job: {type(error).__name__}: {error}")
         log.info("%s: job %s (%s)", ref, submission.job.id, submission.outcome)
         return submission.job.id
 
+    def _rejected(self, record, ref: str, error: str) -> str:
+        self._reject(record, error)
+        log.warning("rejected %s: %s", ref, error[:500])
+        return "rejected"
+
     def _reject(self, record, error: str) -> None:
-        key = record.key.decode("utf-8", "replace") if record.key else None
-        payload = (record.value or b"").decode("utf-8", "replace")[:PAYLOAD_LIMIT]
+        key = _text(record.key[:PAYLOAD_LIMIT]) if record.key else None
+        payload, error = _text((record.value or b"")[:PAYLOAD_LIMIT]), _text(error[:PAYLOAD_LIMIT])
         try:
             with self.intake.sessions.begin() as session:
                 if session.scalar(select(RejectedMessage.id).where(
@@ -94,6 +107,12 @@ class JobConsumer:
                                                 key=key, payload=payload, error=error))
         except IntegrityError:  # stored by a consumer that had this partition before a rebalance
             pass
+
+
+def _text(data: bytes | str) -> str:
+    """Storable text: UTF-8 with replacement characters, no NUL (PostgreSQL text refuses it)."""
+    text = data.decode("utf-8", "replace") if isinstance(data, bytes) else data
+    return text.replace("\x00", "\ufffd")
 
 
 def run_forever(consumer: JobConsumer) -> None:

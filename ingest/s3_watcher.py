@@ -1,5 +1,7 @@
 """The S3 inbox: every new object under the inbox prefix becomes a job. An object is known by (bucket, key,
-ETag), so an object seen before is skipped and one replaced with new content is a new job.
+ETag), so an object seen before is skipped and one replaced with new content is a new job. An object that
+cannot become a job is recorded in `inbox_objects` with its error and the scan goes on; only a transient error
+(S3 or the database down) ends the scan, to be tried again at the next one.
 
 An optional sidecar `NAME.job.json` next to `NAME.parquet` (or `NAME.jsonl`) carries the job's settings as in
 `ingest.spec` (output_uri, model, sampling, ...; not input_uri). Without an output_uri the results go to
@@ -21,6 +23,7 @@ from sqlalchemy.exc import IntegrityError
 
 from ingest.intake import Intake
 from ingest.spec import SpecError, parse_request
+from storage.faults import is_transient
 from storage.models import InboxObject, JobSource, utcnow
 from storage.objectstore import TMP_PREFIX, S3Store, normalize_uri
 
@@ -98,9 +101,12 @@ class InboxWatcher:
                 raise SpecError(f"{entry.sidecar_key}: a sidecar cannot name another input_uri or give rows")
             job = self.intake.accept(request, source=JobSource.S3.value, source_ref=f"{uri}@{entry.etag}",
                                      default_key=f"s3-{self.store.bucket}/{entry.key}@{entry.etag}").job
-        except SpecError as error:
-            log.warning("%s cannot become a job: %s", uri, error)
-            self._remember(entry, None, str(error))
+        except Exception as error:
+            if is_transient(error):  # S3 or the database is down: the next scan tries again
+                raise
+            message = str(error) if isinstance(error, SpecError) else f"{type(error).__name__}: {error}"
+            log.warning("%s cannot become a job: %s", uri, message)
+            self._remember(entry, None, message.replace("\x00", "\ufffd"))
             return None
         log.info("%s (ETag %s): job %s", uri, entry.etag, job.id)
         self._remember(entry, job.id, None)

@@ -16,6 +16,7 @@ settings with where the job reads and writes and who sent it (`NewJob`), which `
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import uuid
 from dataclasses import dataclass
@@ -32,6 +33,9 @@ from storage.models import JobSource
 from storage.objectstore import S3Options, check_output_uri, normalize_uri
 
 MAX_INLINE_ROWS = 10_000
+MAX_SPEC_BYTES = 64 << 20  # default of TOKENMILL_MAX_SPEC_BYTES
+MAX_DEPTH = 32  # nesting of arrays and objects in a spec
+PRIORITY_BOUND = 2**31  # priorities are 32-bit in the database
 
 
 class SpecError(ValueError):
@@ -64,7 +68,7 @@ class JobRequest(BaseModel):
     engine: dict[str, Any] = Field(default_factory=dict)  # only `tokenmill run` honours these (see to_job)
     speculative_config: dict[str, Any] | None = None  # {"method": "ngram", "num_speculative_tokens": 5, ...}
     shard_size: ShardSize = DEFAULT_SHARD_SIZE
-    priority: int = 0
+    priority: int = Field(default=0, gt=-PRIORITY_BOUND, lt=PRIORITY_BOUND)
     openai_output: bool = False
     idempotency_key: str | None = Field(default=None, min_length=1, max_length=200)
     job_id: uuid.UUID | None = None
@@ -101,6 +105,7 @@ class JobRequest(BaseModel):
     @classmethod
     def _speculative(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
         if value is not None:
+            _check_types(value, SpeculativeConfig)
             SpeculativeConfig.from_dict(value)  # ValueError names the bad key or value
         return value
 
@@ -130,15 +135,50 @@ class JobRequest(BaseModel):
                       job_id=str(self.job_id) if self.job_id else None)
 
 
-def parse_request(payload: bytes | str, **defaults: Any) -> JobRequest:
-    """A JobRequest from JSON text; `defaults` fill fields the document leaves out. Raises SpecError."""
+_SCALARS: dict[str, tuple[type, ...]] = {"int": (int,), "float": (int, float), "str": (str,)}
+
+
+def _check_types(settings: dict[str, Any], config: type) -> None:
+    """ValueError naming the first setting whose JSON type does not match the config dataclass's field."""
+    for field in dataclasses.fields(config):
+        value = settings.get(field.name)
+        wanted = _SCALARS.get(str(field.type).replace(" | None", ""))
+        if value is None or wanted is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, wanted):
+            raise ValueError(f"{field.name} must be {str(field.type).replace(' | None', '')}, "
+                             f"got {type(value).__name__} {value!r}")
+
+
+def parse_request(payload: bytes | str | None, max_bytes: int = MAX_SPEC_BYTES, **defaults: Any) -> JobRequest:
+    """A JobRequest from JSON text; `defaults` fill fields the document leaves out. Raises SpecError for
+    anything that is not a valid spec: no payload, too large, not UTF-8 JSON, nested too deep, wrong types."""
+    if payload is None:
+        raise SpecError("empty message (null value)")
+    if len(payload) > max_bytes:
+        raise SpecError(f"too large: {len(payload)} bytes, the limit is {max_bytes} (TOKENMILL_MAX_SPEC_BYTES)")
     try:
         document = json.loads(payload)
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
         raise SpecError(f"not JSON: {error}") from None
+    except RecursionError:
+        raise SpecError(f"nested too deep (the limit is {MAX_DEPTH} levels)") from None
     if not isinstance(document, dict):
         raise SpecError(f"a job spec is a JSON object, got {type(document).__name__}")
+    if _depth(document) > MAX_DEPTH:
+        raise SpecError(f"nested too deep (the limit is {MAX_DEPTH} levels)")
     return validate_request({**defaults, **document})
+
+
+def _depth(document: Any) -> int:
+    deepest, stack = 0, [(document, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, dict | list):
+            deepest = max(deepest, depth)
+            if depth <= MAX_DEPTH:
+                stack.extend((item, depth + 1) for item in (value.values() if isinstance(value, dict) else value))
+    return deepest
 
 
 def validate_request(fields: dict[str, Any]) -> JobRequest:
@@ -147,6 +187,8 @@ def validate_request(fields: dict[str, Any]) -> JobRequest:
         return JobRequest.model_validate(fields)
     except ValidationError as error:
         raise SpecError(describe(error)) from None
+    except (TypeError, ValueError, OverflowError, RecursionError) as error:  # raised inside a field's check
+        raise SpecError(f"invalid job spec: {type(error).__name__}: {error}") from None
 
 
 def describe(error: ValidationError) -> str:

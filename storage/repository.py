@@ -18,7 +18,9 @@ class JobNotFound(LookupError):
 def _by_id(session: Session, model, row_id, for_update: bool):
     """The row of model with this primary key, locked for the transaction when asked; None if absent."""
     query = select(model).where(model.id == row_id)
-    return session.scalars(query.with_for_update() if for_update else query).one_or_none()
+    if for_update:  # the row as it is once locked, even if this session loaded it before
+        query = query.with_for_update().execution_options(populate_existing=True)
+    return session.scalars(query).one_or_none()
 
 
 def get_job(session: Session, job_id: str, *, for_update: bool = False) -> Job:

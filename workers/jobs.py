@@ -25,7 +25,7 @@ def cancel_job(sessions: sessionmaker[Session], ref: str) -> Job:
     """Ask the job to stop. A live runner stops at its next engine step and ends it `cancelled`, keeping the
     finished shards; with no live runner the job is cancelled here and now."""
     with sessions.begin() as session:
-        job = repo.find_job(session, ref)
+        job = repo.get_job(session, repo.find_job(session, ref).id, for_update=True)  # no racing a finalizer
         if job.status in (S.CANCELLING, S.CANCELLED):
             return job
         if JobStatus(job.status) not in CANCELLABLE:

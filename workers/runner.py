@@ -262,6 +262,14 @@ class JobSteps:
             row.status, row.error, row.lease_expires_at, row.finished_at = status.value, error, None, utcnow()
             _settle(job)
 
+    def refund_attempt(self, shard: Shard) -> None:
+        """The shard failed for a transient fault (a service down), not for its work: the attempt does not count."""
+        with self.sessions.begin() as session:
+            self._job(session)
+            row = repo.get_shard_by_id(session, shard.id, for_update=True)
+            if row.status == ShardStatus.FAILED and row.attempts > 0:
+                row.attempts -= 1
+
     def finish_cancel(self) -> Job:
         with self.sessions.begin() as session:
             job = self._job(session)

@@ -15,14 +15,16 @@ import functools
 import logging
 import time
 from collections.abc import Iterable
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 from celery import Task
+from kombu.exceptions import ChannelError
 
 from ingest.intake import Intake
 from storage import db
 from storage import repository as repo
+from storage.faults import is_transient
 from storage.models import Job, JobStatus, ShardStatus
 from workers.celery_app import app, config
 from workers.runner import JobSteps
@@ -32,6 +34,7 @@ log = logging.getLogger("tokenmill.tasks")
 
 S = JobStatus
 SHARD_RETRY_DELAY_S = 5
+TRANSIENT_RETRY_DELAY_S = 15
 FINALIZE_RETRIES = 3
 PROGRESS_EVERY_S = 1.0
 
@@ -106,6 +109,8 @@ def plan_job(self: Task, job_id: str) -> dict[str, Any]:
     try:
         job = steps.validate()
     except Exception as error:
+        if is_transient(error):  # S3 or the database down while validating: try again later, the job stays
+            raise self.retry(exc=error, countdown=TRANSIENT_RETRY_DELAY_S, max_retries=None) from error
         job = steps.fail(f"{type(error).__name__}: {error}")
         raise
     finally:
@@ -137,7 +142,14 @@ def run_shard(self: Task, job_id: str, shard_id: int) -> dict[str, Any]:
         outcome = steps.execute_shard(job, shard, lambda: engine_for(job.model))
     except Exception as error:  # the shard is marked failed; its next claim counts the attempt
         log.exception("job %s: shard %d failed (attempt %d)", job_id, shard.index, shard.attempts)
-        enqueue_shards(job_id, job.model, [shard_id], countdown=SHARD_RETRY_DELAY_S)
+        delay = SHARD_RETRY_DELAY_S
+        if is_transient(error):  # a service was down: wait it out without using up the shard's attempts
+            delay = TRANSIENT_RETRY_DELAY_S
+            try:
+                steps.refund_attempt(shard)
+            except Exception:  # the database too: the sweep resends the shard once it is back
+                log.exception("job %s: shard %d: could not refund its attempt", job_id, shard.index)
+        enqueue_shards(job_id, job.model, [shard_id], countdown=delay)
         return _summary(job, shard=shard.index, decision="failed", error=f"{type(error).__name__}: {error}")
     finally:
         steps.close()
@@ -155,6 +167,8 @@ def finalize_job(self: Task, job_id: str) -> dict[str, Any]:
     try:
         return _summary(steps.finalize())
     except Exception as error:
+        if is_transient(error):  # S3 or the database down: wait it out, without using up the retries
+            raise self.retry(exc=error, countdown=TRANSIENT_RETRY_DELAY_S, max_retries=None) from error
         if self.request.retries < FINALIZE_RETRIES:
             raise self.retry(exc=error, countdown=SHARD_RETRY_DELAY_S) from error
         return _summary(steps.fail(f"finalizing failed: {type(error).__name__}: {error}"))
@@ -166,7 +180,7 @@ def finalize_job(self: Task, job_id: str) -> dict[str, Any]:
 def sweep() -> dict[str, Any]:
     from workers.sweep import sweep as find_lost_work
 
-    found = find_lost_work(sessions())
+    found = find_lost_work(sessions(), stale=timedelta(seconds=config.sweep_grace_s), queued=queued_tasks)
     for job_id, shard_id, model in found.requeue:
         enqueue_shards(job_id, model, [shard_id])
     for job_id in found.plan:
@@ -175,6 +189,23 @@ def sweep() -> dict[str, Any]:
         finalize_later(job_id)
     return {"requeued": [shard for _, shard, _ in found.requeue], "validating": found.plan,
             "finalizing": found.finalize, "cancelled": found.cancelled}
+
+
+def queued_tasks(model: str | None) -> int:
+    """Tasks waiting in a model's queue (None: the control queue). Declaring it first also restores its binding
+    after the broker lost its state (a Redis FLUSHALL or restart), so what the sweep sends arrives."""
+    name = config.model_queue(model) if model else config.control_queue
+    try:
+        with app.connection_for_write() as connection:
+            queue = app.amqp.queues[name](connection.default_channel)
+            queue.declare()
+            try:
+                return queue.queue_declare(passive=True).message_count
+            except ChannelError:  # Redis keeps no empty queue
+                return 0
+    except Exception as error:  # unknown: the sweep resends after the grace period anyway
+        log.warning("could not count the tasks in queue %s: %s", name, error)
+        return 0
 
 
 @app.task(name="tokenmill.fire_schedules")

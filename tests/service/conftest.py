@@ -32,6 +32,8 @@ STACK_ENV = {
     "TOKENMILL_SWEEP_INTERVAL_S": "2",
     "TOKENMILL_SCHEDULE_INTERVAL_S": "2",
     "TOKENMILL_MAX_SHARD_ATTEMPTS": "2",
+    "TOKENMILL_MAX_SPEC_BYTES": "262144",
+    "TOKENMILL_SWEEP_GRACE_S": "10",
 }
 TERMINAL = ("completed", "failed", "cancelled", "expired")
 

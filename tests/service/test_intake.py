@@ -23,7 +23,7 @@ class Record:
     topic: str
     partition: int
     offset: int
-    value: bytes
+    value: bytes | None
     key: bytes | None = None
 
 
@@ -52,6 +52,15 @@ def count(sessions, model) -> int:
     (b'{"input_uri": "/i.parquet", "output_uri": "/tmp/o", "outptu": 1}', "outptu: Extra inputs are not permitted"),
     (b'{"input_uri": "/i.parquet", "output_uri": "/tmp/o", "engine": {"kv_cache_mem": 1}}',
      "engine: unknown engine setting(s): kv_cache_mem"),
+    (None, "empty message (null value)"),
+    (b'{"rows": ' + b"[" * 5000 + b"]" * 5000 + b"}", "nested too deep"),
+    (b'{"input_uri": "/i.parquet", "output_uri": "/tmp/o", "sampling": {"seed": 18446744073709551616}}',
+     "sampling: seed must be an integer in [0, 2^63), got 18446744073709551616"),
+    (b'{"input_uri": "/i.parquet", "output_uri": "/tmp/o", "priority": 1e400}', "priority:"),
+    (b'{"input_uri": "/i.parquet", "output_uri": "/tmp/o", "priority": 100000000000000000000}', "priority:"),
+    (b'{"input_uri": "/i.parquet", "output_uri": "/tmp/o", '
+     b'"speculative_config": {"method": "ngram", "num_speculative_tokens": "4"}}',
+     "speculative_config: num_speculative_tokens must be int, got str '4'"),
 ])
 def test_specs_that_cannot_run_say_which_field_and_why(payload: bytes, message: str) -> None:
     with pytest.raises(SpecError) as raised:
@@ -104,3 +113,21 @@ def test_redelivered_and_duplicate_messages_are_one_job_with_inline_rows_stored(
     assert job_consumer.handle(Record("jobs", 0, 7, json.dumps(keyed).encode())) == job_consumer.handle(
         Record("jobs", 0, 8, json.dumps({**keyed, "output_uri": str(tmp_path / "third")}).encode()))
     assert count(job_consumer.intake.sessions, Job) == 2
+
+
+def test_a_database_that_is_down_is_retried_not_recorded_as_rejected(tmp_path: Path) -> None:
+    """A transient error (here: no database file can be opened) leaves the message for a retry."""
+    from ingest.intake import Intake
+    from storage import db
+    from storage.faults import is_transient
+    from storage.objectstore import S3Options
+
+    sessions = db.session_factory(db.make_engine(f"sqlite:///{tmp_path / 'missing' / 'jobs.db'}"))
+    intake = Intake(sessions, S3Options(), lambda job_id: None, inline_uri=str(tmp_path / "inline"))
+    spec = {"rows": [{"custom_id": "a", "prompt": "Hi"}], "output_uri": str(tmp_path / "out")}
+    with pytest.raises(Exception) as raised:
+        JobConsumer(intake, "unused:9092", "jobs", "group").handle(Record("jobs", 0, 1, json.dumps(spec).encode()))
+    assert is_transient(raised.value), raised.value
+    with pytest.raises(Exception) as raised:  # a poison message while the database is down: still a retry
+        JobConsumer(intake, "unused:9092", "jobs", "group").handle(Record("jobs", 0, 2, None))
+    assert is_transient(raised.value), raised.value

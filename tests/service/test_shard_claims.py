@@ -104,6 +104,58 @@ def test_sweep_requeues_shards_of_dead_workers_and_finishes_cancels(sqlite_sessi
     assert sweep(sqlite_sessions).requeue == []  # requeued once, not at every sweep
 
 
+def test_the_reconciler_resends_shards_whose_task_was_lost_once_per_grace_period(sqlite_sessions) -> None:
+    """Pending or failed shards waiting longer than the grace period while their queue is empty lost their task
+    (e.g. a Redis FLUSHALL): they are sent again, once per grace period; a full queue means wait."""
+    job_id = make_job(sqlite_sessions, shards=4)
+    pending, failed, running, done = shard_ids(sqlite_sessions, job_id)
+    set_shard(sqlite_sessions, failed, status="failed", attempts=1, finished_at=utcnow())
+    set_shard(sqlite_sessions, running, status="running", attempts=1, worker=worker_id())
+    set_shard(sqlite_sessions, done, status="completed", attempts=1)
+    grace, now = timedelta(minutes=5), utcnow()
+    assert sweep(sqlite_sessions, now=now + timedelta(minutes=1), stale=grace).requeue == []  # within the grace
+    later = now + timedelta(minutes=6)
+    assert sweep(sqlite_sessions, now=later, stale=grace, queued=lambda model: 3).requeue == []  # tasks wait
+    found = sweep(sqlite_sessions, now=later, stale=grace, queued=lambda model: 0)
+    assert found.requeue == [(job_id, pending, "m"), (job_id, failed, "m")]
+    assert sweep(sqlite_sessions, now=later + timedelta(minutes=1), stale=grace).requeue == []  # just resent
+    again = sweep(sqlite_sessions, now=later + timedelta(minutes=6), stale=grace)
+    assert [shard for _, shard, _ in again.requeue] == [pending, failed]
+
+
+def test_a_cancel_waits_for_the_job_row_and_cannot_overwrite_finalizing(pg_databases) -> None:
+    """The last shard's transaction holds the job row and moves it to finalizing; a cancel arriving meanwhile
+    waits for that lock and then sees finalizing, instead of writing cancelling over it."""
+    import pytest
+
+    from workers.jobs import cancel_job
+
+    url = pg_databases()
+    migrate.upgrade(url)
+    sessions = db.session_factory(db.make_engine(url, pool_size=4))
+    job_id = make_job(sessions, shards=1)
+    outcome: list[object] = []
+
+    def cancel() -> None:
+        try:
+            outcome.append(cancel_job(sessions, job_id[:8]).status)
+        except ValueError as error:
+            outcome.append(error)
+
+    with sessions.begin() as session:
+        repo.get_job(session, job_id, for_update=True).status = "finalizing"
+        canceller = threading.Thread(target=cancel)
+        canceller.start()
+        canceller.join(timeout=1.0)
+        assert canceller.is_alive(), "the cancel did not wait for the job row's lock"
+    canceller.join(timeout=30)
+    assert len(outcome) == 1 and isinstance(outcome[0], ValueError) and "is finalizing" in str(outcome[0])
+    assert JobSteps(sessions, job_id).load().status == "finalizing"
+    with pytest.raises(ValueError, match="is finalizing"):
+        cancel_job(sessions, job_id)
+    sessions.kw["bind"].dispose()
+
+
 def test_exactly_one_of_the_shards_completing_at_once_finalizes(pg_databases) -> None:
     url = pg_databases()
     migrate.upgrade(url)

@@ -129,7 +129,10 @@ def _register_stack(commands: argparse._SubParsersAction) -> None:
     start.add_argument("--kv-cache-memory", type=float, default=0.5, metavar="GIB",
                        help="KV pool per worker in GiB (default: 0.5)")
     start.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
-                       help="extra environment for every component, e.g. TOKENMILL_SWEEP_INTERVAL_S=5")
+                       help="extra environment for every component, e.g. TOKENMILL_SWEEP_INTERVAL_S=5 (default 30), "
+                            "TOKENMILL_SWEEP_GRACE_S=60 (how long lost work waits before the sweep resends it; "
+                            "default 600), TOKENMILL_MAX_SHARD_ATTEMPTS=3, TOKENMILL_MAX_SPEC_BYTES (largest job "
+                            "message; default 64 MiB)")
     stop = actions.add_parser("down", help="stop every component and check the ports are free")
     env = actions.add_parser("env", help="print `export` lines that point a shell at the stack")
     for action, handler in ((start, stack_up), (stop, stack_down), (env, stack_env)):
@@ -345,7 +348,8 @@ def consumer(args: argparse.Namespace) -> int:
     if not config.kafka_bootstrap:
         raise ValueError("no Kafka broker: set TOKENMILL_KAFKA_BOOTSTRAP (or start the stack)")
     events.install(config)
-    run_forever(JobConsumer(_intake(), config.kafka_bootstrap, config.jobs_topic, config.consumer_group))
+    run_forever(JobConsumer(_intake(), config.kafka_bootstrap, config.jobs_topic, config.consumer_group,
+                            max_bytes=config.max_spec_bytes))
     return 0
 
 

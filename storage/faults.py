@@ -1,0 +1,53 @@
+"""Which errors are transient (a service down or slow: wait and try again) and which are about the thing being
+processed (record it and move on). A front door retries only the first kind, so one bad message never blocks
+the ones after it."""
+
+from __future__ import annotations
+
+import importlib
+
+THROTTLING_CODES = {"Throttling", "ThrottlingException", "SlowDown", "RequestTimeout", "RequestLimitExceeded",
+                    "ServiceUnavailable", "InternalError"}
+
+# (module, class) of errors that mean a service is unreachable; imported lazily, each package is optional
+_TRANSIENT_CLASSES = [
+    ("sqlalchemy.exc", "OperationalError"), ("sqlalchemy.exc", "InterfaceError"),
+    ("sqlalchemy.exc", "TimeoutError"), ("sqlalchemy.exc", "DisconnectionError"),
+    ("botocore.exceptions", "EndpointConnectionError"), ("botocore.exceptions", "ConnectionClosedError"),
+    ("botocore.exceptions", "ReadTimeoutError"), ("botocore.exceptions", "ConnectTimeoutError"),
+    ("kombu.exceptions", "OperationalError"), ("redis.exceptions", "ConnectionError"),
+    ("redis.exceptions", "TimeoutError"), ("kafka.errors", "KafkaConnectionError"),
+    ("kafka.errors", "KafkaTimeoutError"), ("kafka.errors", "NoBrokersAvailable"),
+]
+
+
+def _classes() -> tuple[type[BaseException], ...]:
+    found: list[type[BaseException]] = [ConnectionError, TimeoutError]
+    for module, name in _TRANSIENT_CLASSES:
+        try:
+            found.append(getattr(importlib.import_module(module), name))
+        except (ImportError, AttributeError):
+            continue
+    return tuple(found)
+
+
+def is_transient(error: BaseException) -> bool:
+    """True for a service that is down, unreachable, throttling or failing on its side (5xx); a cause chained
+    below the error counts too."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    classes = _classes()
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, classes) or _is_server_side(current):
+            return True
+        current = current.__cause__ or current.__context__
+    return False
+
+
+def _is_server_side(error: BaseException) -> bool:
+    response = getattr(error, "response", None)
+    if not isinstance(response, dict):  # botocore's ClientError carries a dict
+        return False
+    status = response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
+    return status >= 500 or status == 429 or response.get("Error", {}).get("Code") in THROTTLING_CODES
