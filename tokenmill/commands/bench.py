@@ -455,12 +455,13 @@ def run_jobs(args: argparse.Namespace) -> int:
     if args.num_rows < 1 or not 1 <= args.shard_size <= args.num_rows:
         raise ValueError("--num-rows must be at least 1 and --shard-size between 1 and --num-rows")
     engine = LLMEngine(EngineConfig.from_kwargs(**engine_kwargs(args)))
-    logging.getLogger("tokenmill.jobs").setLevel(logging.WARNING)  # one line per shard would bury the table
+    for name in ("tokenmill.jobs", "alembic"):  # a line per shard and per migration would bury the table
+        logging.getLogger(name).setLevel(logging.WARNING)
     console = Console(width=max(Console().width, 120))
     console.print(f"machine: {vllm_compare.cpu_description()}")
+    dtype = str(engine.runner.dtype).removeprefix("torch.")
     console.print(f"{args.num_rows} chat rows, outputs of {args.min_tokens}-{args.max_tokens} tokens (EOS ignored), "
-                  f"greedy, {engine.config.dtype}, {args.threads or 'default'} threads, max_num_seqs "
-                  f"{engine.config.max_num_seqs}")
+                  f"greedy, {dtype}, {args.threads or 'default'} threads, max_num_seqs {engine.config.max_num_seqs}")
     whole, sharded = jobs.compare(engine, args.num_rows, args.shard_size, args.min_tokens, args.max_tokens)
     table = Table("run", "shards", "seconds", "completion tokens", "completion tok/s", title="bench jobs")
     for run in (whole, sharded):
