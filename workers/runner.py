@@ -23,7 +23,7 @@ from storage.models import FailedRow, Job, JobStatus, Shard, ShardStatus, utcnow
 from storage.objectstore import ObjectStore, open_file_store, open_store
 from storage.states import is_terminal, transition
 from workers.finalize import finalize_outputs
-from workers.shards import ShardExecution, ShardOutcome
+from workers.shards import ShardExecution, ShardOutcome, ShardsExecution, ShardWork
 
 if TYPE_CHECKING:
     from engine import LLMEngine
@@ -226,22 +226,28 @@ class JobSteps:
             if outcome.cancelled:
                 self._end_shard(shard, ShardStatus.CANCELLED)
                 return outcome
-            store = open_store(job.output_uri, job.settings.s3)
-            key = write_part(store, shard.index, outcome.records)
+            key = self._write_part(job, shard, outcome)
         except Exception as error:
             self._end_shard(shard, ShardStatus.FAILED, f"{type(error).__name__}: {error}")
             raise
+        self._record_shard(job, shard, outcome, key, started)
+        return outcome
+
+    def _write_part(self, job: Job, shard: Shard, outcome: ShardOutcome) -> str:
+        return write_part(open_store(job.output_uri, job.settings.s3), shard.index, outcome.records)
+
+    def _record_shard(self, job: Job, shard: Shard, outcome: ShardOutcome, key: str, started: float) -> None:
         outcome.completed_job = self._complete_shard(shard, outcome, key)
         log.info("job %s: shard %d (rows %d-%d) completed in %.1f s: %d ok, %d failed", job.id, shard.index,
                  shard.row_start, shard.row_end - 1, time.perf_counter() - started, len(outcome.records),
                  len(outcome.errors))
-        return outcome
 
     def _execute(self, job: Job, shard: Shard, engine: LLMEngine) -> ShardOutcome:
         engine.set_speculative_config(job.settings.speculative_config)
-        watch = StatusWatch(self.sessions, job.id, shard.id)
+        watch = StatusWatch(self.sessions, job.id, {shard.id})
         execution = ShardExecution(engine, job.settings.sampling, f"{job.id[:8]}-{shard.index}-",
-                                   should_stop=watch.should_stop, on_progress=self.progress.advance)
+                                   should_stop=watch.should_stop, on_progress=self.progress.advance,
+                                   priority=engine_priority(job))
         return execution.run(self._reader_for(job).read(shard.row_start, shard.row_end))
 
     def _complete_shard(self, shard: Shard, outcome: ShardOutcome, key: str) -> bool:
@@ -325,8 +331,8 @@ def give_up(job: Job, shard: Shard) -> None:
 
 
 class JobRunner(JobSteps):
-    """Takes one job as far as it goes in this process: claim it, validate, run the unfinished shards in
-    order through one engine, finalize."""
+    """Takes one job as far as it goes in this process: claim it, validate, run the unfinished shards
+    through one engine stream (several in flight), finalize."""
 
     def __init__(self, sessions: sessionmaker[Session], job_id: str, engine_provider: EngineProvider,
                  progress: Progress) -> None:
@@ -377,20 +383,59 @@ class JobRunner(JobSteps):
         self.progress.phase("generating")
         self.progress.start(job.requests_total,
                             sum(s.rows_completed + s.rows_failed for s in shards if s not in todo))
-        for shard in todo:
-            with self.sessions.begin() as session:
-                repo.start_shard(repo.get_shard_by_id(session, shard.id), self.worker, utcnow() + LEASE)
-            if self.execute_shard(job, shard, lambda: self._engine).cancelled:
-                break
+        if todo:
+            self._stream_shards(job, todo, self._engine)
         job = self.load()
         return self.set_status(S.FINALIZING) if job.status == S.IN_PROGRESS else job
 
+    def _stream_shards(self, job: Job, todo: list[Shard], engine: LLMEngine) -> None:
+        """All unfinished shards through one engine stream: the next shard's rows are admitted while the
+        current one's tail decodes. Each shard is marked running when its first row is fed, and its part is
+        written and the shard completed as soon as its last row finishes; a stop request or an error ends the
+        shards still in flight cancelled or failed (a resume redoes them)."""
+        engine.set_speculative_config(job.settings.speculative_config)
+        watch = StatusWatch(self.sessions, job.id, set())
+        execution = ShardsExecution(engine, job.settings.sampling, should_stop=watch.should_stop,
+                                    on_progress=self.progress.advance, priority=engine_priority(job))
+        reader = self._reader_for(job)
+        started: dict[int, float] = {}
+
+        def on_start(work: ShardWork) -> None:
+            with self.sessions.begin() as session:
+                repo.start_shard(repo.get_shard_by_id(session, work.key.id), self.worker, utcnow() + LEASE)
+            watch.shard_ids.add(work.key.id)
+            started[work.key.id] = time.perf_counter()
+
+        def on_done(work: ShardWork) -> None:
+            shard = work.key
+            self._record_shard(job, shard, work.outcome, self._write_part(job, shard, work.outcome),
+                               started[shard.id])
+            watch.shard_ids.discard(shard.id)
+
+        works = (ShardWork(s, reader.read(s.row_start, s.row_end), f"{job.id[:8]}-{s.index}-") for s in todo)
+        try:
+            cancelled = execution.run(works, on_start, on_done)
+        except Exception as error:
+            for work in execution.in_flight:
+                self._end_shard(work.key, ShardStatus.FAILED, f"{type(error).__name__}: {error}")
+            raise
+        if cancelled:
+            for work in execution.in_flight:
+                self._end_shard(work.key, ShardStatus.CANCELLED)
+
+
+def engine_priority(job: Job) -> int:
+    """The engine request priority of a job's rows: a higher job priority is admitted first, and the engine
+    admits the lowest value first."""
+    return -(job.priority or 0)
+
+
 class StatusWatch:
     """Between engine steps: is the job still in progress? Asks the database at most once a second and
-    renews the shard's lease while it runs."""
+    renews the leases of the shards in `shard_ids` (those running here) while they run."""
 
-    def __init__(self, sessions: sessionmaker[Session], job_id: str, shard_id: int) -> None:
-        self.sessions, self.job_id, self.shard_id = sessions, job_id, shard_id
+    def __init__(self, sessions: sessionmaker[Session], job_id: str, shard_ids: set[int]) -> None:
+        self.sessions, self.job_id, self.shard_ids = sessions, job_id, shard_ids
         self.checked = float("-inf")  # the first call always asks: a shard never starts on a cancelled job
         self.renewed = time.monotonic()
 
@@ -403,6 +448,7 @@ class StatusWatch:
         with self.sessions.begin() as session:
             status = repo.job_status(session, self.job_id)
             if renew:
-                session.get(Shard, self.shard_id).lease_expires_at = utcnow() + LEASE
+                for shard_id in self.shard_ids:
+                    session.get(Shard, shard_id).lease_expires_at = utcnow() + LEASE
                 self.renewed = now
         return status != S.IN_PROGRESS

@@ -1,4 +1,4 @@
-"""Run one shard's rows through `LLMEngine.stream`: render and tokenize each row, apply its sampling overrides,
+"""Run shards' rows through `LLMEngine.stream`: render and tokenize each row, apply its sampling overrides,
 let the engine run them (asking between steps whether to stop), and collect one result or one error per row."""
 
 from __future__ import annotations
@@ -35,61 +35,101 @@ class ShardOutcome:
         }
 
 
-class ShardExecution:
-    """One pass over a shard's rows. `should_stop` is asked between engine steps; `on_progress(rows, tokens)`
-    reports finished rows and newly generated tokens."""
+@dataclass(eq=False)
+class ShardWork:
+    """One shard's rows for `ShardsExecution`: `key` is the caller's (e.g. the shard row), `prefix` makes its
+    request ids unique in the engine."""
 
-    def __init__(self, engine: LLMEngine, defaults: dict[str, Any], request_prefix: str,
+    key: Any
+    rows: Iterable[Request | RowError]
+    prefix: str
+    outcome: ShardOutcome = field(default_factory=ShardOutcome)
+    outstanding: int = 0  # rows in the engine
+    fed: bool = False  # all its rows were handed to the engine (or became errors)
+    done: bool = False
+
+
+class ShardsExecution:
+    """Many shards' rows through one `LLMEngine.stream`, so the next shard's rows are admitted while the
+    current one's tail decodes. A shard is started (`on_start`) when its first row is about to be fed, and
+    finished (`on_done` with its outcome) as soon as its last row finishes. `should_stop` is asked between
+    engine steps; `on_progress(rows, tokens)` reports finished rows and newly generated tokens. `priority` is
+    the engine request priority of every row (it orders admission under `scheduling_policy="priority"`)."""
+
+    def __init__(self, engine: LLMEngine, defaults: dict[str, Any],
                  should_stop: Callable[[], bool] = lambda: False,
-                 on_progress: Callable[[int, int], None] = lambda rows, tokens: None) -> None:
-        self.engine, self.defaults, self.prefix = engine, defaults, request_prefix
+                 on_progress: Callable[[int, int], None] = lambda rows, tokens: None, priority: int = 0) -> None:
+        self.engine, self.defaults, self.priority = engine, defaults, priority
         self.should_stop, self.on_progress = should_stop, on_progress
-        self.outcome = ShardOutcome()
-        self.pending: dict[str, Request] = {}
+        self.cancelled = False
+        self.in_flight: list[ShardWork] = []  # started, not done (oldest first)
+        self.pending: dict[str, tuple[ShardWork, Request]] = {}
+        self._on_start: Callable[[ShardWork], None] = lambda work: None
+        self._on_done: Callable[[ShardWork], None] = lambda work: None
 
-    def run(self, rows: Iterable[Request | RowError]) -> ShardOutcome:
-        """Feed the rows through `LLMEngine.stream`; a stop request ends it with `cancelled` set."""
+    def run(self, works: Iterable[ShardWork], on_start: Callable[[ShardWork], None] = lambda work: None,
+            on_done: Callable[[ShardWork], None] = lambda work: None) -> bool:
+        """Run the shards; True when a stop request ended it (the shards in `in_flight` did not finish)."""
+        self._on_start, self._on_done = on_start, on_done
         self._generated = self.engine.stats.generation_tokens
         self._spec_seen = self._spec_counts()
-        outputs = self.engine.stream(self._requests(rows), should_stop=self._stop)
+        outputs = self.engine.stream(self._requests(works), should_stop=self._stop)
         self.engine.step_observers.append(self._observe_step)
         try:
             for output in outputs:
-                self._collect(self.pending.pop(output.request_id), output)
+                work, request = self.pending.pop(output.request_id)
+                self._collect(work.outcome, request, output)
+                work.outstanding -= 1
+                self._finish_if_done(work)
         finally:
             outputs.close()  # aborts what is still running: a stop request, or an error
             self.engine.step_observers.remove(self._observe_step)
-        return self.outcome
+        return self.cancelled
 
     def _stop(self) -> bool:
-        self.outcome.cancelled = self.should_stop()
-        return self.outcome.cancelled
+        self.cancelled = self.should_stop()
+        return self.cancelled
+
+    def _finish_if_done(self, work: ShardWork) -> None:
+        if work.fed and work.outstanding == 0 and not work.done:
+            work.done = True
+            self._on_done(work)
+            self.in_flight.remove(work)  # after on_done: a shard whose part could not be written is in flight
 
     def _spec_counts(self) -> tuple[int, int]:
         spec = self.engine.spec.stats if self.engine.spec else None
         return (spec.draft_tokens, spec.accepted_tokens) if spec else (0, 0)
 
     def _observe_step(self, finished: list[RequestOutput]) -> None:
-        """After each engine step: the speculation counts and the progress of this shard."""
+        """After each engine step: the progress, and the speculation counts (credited to the oldest shard in
+        flight: the engine counts them per step, not per request)."""
         drafted, accepted = self._spec_counts()
-        self.outcome.spec_draft_tokens += drafted - self._spec_seen[0]
-        self.outcome.spec_accepted_tokens += accepted - self._spec_seen[1]
+        if self.in_flight:
+            oldest = self.in_flight[0].outcome
+            oldest.spec_draft_tokens += drafted - self._spec_seen[0]
+            oldest.spec_accepted_tokens += accepted - self._spec_seen[1]
         self._spec_seen = (drafted, accepted)
         generated = self.engine.stats.generation_tokens
         self.on_progress(len(finished), generated - self._generated)
         self._generated = generated
 
-    def _requests(self, rows: Iterable[Request | RowError]) -> Iterator[tuple[str, list[int], SamplingParams]]:
-        """The rows the engine should run; a row that cannot run becomes its error here."""
-        for item in rows:
-            prepared = item if isinstance(item, RowError) else self._prepare(item)
-            if isinstance(prepared, RowError):
-                self.outcome.errors.append(prepared)
-                self.on_progress(1, 0)
-                continue
-            request_id = f"{self.prefix}{item.row}"
-            self.pending[request_id] = item
-            yield request_id, *prepared
+    def _requests(self, works: Iterable[ShardWork]) -> Iterator[tuple[str, list[int], SamplingParams, int]]:
+        """The rows the engine should run, shard after shard; a row that cannot run becomes its error here."""
+        for work in works:
+            self.in_flight.append(work)
+            self._on_start(work)
+            for item in work.rows:
+                prepared = item if isinstance(item, RowError) else self._prepare(item)
+                if isinstance(prepared, RowError):
+                    work.outcome.errors.append(prepared)
+                    self.on_progress(1, 0)
+                    continue
+                request_id = f"{work.prefix}{item.row}"
+                self.pending[request_id] = (work, item)
+                work.outstanding += 1
+                yield request_id, *prepared, self.priority
+            work.fed = True
+            self._finish_if_done(work)  # every row of it was an error, or all finished while feeding
 
     def _prepare(self, request: Request) -> tuple[list[int], SamplingParams] | RowError:
         def error(code: str, message: str) -> RowError:
@@ -117,14 +157,15 @@ class ShardExecution:
             return chat_token_ids(self.engine.tokenizer, request.messages)
         return self.engine.encode(request.prompt)
 
-    def _collect(self, request: Request, output: RequestOutput) -> None:
+    @staticmethod
+    def _collect(outcome: ShardOutcome, request: Request, output: RequestOutput) -> None:
         if output.error or not output.outputs:
             message = output.error or "the engine returned no completion"
-            self.outcome.errors.append(RowError(request.row, request.custom_id, "engine_error", message))
+            outcome.errors.append(RowError(request.row, request.custom_id, "engine_error", message))
             return
         completion = output.outputs[0]
         metrics = output.metrics
-        self.outcome.records.append({
+        outcome.records.append({
             "custom_id": request.custom_id,
             "text": completion.text,
             "finish_reason": completion.finish_reason,
@@ -136,6 +177,22 @@ class ShardExecution:
             "row_index": request.row,
             "endpoint": request.endpoint,
         })
+
+
+class ShardExecution:
+    """One shard on its own (a Celery task): `ShardsExecution` with a single shard."""
+
+    def __init__(self, engine: LLMEngine, defaults: dict[str, Any], request_prefix: str,
+                 should_stop: Callable[[], bool] = lambda: False,
+                 on_progress: Callable[[int, int], None] = lambda rows, tokens: None, priority: int = 0) -> None:
+        self.execution = ShardsExecution(engine, defaults, should_stop, on_progress, priority)
+        self.prefix = request_prefix
+
+    def run(self, rows: Iterable[Request | RowError]) -> ShardOutcome:
+        """Feed the rows through `LLMEngine.stream`; a stop request ends it with `cancelled` set."""
+        work = ShardWork(None, rows, self.prefix)
+        work.outcome.cancelled = self.execution.run([work])
+        return work.outcome
 
 
 def _ms(start: float, end: float | None) -> float | None:

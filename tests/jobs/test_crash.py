@@ -1,5 +1,6 @@
-"""Crash test: `tokenmill run` is SIGKILLed mid-job; the same command again resumes the same job, does not
-recompute finished shards, and the outputs hold every custom_id exactly once."""
+"""Crash test: `tokenmill run` is SIGKILLed mid-job with several shards in flight (their rows in the engine at
+once); the same command again resumes the same job, does not recompute finished shards, and the outputs hold
+every custom_id exactly once."""
 
 from __future__ import annotations
 
@@ -24,8 +25,9 @@ pytestmark = pytest.mark.real_model
 ROWS, SHARD_SIZE = 40, 4
 
 
-def test_sigkill_mid_job_then_the_same_command_resumes(tmp_path: Path) -> None:
-    columns = prompt_rows(ROWS)
+def test_sigkill_with_shards_in_flight_then_the_same_command_resumes(tmp_path: Path) -> None:
+    # every shard is in the engine at once; later shards decode longer, so they finish one after another
+    columns = {**prompt_rows(ROWS), "max_tokens": [2 + 8 * (row // SHARD_SIZE) for row in range(ROWS)]}
     source = write_parquet(tmp_path / "prompts.parquet", columns)
     output, database = tmp_path / "out", tmp_path / "jobs.db"
     command = [sys.executable, "-m", "tokenmill", "run", str(source), "--output", str(output),
@@ -43,6 +45,7 @@ def test_sigkill_mid_job_then_the_same_command_resumes(tmp_path: Path) -> None:
     completed = {i: row for i, row in before.items() if row[0] == "completed"}
     interrupted = [i for i, row in before.items() if row[0] == "running"]
     assert 0 < len(completed) < len(before) == ROWS // SHARD_SIZE, "the kill must land mid-job"
+    assert len(interrupted) >= 2, f"several shards must be in flight at the kill: {before}"
     assert not (output / "manifest.json").exists()
     part_mtimes = {i: (output / f"part-{i:05d}.parquet").stat().st_mtime_ns for i in completed}
 

@@ -144,16 +144,25 @@ class CancelAfterRows(NoProgress):
             self.rows = 0
 
 
-def test_cancel_keeps_finished_shards_and_a_rerun_finishes(sessions, engine_provider, tmp_path: Path) -> None:
-    path = write_parquet(tmp_path / "in.parquet", prompt_rows(9))
-    spec = new_job(str(path), str(tmp_path / "out"), "smollm2-135m", sampling={"max_tokens": 4}, shard_size=3)
+def test_cancel_aborts_the_shards_in_flight_keeps_finished_ones_and_a_rerun_finishes(
+        sessions, engine_provider, llm_engine, tmp_path: Path) -> None:
+    """Shard 0's rows are short, so it completes while shards 1 and 2 (all in the engine at once) decode their
+    long rows; the cancel then aborts those rows in the engine and ends both shards cancelled."""
+    columns = {**prompt_rows(9), "max_tokens": [2] * 3 + [48] * 6}
+    path = write_parquet(tmp_path / "in.parquet", columns)
+    spec = new_job(str(path), str(tmp_path / "out"), "smollm2-135m", sampling={"temperature": 0.0,
+                                                                               "ignore_eos": True}, shard_size=3)
     job = submit(sessions, spec).job
+    generated = llm_engine.stats.generation_tokens
     job = run_job(sessions, job.id, engine_provider, CancelAfterRows(sessions, job.id, 3))
     assert job.status == "cancelled" and job.cancelling_at <= job.cancelled_at
+    assert not llm_engine.has_unfinished_requests(), "the cancelled shards' rows must be aborted in the engine"
+    assert llm_engine.stats.generation_tokens - generated < 3 * 2 + 6 * 48, "the long rows ran to their end"
     with sessions() as session:
         before = {s.index: (s.status, s.attempts, s.finished_at) for s in repo.shards(session, job.id)}
     assert before[0][:2] == ("completed", 1)
-    assert before[1][0] == "cancelled" and before[2] == ("pending", 0, None)
+    assert [before[i][:2] for i in (1, 2)] == [("cancelled", 1), ("cancelled", 1)]
+    assert [k for k in open_store(str(tmp_path / "out")).list() if k.startswith("part-")] == ["part-00000.parquet"]
     assert not (tmp_path / "out" / "manifest.json").exists()
 
     again = submit(sessions, spec)
@@ -163,5 +172,5 @@ def test_cancel_keeps_finished_shards_and_a_rerun_finishes(sessions, engine_prov
     with sessions() as session:
         after = {s.index: (s.status, s.attempts, s.finished_at) for s in repo.shards(session, job.id)}
     assert after[0] == before[0], "the shard finished before the cancel must not run again"
-    assert [after[i][:2] for i in (1, 2)] == [("completed", 2), ("completed", 1)]
-    assert_each_id_once(open_store(str(tmp_path / "out")), prompt_rows(9)["custom_id"])
+    assert [after[i][:2] for i in (1, 2)] == [("completed", 2), ("completed", 2)]
+    assert_each_id_once(open_store(str(tmp_path / "out")), columns["custom_id"])

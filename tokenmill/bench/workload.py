@@ -48,11 +48,18 @@ def chat_ids(tokenizer, question: str) -> list[int]:
 def mixed_chat_workload(tokenizer, num_prompts: int = 64, min_tokens: int = 16, max_tokens: int = 192,
                         seed: int = 0) -> Workload:
     """`num_prompts` distinct chat prompts, each forced to a fixed length in [min_tokens, max_tokens]."""
+    texts, lengths = mixed_chat_questions(num_prompts, min_tokens, max_tokens, seed)
+    return Workload([chat_ids(tokenizer, text) for text in texts], lengths)
+
+
+def mixed_chat_questions(num_prompts: int = 64, min_tokens: int = 16, max_tokens: int = 192,
+                         seed: int = 0) -> tuple[list[str], list[int]]:
+    """The questions of `mixed_chat_workload` and the output length forced on each."""
     pool = questions()
     rng = random.Random(seed)
-    prompts = [chat_ids(tokenizer, pool[i % len(pool)] + ("" if i < len(pool) else f" (take {i // len(pool) + 1})"))
-               for i in range(num_prompts)]
-    return Workload(prompts, [rng.randint(min_tokens, max_tokens) for _ in range(num_prompts)])
+    texts = [pool[i % len(pool)] + ("" if i < len(pool) else f" (take {i // len(pool) + 1})")
+             for i in range(num_prompts)]
+    return texts, [rng.randint(min_tokens, max_tokens) for _ in range(num_prompts)]
 
 
 GUIDE_SECTION = (

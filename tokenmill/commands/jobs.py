@@ -62,7 +62,8 @@ def _register_run(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--output", "-o", metavar="DIR_OR_S3_URI",
                         help="where results go (default: ./tokenmill-output/<input name>)")
     parser.add_argument("--shard-size", type=int, default=None, metavar="ROWS",
-                        help="rows per shard, the unit of progress and of resuming (default: 500)")
+                        help="rows per shard, the unit of progress and of resuming; every unfinished shard's rows "
+                             "feed one engine stream, so small shards keep the batch full (default: 500)")
     parser.add_argument("--openai-output", action="store_true",
                         help="also write batch_output.jsonl in the OpenAI Batch output format")
     parser.add_argument("--metrics-port", type=int, metavar="PORT",

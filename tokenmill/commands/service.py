@@ -80,7 +80,9 @@ def _register_submit(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--output", "-o", metavar="S3_URI", help="where results go (default: <bucket>/results/JOB)")
     parser.add_argument("--model", default="smollm2-135m", help="model (picks the workers' queue)")
     parser.add_argument("--shard-size", type=int, default=500, metavar="ROWS", help="rows per shard (default: 500)")
-    parser.add_argument("--priority", type=int, default=0, help="job priority (default: 0)")
+    parser.add_argument("--priority", type=int, default=0,
+                        help="job priority: its rows' engine request priority is the negated value, so a higher "
+                             "one is admitted first under --scheduling-policy priority (default: 0)")
     parser.add_argument("--openai-output", action="store_true", help="also write batch_output.jsonl")
     parser.add_argument("--wait", action="store_true", help="wait until the job ends and print its status")
     parser.add_argument("--timeout", type=float, default=1800, metavar="S", help="how long --wait waits")
