@@ -28,6 +28,7 @@ from tests.fixtures_services import REPO, free_port_block, pg_databases  # noqa:
 from tokenmill.commands.jobs import sample_input
 
 STACK_ENV = {
+    "PYTHONPATH": str(REPO),  # stack processes run from their state directory; the engine hook lives in tests/
     "TOKENMILL_ENGINE_FACTORY": "tests.service.faulty_engine:load",
     "TOKENMILL_SWEEP_INTERVAL_S": "2",
     "TOKENMILL_SCHEDULE_INTERVAL_S": "2",
