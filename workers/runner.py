@@ -41,9 +41,10 @@ class JobBusy(RuntimeError):
 
 
 def mark_cancelled(job: Job) -> None:
-    """End the job `cancelled`; shards caught running are marked cancelled, completed ones are kept."""
+    """End the job `cancelled`: shards caught running or not yet started are marked cancelled, completed ones
+    are kept (a retry of the job runs the cancelled ones again)."""
     for shard in job.shards:
-        if shard.status == ShardStatus.RUNNING:
+        if shard.status in (ShardStatus.RUNNING, ShardStatus.PENDING):
             shard.status = ShardStatus.CANCELLED.value
             shard.lease_expires_at = None
     transition(job, S.CANCELLED)
