@@ -22,6 +22,7 @@ from engine.scheduler import Scheduler, SchedulerLimits
 from engine.sequence import FinishReason, Sequence
 from engine.spec_decode.config import SpeculativeConfig
 from engine.spec_decode.decoder import SpecDecoder
+from engine.structured_outputs import StructuredOutputs
 
 log = logging.getLogger("tokenmill.engine")
 
@@ -64,7 +65,9 @@ class LLMEngine:
                                  config.enable_chunked_prefill, config.admission_lookahead,
                                  config.scheduling_policy, config.long_prefill_token_threshold)
         self._seq_ids = itertools.count()
-        self.scheduler = Scheduler(limits, kv, frozenset(eos_token_ids(self.model_dir, self.tokenizer)),
+        eos = eos_token_ids(self.model_dir, self.tokenizer)
+        self.structured = self.runner.structured = StructuredOutputs(self.tokenizer, self.runner.vocab_size, eos)
+        self.scheduler = Scheduler(limits, kv, frozenset(eos),
                                    next_seq_id=self._seq_ids.__next__)
         self.requests: dict[str, _Request] = {}
         self.stats = EngineStats()
@@ -118,6 +121,8 @@ class LLMEngine:
             raise ValueError(f"priority must be an integer, got {priority!r}")
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
+        if params.structured_outputs is not None:
+            self.structured.compile(params.structured_outputs)  # an invalid schema fails here, as a ValueError
         seq = Sequence(next(self._seq_ids), request_id, self.encode(prompt), params, priority=priority,
                        cache_salt=cache_salt)
         request = _Request(request_id, prompt if isinstance(prompt, str) else None, [])

@@ -18,6 +18,7 @@ from engine.sampler import Sampler
 from engine.scheduler import SchedulerOutput
 from engine.sequence import Sequence
 from engine.spec_decode.verifier import verify_drafts
+from engine.structured_outputs import StructuredOutputs
 
 log = logging.getLogger("tokenmill.engine")
 
@@ -143,6 +144,7 @@ class ModelRunner:
         self.attention = self.make_backend(k, v)
         self.zeroing = PoolZeroing(k + v)
         self.sampler = Sampler(config.seed)
+        self.structured: StructuredOutputs | None = None  # set by the engine, which owns the tokenizer
         self.graphs = None  # decode steps as CUDA graphs (engine/cuda_graphs.py): CUDA and the Triton backend only
         if self.uses_cuda_graphs():
             from engine.cuda_graphs import DecodeGraphs
@@ -330,6 +332,8 @@ class ModelRunner:
         return self.sample(layout, logits)
 
     def sample(self, layout: SampleLayout, logits: torch.Tensor) -> ModelRunnerOutput:
+        if self.structured is not None and self.structured.constrains(layout.seqs):
+            logits = self.structured.mask(logits, layout)
         plain_seqs = [layout.seqs[i] for i in layout.plain]
         if not plain_seqs:
             plain = []

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.structured_outputs import StructuredOutputsParams
+
 SEED_LIMIT = 1 << 63  # seeds are signed 64-bit in torch
 
 
@@ -24,6 +26,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     n: int = 1
+    structured_outputs: StructuredOutputsParams | None = None  # constrained decoding (JSON schema, regex, ...)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -47,6 +50,8 @@ class SamplingParams:
             (isinstance(self.n, int) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}"),
             (all(isinstance(s, str) and s for s in self.stop), "stop must be a list of non-empty strings"),
             (all(isinstance(t, int) for t in self.stop_token_ids), "stop_token_ids must be integers"),
+            (self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+             "structured_outputs must be a StructuredOutputsParams"),
         ]
         for ok, message in checks:
             if not ok:
