@@ -11,6 +11,10 @@ if TYPE_CHECKING:
 INTEGER_PARAMS = ("max_tokens", "top_k", "seed", "n")
 
 
+class ResponseFormatError(ValueError):
+    """A row's `response_format` is malformed, or its schema invalid (the row fails, not the job)."""
+
+
 def sampling_params(defaults: dict[str, Any], overrides: dict[str, Any]) -> SamplingParams:
     """The job defaults with a row's overrides; ValueError/TypeError name the bad parameter."""
     from engine.sampling_params import SamplingParams
@@ -18,7 +22,40 @@ def sampling_params(defaults: dict[str, Any], overrides: dict[str, Any]) -> Samp
     merged = {**defaults, **{name: _integral(name, value) for name, value in overrides.items()}}
     if merged.get("n", 1) != 1:
         raise ValueError(f"n must be 1 in batch jobs (one completion per row), got {merged['n']!r}")
+    if (response_format := merged.pop("response_format", None)) is not None:
+        merged["structured_outputs"] = structured_outputs(response_format)
     return SamplingParams(**merged)
+
+
+def structured_outputs(response_format: Any):
+    """OpenAI's `response_format` (an object, or its JSON text from a Parquet column) as the engine's
+    StructuredOutputsParams: `json_schema` (its `schema`, enforced whether `strict` or not) or `json_object`;
+    `text` is None. JSON is generated without free whitespace, so a small model cannot pad it to max_tokens."""
+    import json
+
+    from engine.structured_outputs import StructuredOutputsParams, check_json_schema
+
+    if isinstance(response_format, str):
+        try:
+            response_format = json.loads(response_format)
+        except ValueError as problem:
+            raise ResponseFormatError(f"response_format is not valid JSON: {problem}") from None
+    kind = response_format.get("type") if isinstance(response_format, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True, disable_any_whitespace=True)
+    if kind != "json_schema":
+        raise ResponseFormatError(f"response_format.type must be text, json_object or json_schema, got {kind!r}")
+    spec = response_format.get("json_schema")
+    schema = spec.get("schema") if isinstance(spec, dict) else None
+    if not isinstance(schema, dict):
+        raise ResponseFormatError("response_format.json_schema.schema must be a JSON schema object")
+    try:
+        check_json_schema(schema)
+    except ValueError as problem:
+        raise ResponseFormatError(f"response_format: {problem}") from None
+    return StructuredOutputsParams(json=schema, disable_any_whitespace=True)
 
 
 def _integral(name: str, value: Any) -> Any:

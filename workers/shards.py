@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ingest.sampling import sampling_params
+from ingest.sampling import ResponseFormatError, sampling_params
 from storage.formats import CHAT, Request, RowError
 
 if TYPE_CHECKING:
@@ -137,8 +137,15 @@ class ShardsExecution:
 
         try:
             params = sampling_params(self.defaults, request.params)
+        except ResponseFormatError as problem:
+            return error("invalid_response_format", str(problem))
         except (ValueError, TypeError) as problem:
             return error("invalid_parameter", str(problem))
+        if params.structured_outputs is not None:
+            try:
+                self.engine.structured.compile(params.structured_outputs)  # cached per schema
+            except ValueError as problem:
+                return error("invalid_response_format", str(problem))
         try:
             token_ids = self._tokenize(request)
         except Exception as problem:  # a chat template or tokenizer refusing this row's content
