@@ -147,14 +147,16 @@ class StructuredOutputs:
         rows: list[int] = []
         for index, row in zip(layout.plain, layout.plain_rows, strict=True):
             seq = layout.seqs[index]
-            if seq.params.structured_outputs is not None:
-                self.matcher(seq).fill_next_token_bitmask(bitmask, row)
+            if seq.params.structured_outputs is not None and not (matcher := self.matcher(seq)).is_terminated():
+                matcher.fill_next_token_bitmask(bitmask, row)  # terminated: only with ignore_eos, left free
                 rows.append(row)
         for index, (start, _) in zip(layout.spec, layout.spec_rows, strict=True):
             seq = layout.seqs[index]
             if seq.params.structured_outputs is None:
                 continue
             matcher = self.matcher(seq)
+            if matcher.is_terminated():
+                continue
             matcher.fill_next_token_bitmask(bitmask, start)
             rows.append(start)
             accepted = 0
