@@ -251,7 +251,10 @@ class LLMEngine:
             else:
                 text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
             reason = seq.finish_reason.value if seq.finish_reason else None
-            outputs.append(CompletionOutput(seq.sample_index, text, seq.output_token_ids, reason, seq.stop_reason))
+            completion = CompletionOutput(seq.sample_index, text, seq.output_token_ids, reason, seq.stop_reason)
+            if seq.params.logprobs is not None:
+                self._attach_logprobs(completion, seq)
+            outputs.append(completion)
             error = error or seq.error
         if error:
             self.stats.num_requests_failed += 1
@@ -269,6 +272,15 @@ class LLMEngine:
             metrics=RequestMetrics(first.arrival_time, first.first_token_time, first.finish_time,
                                    first.num_preemptions),
         )
+
+    def _attach_logprobs(self, completion: CompletionOutput, seq: Sequence) -> None:
+        logprobs = seq.logprobs[:len(completion.token_ids)]  # tokens dropped past a stop or max_tokens
+        for entry in logprobs:
+            for token, logprob in entry.items():
+                logprob.decoded_token = self.tokenizer.decode([token])
+        completion.logprobs = logprobs
+        completion.cumulative_logprob = sum(entry[token].logprob
+                                            for entry, token in zip(logprobs, completion.token_ids, strict=True))
 
     def stream(self, requests: Iterable[tuple], max_pending: int | None = None,
                should_stop: Callable[[], bool] | None = None) -> Iterator[RequestOutput]:

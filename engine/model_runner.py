@@ -332,8 +332,12 @@ class ModelRunner:
         return self.sample(layout, logits)
 
     def sample(self, layout: SampleLayout, logits: torch.Tensor) -> ModelRunnerOutput:
-        if self.structured is not None and self.structured.constrains(layout.seqs):
-            logits = self.structured.mask(logits, layout)
+        logprobs = None
+        if any(s.params.has_extras for s in layout.seqs):
+            if any(s.params.logprobs is not None for s in layout.seqs):  # the model's own, before any mask
+                logprobs = logits.float().log_softmax(dim=-1)
+            if self.structured is not None and self.structured.constrains(layout.seqs):
+                logits = self.structured.mask(logits, layout)
         plain_seqs = [layout.seqs[i] for i in layout.plain]
         if not plain_seqs:
             plain = []
@@ -349,7 +353,35 @@ class ModelRunner:
             tokens[index] = [token]
         for index, accepted in zip(layout.spec, verified, strict=True):
             tokens[index] = accepted
+        if logprobs is not None:
+            record_logprobs(logprobs, layout, tokens)
         return ModelRunnerOutput.of(layout.seqs, tokens)
+
+
+def record_logprobs(logprobs: torch.Tensor, layout: SampleLayout, tokens: list[list[int]]) -> None:
+    """Append, for each new token of a sequence asking for logprobs, {token: Logprob} for the sampled token
+    and the top params.logprobs tokens of its row (a sequence with drafts: one row per accepted token)."""
+    from engine.outputs import Logprob
+
+    first_rows = dict(zip(layout.plain, layout.plain_rows, strict=True))
+    first_rows.update((index, start) for index, (start, _) in zip(layout.spec, layout.spec_rows, strict=True))
+    for index, seq in enumerate(layout.seqs):
+        k = seq.params.logprobs
+        if k is None or not tokens[index]:
+            continue
+        start = first_rows[index]
+        rows = logprobs[start:start + len(tokens[index])]
+        chosen = torch.tensor(tokens[index], device=rows.device)[:, None]
+        chosen_lp = rows.gather(1, chosen)
+        ranks = ((rows > chosen_lp).sum(dim=-1) + 1).tolist()
+        top = rows.topk(k, dim=-1) if k else None
+        for i, token in enumerate(tokens[index]):
+            entry = {token: Logprob(chosen_lp[i, 0].item(), ranks[i])}
+            if top is not None:
+                for rank, (value, top_token) in enumerate(zip(top.values[i].tolist(), top.indices[i].tolist(),
+                                                              strict=True), start=1):
+                    entry.setdefault(top_token, Logprob(value, rank))
+            seq.logprobs.append(entry)
 
 
 @dataclass

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from engine.structured_outputs import StructuredOutputsParams
 
 SEED_LIMIT = 1 << 63  # seeds are signed 64-bit in torch
+MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit
 
 
 @dataclass
@@ -27,6 +28,7 @@ class SamplingParams:
     ignore_eos: bool = False
     n: int = 1
     structured_outputs: StructuredOutputsParams | None = None  # constrained decoding (JSON schema, regex, ...)
+    logprobs: int | None = None  # the sampled token's log probability and the k most likely (0: none of those)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -50,12 +52,20 @@ class SamplingParams:
             (isinstance(self.n, int) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}"),
             (all(isinstance(s, str) and s for s in self.stop), "stop must be a list of non-empty strings"),
             (all(isinstance(t, int) for t in self.stop_token_ids), "stop_token_ids must be integers"),
+            (self.logprobs is None or isinstance(self.logprobs, int) and not isinstance(self.logprobs, bool)
+             and 0 <= self.logprobs <= MAX_LOGPROBS, f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got "
+                                                     f"{self.logprobs!r}"),
             (self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
              "structured_outputs must be a StructuredOutputsParams"),
         ]
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+
+    @property
+    def has_extras(self) -> bool:
+        """Asks for work beyond plain sampling (masks, logprobs): unset, the sampler's fast path runs."""
+        return self.structured_outputs is not None or self.logprobs is not None
 
     @property
     def greedy(self) -> bool:
