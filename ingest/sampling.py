@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from engine.sampling_params import SamplingParams
 
-INTEGER_PARAMS = ("max_tokens", "top_k", "seed", "n")
+INTEGER_PARAMS = ("max_tokens", "top_k", "seed", "n", "logprobs", "top_logprobs")
 
 
 class ResponseFormatError(ValueError):
@@ -22,9 +22,20 @@ def sampling_params(defaults: dict[str, Any], overrides: dict[str, Any]) -> Samp
     merged = {**defaults, **{name: _integral(name, value) for name, value in overrides.items()}}
     if merged.get("n", 1) != 1:
         raise ValueError(f"n must be 1 in batch jobs (one completion per row), got {merged['n']!r}")
+    merged["logprobs"] = logprobs_of(merged.pop("logprobs", None), merged.pop("top_logprobs", None))
     if (response_format := merged.pop("response_format", None)) is not None:
         merged["structured_outputs"] = structured_outputs(response_format)
     return SamplingParams(**merged)
+
+
+def logprobs_of(logprobs: Any, top_logprobs: Any) -> int | None:
+    """The engine's `logprobs` (top-k count) from chat's `logprobs: true` + `top_logprobs: k` or completions'
+    `logprobs: k`; None when not asked."""
+    if isinstance(logprobs, bool) or logprobs is None:
+        if top_logprobs not in (None, 0) and not logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return _integral("top_logprobs", top_logprobs or 0) if logprobs else None
+    return _integral("logprobs", logprobs)
 
 
 def structured_outputs(response_format: Any):

@@ -63,7 +63,7 @@ class ShardsExecution:
         self.should_stop, self.on_progress = should_stop, on_progress
         self.cancelled = False
         self.in_flight: list[ShardWork] = []  # started, not done (oldest first)
-        self.pending: dict[str, tuple[ShardWork, Request]] = {}
+        self.pending: dict[str, tuple[ShardWork, Request, int | None]] = {}  # and the row's logprobs top-k
         self._on_start: Callable[[ShardWork], None] = lambda work: None
         self._on_done: Callable[[ShardWork], None] = lambda work: None
 
@@ -77,8 +77,8 @@ class ShardsExecution:
         self.engine.step_observers.append(self._observe_step)
         try:
             for output in outputs:
-                work, request = self.pending.pop(output.request_id)
-                self._collect(work.outcome, request, output)
+                work, request, top_k = self.pending.pop(output.request_id)
+                self._collect(work.outcome, request, output, top_k)
                 work.outstanding -= 1
                 self._finish_if_done(work)
         finally:
@@ -125,7 +125,7 @@ class ShardsExecution:
                     self.on_progress(1, 0)
                     continue
                 request_id = f"{work.prefix}{item.row}"
-                self.pending[request_id] = (work, item)
+                self.pending[request_id] = (work, item, prepared[1].logprobs)
                 work.outstanding += 1
                 yield request_id, *prepared, self.priority
             work.fed = True
@@ -165,7 +165,7 @@ class ShardsExecution:
         return self.engine.encode(request.prompt)
 
     @staticmethod
-    def _collect(outcome: ShardOutcome, request: Request, output: RequestOutput) -> None:
+    def _collect(outcome: ShardOutcome, request: Request, output: RequestOutput, top_k: int | None) -> None:
         if output.error or not output.outputs:
             message = output.error or "the engine returned no completion"
             outcome.errors.append(RowError(request.row, request.custom_id, "engine_error", message))
@@ -183,6 +183,7 @@ class ShardsExecution:
             "latency_ms": _ms(metrics.arrival_time, metrics.finish_time) if metrics else None,
             "row_index": request.row,
             "endpoint": request.endpoint,
+            "logprobs": None if top_k is None else openai_logprobs(completion, request.endpoint, top_k),
         })
 
 
@@ -200,6 +201,29 @@ class ShardExecution:
         work = ShardWork(None, rows, self.prefix)
         work.outcome.cancelled = self.execution.run([work])
         return work.outcome
+
+
+def openai_logprobs(completion, endpoint: str, top_k: int) -> str:
+    """The completion's logprobs as JSON text in OpenAI's shape for the endpoint (chat: `content` items with
+    `top_logprobs`; completions: `tokens`, `token_logprobs`, `top_logprobs`, `text_offset`)."""
+    import json
+
+    chosen = [entry[token] for token, entry in zip(completion.token_ids, completion.logprobs, strict=True)]
+    tops = [sorted((lp for lp in entry.values() if lp.rank <= top_k), key=lambda lp: lp.rank)[:top_k]
+            for entry in completion.logprobs]
+    if endpoint == CHAT:
+        def item(lp) -> dict:
+            return {"token": lp.decoded_token, "logprob": lp.logprob, "bytes": list(lp.decoded_token.encode())}
+
+        content = [{**item(lp), "top_logprobs": [item(t) for t in top]} for lp, top in zip(chosen, tops, strict=True)]
+        return json.dumps({"content": content, "refusal": None}, ensure_ascii=False)
+    offsets, offset = [], 0
+    for lp in chosen:
+        offsets.append(offset)
+        offset += len(lp.decoded_token)
+    return json.dumps({"tokens": [lp.decoded_token for lp in chosen], "token_logprobs": [lp.logprob for lp in chosen],
+                       "top_logprobs": [{t.decoded_token: t.logprob for t in top} for top in tops],
+                       "text_offset": offsets}, ensure_ascii=False)
 
 
 def _ms(start: float, end: float | None) -> float | None:

@@ -33,6 +33,7 @@ PART_SCHEMA = pa.schema([
     pa.field("latency_ms", pa.float64()),  # from entering the engine to the last token
     pa.field("row_index", pa.int64()),  # 0-based row of the input
     pa.field("endpoint", pa.string()),  # /v1/chat/completions or /v1/completions
+    pa.field("logprobs", pa.string()),  # when the row asked for logprobs: OpenAI's choice.logprobs as JSON text
 ])
 
 
@@ -99,10 +100,11 @@ def batch_output_line(job_id: str, model: str, record: dict[str, Any]) -> dict[s
 def _completion_body(model: str, record: dict[str, Any]) -> dict[str, Any]:
     chat = record["endpoint"] == CHAT
     choice: dict[str, Any] = {"index": 0, "finish_reason": record["finish_reason"]}
+    logprobs = json.loads(record["logprobs"]) if record.get("logprobs") else None
     if chat:
-        choice["message"] = {"role": "assistant", "content": record["text"]}
+        choice.update(message={"role": "assistant", "content": record["text"]}, logprobs=logprobs)
     else:
-        choice.update(text=record["text"], logprobs=None)
+        choice.update(text=record["text"], logprobs=logprobs)
     prompt, completion = record["prompt_tokens"], record["completion_tokens"]
     return {
         "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",

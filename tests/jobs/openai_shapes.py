@@ -12,6 +12,24 @@ USAGE = {
                                   "properties": {"cached_tokens": {"type": "integer", "minimum": 0}}},
     },
 }
+TOKEN_LOGPROB = {"type": "object", "required": ["token", "logprob", "bytes"],
+                 "properties": {"token": {"type": "string"}, "logprob": {"type": "number", "maximum": 0},
+                                "bytes": {"type": ["array", "null"], "items": {"type": "integer"}}}}
+CHAT_LOGPROBS = {
+    "type": ["object", "null"], "required": ["content"],
+    "properties": {"content": {"type": ["array", "null"], "items": {
+        **TOKEN_LOGPROB, "required": ["token", "logprob", "bytes", "top_logprobs"],
+        "properties": {**TOKEN_LOGPROB["properties"], "top_logprobs": {"type": "array", "items": TOKEN_LOGPROB}}}},
+        "refusal": {"type": ["array", "null"]}},
+}
+COMPLETION_LOGPROBS = {
+    "type": ["object", "null"], "required": ["tokens", "token_logprobs", "top_logprobs", "text_offset"],
+    "properties": {"tokens": {"type": "array", "items": {"type": "string"}},
+                   "token_logprobs": {"type": "array", "items": {"type": "number", "maximum": 0}},
+                   "top_logprobs": {"type": ["array", "null"], "items": {
+                       "type": "object", "additionalProperties": {"type": "number", "maximum": 0}}},
+                   "text_offset": {"type": "array", "items": {"type": "integer", "minimum": 0}}},
+}
 FINISH_REASON = {"enum": ["stop", "length", "content_filter", "tool_calls", "function_call"]}
 CHAT_CHOICE = {
     "type": "object",
@@ -21,14 +39,14 @@ CHAT_CHOICE = {
         "finish_reason": FINISH_REASON,
         "message": {"type": "object", "required": ["role", "content"],
                     "properties": {"role": {"const": "assistant"}, "content": {"type": ["string", "null"]}}},
-        "logprobs": {"type": ["object", "null"]},
+        "logprobs": CHAT_LOGPROBS,
     },
 }
 COMPLETION_CHOICE = {
     "type": "object",
     "required": ["index", "text", "finish_reason", "logprobs"],
     "properties": {"index": {"type": "integer", "minimum": 0}, "text": {"type": "string"},
-                   "finish_reason": FINISH_REASON, "logprobs": {"type": ["object", "null"]}},
+                   "finish_reason": FINISH_REASON, "logprobs": COMPLETION_LOGPROBS},
 }
 
 

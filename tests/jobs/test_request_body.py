@@ -23,17 +23,18 @@ def test_jsonl_response_format_unsupported_fields_and_content(tmp_path: Path) ->
              batch_line("object", response_format={"type": "json_object"}, presence_penalty=0, tools=[],
                         logprobs=False, n=1),
              batch_line("tools", tools=[{"type": "function", "function": {"name": "f"}}]),
-             batch_line("many", logprobs=True, top_logprobs=2, logit_bias={"1": 5}),
+             batch_line("many", presence_penalty=0.5, logit_bias={"1": 5}),
              batch_line("image", messages=[{"role": "user", "content": [
                  {"type": "text", "text": "what is this?"},
                  {"type": "image_url", "image_url": {"url": "https://x/y.png"}}]}])]
     (tmp_path / "b.jsonl").write_text("\n".join(lines))
     schema, obj, tools, many, image = rows_of(open_local(tmp_path / "b.jsonl"))
     assert isinstance(schema, Request) and schema.params == {"response_format": JSON_SCHEMA}
-    assert isinstance(obj, Request) and obj.params == {"response_format": {"type": "json_object"}, "n": 1}
+    assert isinstance(obj, Request) and obj.params == {"response_format": {"type": "json_object"}, "n": 1,
+                                                       "logprobs": False}
     assert isinstance(tools, RowError) and (tools.code, tools.message) == (
         "unsupported_parameter", "tools is not supported by tokenmill")
-    assert isinstance(many, RowError) and many.message == "logprobs, top_logprobs, logit_bias are not supported " \
+    assert isinstance(many, RowError) and many.message == "presence_penalty, logit_bias are not supported " \
                                                           "by tokenmill"
     assert isinstance(image, RowError) and image.code == "unsupported_content" and "image_url" in image.message
 
@@ -65,3 +66,14 @@ def test_response_format_mapping() -> None:
 def test_bad_response_formats_fail_the_row(response_format, message) -> None:
     with pytest.raises(ResponseFormatError, match=message):
         sampling_params({}, {"response_format": response_format})
+
+
+def test_logprobs_fields() -> None:
+    assert sampling_params({}, {"logprobs": True, "top_logprobs": 3}).logprobs == 3  # chat
+    assert sampling_params({}, {"logprobs": True}).logprobs == 0
+    assert sampling_params({}, {"logprobs": False}).logprobs is None
+    assert sampling_params({}, {"logprobs": 2.0}).logprobs == 2  # completions (a Parquet float column)
+    with pytest.raises(ValueError, match="top_logprobs needs logprobs: true"):
+        sampling_params({}, {"top_logprobs": 2})
+    with pytest.raises(ValueError, match="logprobs must be an integer in"):
+        sampling_params({}, {"logprobs": 50})

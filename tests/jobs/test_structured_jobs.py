@@ -46,8 +46,9 @@ def test_json_rows_validate_and_bad_rows_fail_alone(sessions, engine_provider, t
               chat_line("bad-schema", "x", response_format={"type": "json_schema",
                                                             "json_schema": {"schema": {"type": "nonsense"}}}),
               chat_line("tools", "x", tools=[{"type": "function", "function": {"name": "f"}}]),
+              chat_line("chat-logprobs", "Name a color.", max_tokens=4, logprobs=True, top_logprobs=2),
               {"custom_id": "free", "method": "POST", "url": "/v1/completions",
-               "body": {"prompt": "The sky is", "max_tokens": 4}}]
+               "body": {"prompt": "The sky is", "max_tokens": 4, "logprobs": 3}}]
     path = tmp_path / "batch.jsonl"
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
     job = run_job(sessions, submit(sessions, new_job(str(path), str(tmp_path / "out"), "smollm2-135m",
@@ -66,3 +67,12 @@ def test_json_rows_validate_and_bad_rows_fail_alone(sessions, engine_provider, t
     assert len(batch) == len(lines)
     for line in batch:
         jsonschema.validate(line, BATCH_OUTPUT_LINE)
+    by_id = {line["custom_id"]: line for line in batch}
+    chat = by_id["chat-logprobs"]["response"]["body"]["choices"][0]
+    assert "".join(t["token"] for t in chat["logprobs"]["content"]).startswith(chat["message"]["content"])
+    assert all(len(t["top_logprobs"]) == 2 for t in chat["logprobs"]["content"])
+    text = by_id["free"]["response"]["body"]["choices"][0]
+    assert len(text["logprobs"]["tokens"]) == texts["free"]["completion_tokens"] == 4
+    assert all(len(top) == 3 for top in text["logprobs"]["top_logprobs"])
+    assert by_id["object"]["response"]["body"]["choices"][0]["logprobs"] is None
+    assert texts["free"]["logprobs"] is not None and texts["object"]["logprobs"] is None  # the Parquet column
