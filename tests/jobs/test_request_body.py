@@ -77,3 +77,18 @@ def test_logprobs_fields() -> None:
         sampling_params({}, {"top_logprobs": 2})
     with pytest.raises(ValueError, match="logprobs must be an integer in"):
         sampling_params({}, {"logprobs": 50})
+
+
+def test_run_json_schema_option_sets_every_rows_response_format(tmp_path: Path) -> None:
+    import argparse
+
+    from tokenmill.options import add_sampling_options, sampling_kwargs
+
+    parser = argparse.ArgumentParser()
+    add_sampling_options(parser)
+    (tmp_path / "label.json").write_text(json.dumps(SCHEMA))
+    kwargs = sampling_kwargs(parser.parse_args(["--json-schema", str(tmp_path / "label.json")]))
+    assert kwargs["response_format"] == {"type": "json_schema", "json_schema": {"name": "label", "schema": SCHEMA,
+                                                                               "strict": True}}
+    assert "response_format" not in sampling_kwargs(parser.parse_args([]))
+    assert sampling_params(kwargs, {}).structured_outputs.json == SCHEMA
