@@ -67,6 +67,7 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         eos = eos_token_ids(self.model_dir, self.tokenizer)
         self.structured = self.runner.structured = StructuredOutputs(self.tokenizer, self.runner.vocab_size, eos)
+        self.runner.stop_token_ids = frozenset(eos)
         self.scheduler = Scheduler(limits, kv, frozenset(eos),
                                    next_seq_id=self._seq_ids.__next__)
         self.requests: dict[str, _Request] = {}

@@ -13,6 +13,7 @@ import torch
 from engine.attention.base import AttentionBackend, StepBatch, allocate_kv_pool
 from engine.batch import BatchItem, PoolZeroing, Rows, build_step_batch
 from engine.config import EngineConfig
+from engine.logits_processors import apply_logits_processors
 from engine.models.llama import LlamaForCausalLM, head_dim_of, rope_tables
 from engine.sampler import Sampler
 from engine.scheduler import SchedulerOutput
@@ -145,6 +146,7 @@ class ModelRunner:
         self.zeroing = PoolZeroing(k + v)
         self.sampler = Sampler(config.seed)
         self.structured: StructuredOutputs | None = None  # set by the engine, which owns the tokenizer
+        self.stop_token_ids: frozenset[int] = frozenset()  # EOS ids, masked under min_tokens (set by the engine)
         self.graphs = None  # decode steps as CUDA graphs (engine/cuda_graphs.py): CUDA and the Triton backend only
         if self.uses_cuda_graphs():
             from engine.cuda_graphs import DecodeGraphs
@@ -336,6 +338,9 @@ class ModelRunner:
         if any(s.params.has_extras for s in layout.seqs):
             if any(s.params.logprobs is not None for s in layout.seqs):  # the model's own, before any mask
                 logprobs = logits.float().log_softmax(dim=-1)
+            if any(s.params.has_penalties or s.params.logit_bias or s.params.min_tokens for s in layout.seqs):
+                logits = logits.float()
+                apply_logits_processors(logits, layout, self.stop_token_ids)
             if self.structured is not None and self.structured.constrains(layout.seqs):
                 logits = self.structured.mask(logits, layout)
         plain_seqs = [layout.seqs[i] for i in layout.plain]

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from engine.sampling_params import SamplingParams
 
-INTEGER_PARAMS = ("max_tokens", "top_k", "seed", "n", "logprobs", "top_logprobs")
+INTEGER_PARAMS = ("max_tokens", "top_k", "seed", "n", "logprobs", "top_logprobs", "min_tokens")
 
 
 class ResponseFormatError(ValueError):
@@ -22,10 +22,29 @@ def sampling_params(defaults: dict[str, Any], overrides: dict[str, Any]) -> Samp
     merged = {**defaults, **{name: _integral(name, value) for name, value in overrides.items()}}
     if merged.get("n", 1) != 1:
         raise ValueError(f"n must be 1 in batch jobs (one completion per row), got {merged['n']!r}")
+    if (bias := merged.get("logit_bias")) is not None:
+        merged["logit_bias"] = logit_bias_of(bias)
     merged["logprobs"] = logprobs_of(merged.pop("logprobs", None), merged.pop("top_logprobs", None))
     if (response_format := merged.pop("response_format", None)) is not None:
         merged["structured_outputs"] = structured_outputs(response_format)
     return SamplingParams(**merged)
+
+
+def logit_bias_of(bias: Any) -> dict[int, float]:
+    """OpenAI's {"token id": bias} (JSON keys are strings; a Parquet column holds the JSON text)."""
+    import json
+
+    if isinstance(bias, str):
+        try:
+            bias = json.loads(bias)
+        except ValueError:
+            raise ValueError("logit_bias must be a JSON object of token id -> bias") from None
+    if not isinstance(bias, dict):
+        raise ValueError("logit_bias must be an object of token id -> bias")
+    try:
+        return {int(token): value for token, value in bias.items()}
+    except ValueError:
+        raise ValueError("logit_bias keys must be token ids") from None
 
 
 def logprobs_of(logprobs: Any, top_logprobs: Any) -> int | None:

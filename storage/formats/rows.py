@@ -11,14 +11,14 @@ CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 ENDPOINTS = (CHAT, COMPLETIONS)
 PARAM_NAMES = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n", "response_format", "logprobs",
-               "top_logprobs")
+               "top_logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
+               "min_tokens")
 # OpenAI body fields tokenmill does not honour: a row that sets one fails with `unsupported_parameter`, so
 # nothing is silently dropped (a no-op value such as false, 0, [] or null is accepted)
 UNSUPPORTED_PARAMS = ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "audio",
-                      "modalities", "prediction", "web_search_options", "echo",
-                      "best_of", "suffix", "presence_penalty", "frequency_penalty", "repetition_penalty",
-                      "logit_bias", "min_tokens", "stream", "reasoning_effort")
-NO_OP_VALUES = {"repetition_penalty": 1, "tool_choice": "none", "best_of": 1, "modalities": ["text"]}
+                      "modalities", "prediction", "web_search_options", "echo", "best_of", "suffix", "stream",
+                      "reasoning_effort")
+NO_OP_VALUES = {"tool_choice": "none", "best_of": 1, "modalities": ["text"]}
 
 
 class InputError(ValueError):

@@ -20,10 +20,11 @@ JSON_SCHEMA = {"type": "json_schema", "json_schema": {"name": "label", "schema":
 
 def test_jsonl_response_format_unsupported_fields_and_content(tmp_path: Path) -> None:
     lines = [batch_line("schema", response_format=JSON_SCHEMA),
-             batch_line("object", response_format={"type": "json_object"}, presence_penalty=0, tools=[],
+             batch_line("object", response_format={"type": "json_object"}, presence_penalty=0, tools=[], stream=False,
                         logprobs=False, n=1),
              batch_line("tools", tools=[{"type": "function", "function": {"name": "f"}}]),
-             batch_line("many", presence_penalty=0.5, logit_bias={"1": 5}),
+             batch_line("many", audio={"voice": "alloy"}, prediction={"type": "content", "content": "x"},
+                        presence_penalty=0.5, logit_bias={"1": 5}),
              batch_line("image", messages=[{"role": "user", "content": [
                  {"type": "text", "text": "what is this?"},
                  {"type": "image_url", "image_url": {"url": "https://x/y.png"}}]}])]
@@ -31,10 +32,10 @@ def test_jsonl_response_format_unsupported_fields_and_content(tmp_path: Path) ->
     schema, obj, tools, many, image = rows_of(open_local(tmp_path / "b.jsonl"))
     assert isinstance(schema, Request) and schema.params == {"response_format": JSON_SCHEMA}
     assert isinstance(obj, Request) and obj.params == {"response_format": {"type": "json_object"}, "n": 1,
-                                                       "logprobs": False}
+                                                       "logprobs": False, "presence_penalty": 0}
     assert isinstance(tools, RowError) and (tools.code, tools.message) == (
         "unsupported_parameter", "tools is not supported by tokenmill")
-    assert isinstance(many, RowError) and many.message == "presence_penalty, logit_bias are not supported " \
+    assert isinstance(many, RowError) and many.message == "audio, prediction are not supported " \
                                                           "by tokenmill"
     assert isinstance(image, RowError) and image.code == "unsupported_content" and "image_url" in image.message
 
@@ -92,3 +93,13 @@ def test_run_json_schema_option_sets_every_rows_response_format(tmp_path: Path) 
                                                                                "strict": True}}
     assert "response_format" not in sampling_kwargs(parser.parse_args([]))
     assert sampling_params(kwargs, {}).structured_outputs.json == SCHEMA
+
+
+def test_penalties_bias_and_min_tokens_fields() -> None:
+    params = sampling_params({}, {"presence_penalty": 0.5, "frequency_penalty": -1, "repetition_penalty": 1.2,
+                                  "logit_bias": {"42": -100, "7": 3}, "min_tokens": 4.0})
+    assert (params.presence_penalty, params.frequency_penalty, params.repetition_penalty) == (0.5, -1, 1.2)
+    assert params.logit_bias == {42: -100, 7: 3} and params.min_tokens == 4
+    assert sampling_params({}, {"logit_bias": '{"5": 1}'}).logit_bias == {5: 1}  # a Parquet JSON-text column
+    with pytest.raises(ValueError, match="logit_bias keys must be token ids"):
+        sampling_params({}, {"logit_bias": {"a": 1}})
