@@ -20,8 +20,6 @@ def sampling_params(defaults: dict[str, Any], overrides: dict[str, Any]) -> Samp
     from engine.sampling_params import SamplingParams
 
     merged = {**defaults, **{name: _integral(name, value) for name, value in overrides.items()}}
-    if merged.get("n", 1) != 1:
-        raise ValueError(f"n must be 1 in batch jobs (one completion per row), got {merged['n']!r}")
     if (bias := merged.get("logit_bias")) is not None:
         merged["logit_bias"] = logit_bias_of(bias)
     merged["logprobs"] = logprobs_of(merged.pop("logprobs", None), merged.pop("top_logprobs", None))

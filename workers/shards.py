@@ -25,11 +25,11 @@ class ShardOutcome:
 
     def totals(self) -> dict[str, int]:
         return {
-            "rows_completed": len(self.records),
+            "rows_completed": sum(1 for r in self.records if r["choice_index"] == 0),  # a record per choice (n)
             "rows_failed": len(self.errors),
-            "prompt_tokens": sum(r["prompt_tokens"] for r in self.records),
+            "prompt_tokens": sum(r["prompt_tokens"] for r in self.records if r["choice_index"] == 0),
             "completion_tokens": sum(r["completion_tokens"] for r in self.records),
-            "cached_tokens": sum(r["cached_tokens"] for r in self.records),
+            "cached_tokens": sum(r["cached_tokens"] for r in self.records if r["choice_index"] == 0),
             "spec_draft_tokens": self.spec_draft_tokens,
             "spec_accepted_tokens": self.spec_accepted_tokens,
         }
@@ -170,9 +170,8 @@ class ShardsExecution:
             message = output.error or "the engine returned no completion"
             outcome.errors.append(RowError(request.row, request.custom_id, "engine_error", message))
             return
-        completion = output.outputs[0]
         metrics = output.metrics
-        outcome.records.append({
+        outcome.records.extend({
             "custom_id": request.custom_id,
             "text": completion.text,
             "finish_reason": completion.finish_reason,
@@ -184,7 +183,8 @@ class ShardsExecution:
             "row_index": request.row,
             "endpoint": request.endpoint,
             "logprobs": None if top_k is None else openai_logprobs(completion, request.endpoint, top_k),
-        })
+            "choice_index": completion.index,
+        } for completion in output.outputs)
 
 
 class ShardExecution:

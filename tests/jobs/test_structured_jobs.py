@@ -76,3 +76,34 @@ def test_json_rows_validate_and_bad_rows_fail_alone(sessions, engine_provider, t
     assert all(len(top) == 3 for top in text["logprobs"]["top_logprobs"])
     assert by_id["object"]["response"]["body"]["choices"][0]["logprobs"] is None
     assert texts["free"]["logprobs"] is not None and texts["object"]["logprobs"] is None  # the Parquet column
+
+
+def test_n_choices_become_one_line_and_one_part_row_each(sessions, engine_provider, tmp_path: Path) -> None:
+    from storage.formats import read_part
+
+    schema = {"type": "json_schema", "json_schema": {"name": "s", "schema": SCHEMAS[0], "strict": True}}
+    lines = [chat_line("three", QUESTIONS[0], n=3, temperature=1.0, seed=4, max_tokens=16, response_format=schema),
+             {"custom_id": "one", "method": "POST", "url": "/v1/completions",
+              "body": {"prompt": "Hi", "max_tokens": 3}}]
+    path = tmp_path / "batch.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    job = run_job(sessions, submit(sessions, new_job(str(path), str(tmp_path / "out"), "smollm2-135m",
+                                                     sampling={"max_tokens": 8, "temperature": 0.0},
+                                                     openai_output=True)).job.id, engine_provider)
+    assert job.status == "completed", job.error
+    store = open_store(str(tmp_path / "out"))
+    part = read_part(store, "part-00000.parquet").to_pylist()
+    assert [(r["custom_id"], r["choice_index"]) for r in part] == [("three", 0), ("three", 1), ("three", 2),
+                                                                   ("one", 0)]
+    batch = [json.loads(line) for line in store.get_bytes(BATCH_OUTPUT_KEY).decode().splitlines()]
+    assert [line["custom_id"] for line in batch] == ["three", "one"]
+    for line in batch:
+        jsonschema.validate(line, BATCH_OUTPUT_LINE)
+    body = batch[0]["response"]["body"]
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2]
+    for choice in body["choices"]:
+        jsonschema.validate(json.loads(choice["message"]["content"]), SCHEMAS[0])
+    assert body["usage"]["completion_tokens"] == sum(r["completion_tokens"] for r in part[:3])
+    assert body["usage"]["prompt_tokens"] == part[0]["prompt_tokens"]
+    manifest = json.loads(store.get_bytes("manifest.json"))
+    assert manifest["counts"] == {"total": 2, "completed": 2, "failed": 0}

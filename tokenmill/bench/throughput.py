@@ -137,8 +137,18 @@ def tokenmill_run(model: str, workload: Workload, dtype: str, label: str = "toke
     llm.engine.kv_manager.pool.reset_prefix_cache()
     before = llm.engine.get_stats().snapshot()
     runner.execute = recording_execute
+    mask_seconds = [0.0]
     if structured is not None:  # compiled before the clock starts, as a job's _prepare does
         llm.engine.structured.compile(structured)
+        mask = llm.engine.structured.mask
+
+        def timed_mask(logits, layout):
+            begun = time.perf_counter()
+            masked = mask(logits, layout)
+            mask_seconds[0] += time.perf_counter() - begun
+            return masked
+
+        llm.engine.structured.mask = timed_mask
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, structured_outputs=structured)
               for n in workload.output_lens]
     started = time.perf_counter()
@@ -152,6 +162,8 @@ def tokenmill_run(model: str, workload: Workload, dtype: str, label: str = "toke
     prefill = stats["computed_prefill_tokens"] - before["computed_prefill_tokens"]
     preemptions = stats["num_preemptions"] - before["num_preemptions"]
     note = f"{len(steps)} steps, {preemptions} preemptions"
+    if structured is not None:
+        note += f", masks {mask_seconds[0]:.1f} s ({mask_seconds[0] / seconds:.1%})"
     del llm
     gc.collect()
     return TokenmillRun(Result(label, dtype, seconds, workload.useful_tokens, note, prefill, preemptions), steps,
