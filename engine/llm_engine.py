@@ -129,13 +129,20 @@ class LLMEngine:
         request = _Request(request_id, prompt if isinstance(prompt, str) else None, [])
         request.add_sample(seq, self.tokenizer)
         self.requests[request_id] = request
+        self.runner.extra_requests += params.has_extras
         if not self.scheduler.add(seq):
             self._rejected.append(request)
         return request_id
 
+    def _drop(self, request_id: str) -> _Request | None:
+        request = self.requests.pop(request_id, None)
+        if request is not None:
+            self.runner.extra_requests -= request.seqs[0].params.has_extras
+        return request
+
     def abort(self, request_id: str) -> bool:
         """Stop a request now; it is dropped without an output. False when it is unknown or done."""
-        request = self.requests.pop(request_id, None)
+        request = self._drop(request_id)
         if request is None:
             return False
         for seq in request.seqs:
@@ -241,7 +248,7 @@ class LLMEngine:
         return stats
 
     def _finalize(self, request: _Request) -> RequestOutput:
-        self.requests.pop(request.request_id, None)
+        self._drop(request.request_id)
         outputs = []
         error = None
         for seq in sorted(request.seqs, key=lambda s: s.sample_index):

@@ -147,6 +147,7 @@ class ModelRunner:
         self.sampler = Sampler(config.seed)
         self.structured: StructuredOutputs | None = None  # set by the engine, which owns the tokenizer
         self.stop_token_ids: frozenset[int] = frozenset()  # EOS ids, masked under min_tokens (set by the engine)
+        self.extra_requests = 0  # requests in the engine with masks, penalties or logprobs: none, no check per step
         self.graphs = None  # decode steps as CUDA graphs (engine/cuda_graphs.py): CUDA and the Triton backend only
         if self.uses_cuda_graphs():
             from engine.cuda_graphs import DecodeGraphs
@@ -335,7 +336,7 @@ class ModelRunner:
 
     def sample(self, layout: SampleLayout, logits: torch.Tensor) -> ModelRunnerOutput:
         logprobs = None
-        if any(s.params.has_extras for s in layout.seqs):
+        if self.extra_requests and any(s.params.has_extras for s in layout.seqs):
             if any(s.params.logprobs is not None for s in layout.seqs):  # the model's own, before any mask
                 logprobs = logits.float().log_softmax(dim=-1)
             if any(s.params.has_penalties or s.params.logit_bias or s.params.min_tokens for s in layout.seqs):
