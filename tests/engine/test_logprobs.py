@@ -22,10 +22,24 @@ def reference(hf_model, tokenizer):
     return tokens, [row[0].float().log_softmax(-1) for row in out.logits]
 
 
+@pytest.fixture(scope="module")
+def engines(model_dir):
+    """One LLM per speculative setting, built on first use and shared by the tests of this module."""
+    built: dict[str, LLM] = {}
+
+    def get(spec: dict | None) -> LLM:
+        key = str(spec)
+        if key not in built:
+            built[key] = LLM(str(model_dir), dtype="float32", num_threads=2, max_model_len=256,
+                             kv_cache_memory=64 << 20, speculative_config=spec)
+        return built[key]
+
+    return get
+
+
 @pytest.mark.parametrize("spec", [None, {"method": "ngram", "num_speculative_tokens": 3}])
-def test_logprobs_match_hugging_face(model_dir, reference, spec):
-    llm = LLM(str(model_dir), dtype="float32", num_threads=2, max_model_len=256, kv_cache_memory=64 << 20,
-              speculative_config=spec)
+def test_logprobs_match_hugging_face(engines, reference, spec):
+    llm = engines(spec)
     (out,) = llm.generate([PROMPT], SamplingParams(max_tokens=8, temperature=0, logprobs=3))
     completion = out.outputs[0]
     tokens, rows = reference
@@ -41,8 +55,8 @@ def test_logprobs_match_hugging_face(model_dir, reference, spec):
                                                               zip(completion.logprobs, tokens, strict=True)))
 
 
-def test_constrained_and_sampled_rows_report_the_chosen_token(model_dir):
-    llm = LLM(str(model_dir), dtype="float32", num_threads=2, max_model_len=256, kv_cache_memory=64 << 20)
+def test_constrained_and_sampled_rows_report_the_chosen_token(engines):
+    llm = engines(None)
     choice = StructuredOutputsParams(choice=["zebra", "yak"])
     outs = llm.generate([PROMPT] * 2, [SamplingParams(max_tokens=4, temperature=0, logprobs=0,
                                                       structured_outputs=choice),
