@@ -22,6 +22,7 @@ from engine.scheduler import Scheduler, SchedulerLimits
 from engine.sequence import FinishReason, Sequence
 from engine.spec_decode.config import SpeculativeConfig
 from engine.spec_decode.decoder import SpecDecoder
+from engine.structured_outputs import StructuredOutputs
 
 log = logging.getLogger("tokenmill.engine")
 
@@ -64,7 +65,10 @@ class LLMEngine:
                                  config.enable_chunked_prefill, config.admission_lookahead,
                                  config.scheduling_policy, config.long_prefill_token_threshold)
         self._seq_ids = itertools.count()
-        self.scheduler = Scheduler(limits, kv, frozenset(eos_token_ids(self.model_dir, self.tokenizer)),
+        eos = eos_token_ids(self.model_dir, self.tokenizer)
+        self.structured = self.runner.structured = StructuredOutputs(self.tokenizer, self.runner.vocab_size, eos)
+        self.runner.stop_token_ids = frozenset(eos)
+        self.scheduler = Scheduler(limits, kv, frozenset(eos),
                                    next_seq_id=self._seq_ids.__next__)
         self.requests: dict[str, _Request] = {}
         self.stats = EngineStats()
@@ -118,18 +122,27 @@ class LLMEngine:
             raise ValueError(f"priority must be an integer, got {priority!r}")
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
+        if params.structured_outputs is not None:
+            self.structured.compile(params.structured_outputs)  # an invalid schema fails here, as a ValueError
         seq = Sequence(next(self._seq_ids), request_id, self.encode(prompt), params, priority=priority,
                        cache_salt=cache_salt)
         request = _Request(request_id, prompt if isinstance(prompt, str) else None, [])
         request.add_sample(seq, self.tokenizer)
         self.requests[request_id] = request
+        self.runner.extra_requests += params.has_extras
         if not self.scheduler.add(seq):
             self._rejected.append(request)
         return request_id
 
+    def _drop(self, request_id: str) -> _Request | None:
+        request = self.requests.pop(request_id, None)
+        if request is not None:
+            self.runner.extra_requests -= request.seqs[0].params.has_extras
+        return request
+
     def abort(self, request_id: str) -> bool:
         """Stop a request now; it is dropped without an output. False when it is unknown or done."""
-        request = self.requests.pop(request_id, None)
+        request = self._drop(request_id)
         if request is None:
             return False
         for seq in request.seqs:
@@ -235,7 +248,7 @@ class LLMEngine:
         return stats
 
     def _finalize(self, request: _Request) -> RequestOutput:
-        self.requests.pop(request.request_id, None)
+        self._drop(request.request_id)
         outputs = []
         error = None
         for seq in sorted(request.seqs, key=lambda s: s.sample_index):
@@ -246,7 +259,10 @@ class LLMEngine:
             else:
                 text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
             reason = seq.finish_reason.value if seq.finish_reason else None
-            outputs.append(CompletionOutput(seq.sample_index, text, seq.output_token_ids, reason, seq.stop_reason))
+            completion = CompletionOutput(seq.sample_index, text, seq.output_token_ids, reason, seq.stop_reason)
+            if seq.params.logprobs is not None:
+                self._attach_logprobs(completion, seq)
+            outputs.append(completion)
             error = error or seq.error
         if error:
             self.stats.num_requests_failed += 1
@@ -264,6 +280,15 @@ class LLMEngine:
             metrics=RequestMetrics(first.arrival_time, first.first_token_time, first.finish_time,
                                    first.num_preemptions),
         )
+
+    def _attach_logprobs(self, completion: CompletionOutput, seq: Sequence) -> None:
+        logprobs = seq.logprobs[:len(completion.token_ids)]  # tokens dropped past a stop or max_tokens
+        for entry in logprobs:
+            for token, logprob in entry.items():
+                logprob.decoded_token = self.tokenizer.decode([token])
+        completion.logprobs = logprobs
+        completion.cumulative_logprob = sum(entry[token].logprob
+                                            for entry, token in zip(logprobs, completion.token_ids, strict=True))
 
     def stream(self, requests: Iterable[tuple], max_pending: int | None = None,
                should_stop: Callable[[], bool] | None = None) -> Iterator[RequestOutput]:

@@ -13,11 +13,13 @@ import torch
 from engine.attention.base import AttentionBackend, StepBatch, allocate_kv_pool
 from engine.batch import BatchItem, PoolZeroing, Rows, build_step_batch
 from engine.config import EngineConfig
+from engine.logits_processors import apply_logits_processors
 from engine.models.llama import LlamaForCausalLM, head_dim_of, rope_tables
 from engine.sampler import Sampler
 from engine.scheduler import SchedulerOutput
 from engine.sequence import Sequence
 from engine.spec_decode.verifier import verify_drafts
+from engine.structured_outputs import StructuredOutputs
 
 log = logging.getLogger("tokenmill.engine")
 
@@ -143,6 +145,9 @@ class ModelRunner:
         self.attention = self.make_backend(k, v)
         self.zeroing = PoolZeroing(k + v)
         self.sampler = Sampler(config.seed)
+        self.structured: StructuredOutputs | None = None  # set by the engine, which owns the tokenizer
+        self.stop_token_ids: frozenset[int] = frozenset()  # EOS ids, masked under min_tokens (set by the engine)
+        self.extra_requests = 0  # requests in the engine with masks, penalties or logprobs: none, no check per step
         self.graphs = None  # decode steps as CUDA graphs (engine/cuda_graphs.py): CUDA and the Triton backend only
         if self.uses_cuda_graphs():
             from engine.cuda_graphs import DecodeGraphs
@@ -330,6 +335,15 @@ class ModelRunner:
         return self.sample(layout, logits)
 
     def sample(self, layout: SampleLayout, logits: torch.Tensor) -> ModelRunnerOutput:
+        logprobs = None
+        if self.extra_requests and any(s.params.has_extras for s in layout.seqs):
+            if any(s.params.logprobs is not None for s in layout.seqs):  # the model's own, before any mask
+                logprobs = logits.float().log_softmax(dim=-1)
+            if any(s.params.has_penalties or s.params.logit_bias or s.params.min_tokens for s in layout.seqs):
+                logits = logits.float()
+                apply_logits_processors(logits, layout, self.stop_token_ids)
+            if self.structured is not None and self.structured.constrains(layout.seqs):
+                logits = self.structured.mask(logits, layout)
         plain_seqs = [layout.seqs[i] for i in layout.plain]
         if not plain_seqs:
             plain = []
@@ -345,7 +359,35 @@ class ModelRunner:
             tokens[index] = [token]
         for index, accepted in zip(layout.spec, verified, strict=True):
             tokens[index] = accepted
+        if logprobs is not None:
+            record_logprobs(logprobs, layout, tokens)
         return ModelRunnerOutput.of(layout.seqs, tokens)
+
+
+def record_logprobs(logprobs: torch.Tensor, layout: SampleLayout, tokens: list[list[int]]) -> None:
+    """Append, for each new token of a sequence asking for logprobs, {token: Logprob} for the sampled token
+    and the top params.logprobs tokens of its row (a sequence with drafts: one row per accepted token)."""
+    from engine.outputs import Logprob
+
+    first_rows = dict(zip(layout.plain, layout.plain_rows, strict=True))
+    first_rows.update((index, start) for index, (start, _) in zip(layout.spec, layout.spec_rows, strict=True))
+    for index, seq in enumerate(layout.seqs):
+        k = seq.params.logprobs
+        if k is None or not tokens[index]:
+            continue
+        start = first_rows[index]
+        rows = logprobs[start:start + len(tokens[index])]
+        chosen = torch.tensor(tokens[index], device=rows.device)[:, None]
+        chosen_lp = rows.gather(1, chosen)
+        ranks = ((rows > chosen_lp).sum(dim=-1) + 1).tolist()
+        top = rows.topk(k, dim=-1) if k else None
+        for i, token in enumerate(tokens[index]):
+            entry = {token: Logprob(chosen_lp[i, 0].item(), ranks[i])}
+            if top is not None:
+                for rank, (value, top_token) in enumerate(zip(top.values[i].tolist(), top.indices[i].tolist(),
+                                                              strict=True), start=1):
+                    entry.setdefault(top_token, Logprob(value, rank))
+            seq.logprobs.append(entry)
 
 
 @dataclass

@@ -6,12 +6,26 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class Logprob:
+    """A token's log probability under the model (before masks and temperature), as in vLLM."""
+
+    logprob: float
+    rank: int  # 1 is the most likely token
+    decoded_token: str | None = None
+
+
+SampleLogprobs = list[dict[int, Logprob]]  # per output token: the sampled token and the top-k
+
+
+@dataclass
 class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
     finish_reason: str | None  # "stop" | "length" | "abort" | "error"; None while running
     stop_reason: str | int | None = None  # the stop string or stop token that ended it
+    logprobs: SampleLogprobs | None = None  # with SamplingParams(logprobs=k)
+    cumulative_logprob: float | None = None
 
 
 @dataclass

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.structured_outputs import StructuredOutputsParams
+
 SEED_LIMIT = 1 << 63  # seeds are signed 64-bit in torch
+MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit
 
 
 @dataclass
@@ -24,6 +27,13 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     n: int = 1
+    structured_outputs: StructuredOutputsParams | None = None  # constrained decoding (JSON schema, regex, ...)
+    logprobs: int | None = None  # the sampled token's log probability and the k most likely (0: none of those)
+    presence_penalty: float = 0.0  # subtracted from tokens already generated (OpenAI's, in [-2, 2])
+    frequency_penalty: float = 0.0  # times each generated token's count
+    repetition_penalty: float = 1.0  # divides positive (multiplies negative) logits of prompt and output tokens
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
+    min_tokens: int = 0  # EOS and stop tokens are masked until this many tokens are generated
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -47,10 +57,34 @@ class SamplingParams:
             (isinstance(self.n, int) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}"),
             (all(isinstance(s, str) and s for s in self.stop), "stop must be a list of non-empty strings"),
             (all(isinstance(t, int) for t in self.stop_token_ids), "stop_token_ids must be integers"),
+            (self.logprobs is None or isinstance(self.logprobs, int) and not isinstance(self.logprobs, bool)
+             and 0 <= self.logprobs <= MAX_LOGPROBS, f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got "
+                                                     f"{self.logprobs!r}"),
+            (all(_is_number(v) and -2 <= v <= 2 for v in (self.presence_penalty, self.frequency_penalty)),
+             "presence_penalty and frequency_penalty must be numbers in [-2, 2]"),
+            (_is_number(self.repetition_penalty) and self.repetition_penalty > 0,
+             f"repetition_penalty must be a number > 0, got {self.repetition_penalty!r}"),
+            (self.logit_bias is None or isinstance(self.logit_bias, dict) and all(
+                isinstance(t, int) and t >= 0 and _is_number(b) and -100 <= b <= 100
+                for t, b in self.logit_bias.items()), "logit_bias must map token ids to numbers in [-100, 100]"),
+            (isinstance(self.min_tokens, int) and not isinstance(self.min_tokens, bool) and self.min_tokens >= 0,
+             f"min_tokens must be an integer >= 0, got {self.min_tokens!r}"),
+            (self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+             "structured_outputs must be a StructuredOutputsParams"),
         ]
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+
+    @property
+    def has_extras(self) -> bool:
+        """Asks for work beyond plain sampling (masks, logprobs): unset, the sampler's fast path runs."""
+        return (self.structured_outputs is not None or self.logprobs is not None or self.has_penalties
+                or bool(self.logit_bias) or self.min_tokens > 0)
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
     @property
     def greedy(self) -> bool:

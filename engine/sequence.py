@@ -59,6 +59,9 @@ class Sequence:
     draft_computed_tokens: int = 0  # tokens whose KV the draft model holds (draft proposers only)
     sample_index: int = 0  # which of the request's n samples this is
     children: list[Sequence] = field(default_factory=list)  # samples 1..n-1, forked after the prefill
+    grammar: Any = None  # the xgrammar matcher of a request with structured_outputs, built on first use
+    grammar_tokens: int = 0  # output tokens the matcher has accepted
+    logprobs: list = field(default_factory=list)  # per output token {token_id: Logprob}, with params.logprobs
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 from typing import Any
 
 from engine.config import BACKENDS, DEFAULT_MODEL, DTYPES, SCHEDULING_POLICIES
@@ -72,8 +74,16 @@ def add_sampling_options(parser: argparse.ArgumentParser, max_tokens: int = 128)
     group.add_argument("--seed", type=int, help="per-request seed for reproducible sampling")
     group.add_argument("--stop", action="append", default=[], metavar="TEXT",
                        help="stop when this text appears (repeatable)")
+    group.add_argument("--json-schema", metavar="FILE",
+                       help="constrain every output to this JSON schema (a row's own response_format wins)")
 
 
 def sampling_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    return dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                seed=args.seed, stop=list(args.stop))
+    kwargs = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                  seed=args.seed, stop=list(args.stop))
+    if getattr(args, "json_schema", None):
+        schema = json.loads(Path(args.json_schema).read_text())
+        kwargs["response_format"] = {"type": "json_schema",
+                                     "json_schema": {"name": Path(args.json_schema).stem, "schema": schema,
+                                                     "strict": True}}
+    return kwargs

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import heapq
+import itertools
 from collections.abc import Iterator
 from datetime import datetime
 from typing import Any
@@ -51,8 +52,9 @@ def batch_output_lines(sessions: sessionmaker[Session], job: Job, shards: list[S
     for shard in shards:
         results = read_part(store, shard.output_key).to_pylist()
         errors = error_records(sessions, job.id, shard.index)
-        for record in heapq.merge(results, errors, key=lambda r: r["row_index"]):
-            yield batch_output_line(job.id, job.model, record)
+        merged = heapq.merge(results, errors, key=lambda r: r["row_index"])
+        for _, records in itertools.groupby(merged, key=lambda r: r["row_index"]):  # a row's n choices: one line
+            yield batch_output_line(job.id, job.model, list(records))
 
 
 def manifest(job: Job, shards: list[Shard], files: dict[str, Any], finished_at: datetime) -> dict[str, Any]:

@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ingest.sampling import sampling_params
+from ingest.sampling import ResponseFormatError, sampling_params
 from storage.formats import CHAT, Request, RowError
 
 if TYPE_CHECKING:
@@ -25,11 +25,11 @@ class ShardOutcome:
 
     def totals(self) -> dict[str, int]:
         return {
-            "rows_completed": len(self.records),
+            "rows_completed": sum(1 for r in self.records if r["choice_index"] == 0),  # a record per choice (n)
             "rows_failed": len(self.errors),
-            "prompt_tokens": sum(r["prompt_tokens"] for r in self.records),
+            "prompt_tokens": sum(r["prompt_tokens"] for r in self.records if r["choice_index"] == 0),
             "completion_tokens": sum(r["completion_tokens"] for r in self.records),
-            "cached_tokens": sum(r["cached_tokens"] for r in self.records),
+            "cached_tokens": sum(r["cached_tokens"] for r in self.records if r["choice_index"] == 0),
             "spec_draft_tokens": self.spec_draft_tokens,
             "spec_accepted_tokens": self.spec_accepted_tokens,
         }
@@ -63,7 +63,7 @@ class ShardsExecution:
         self.should_stop, self.on_progress = should_stop, on_progress
         self.cancelled = False
         self.in_flight: list[ShardWork] = []  # started, not done (oldest first)
-        self.pending: dict[str, tuple[ShardWork, Request]] = {}
+        self.pending: dict[str, tuple[ShardWork, Request, int | None]] = {}  # and the row's logprobs top-k
         self._on_start: Callable[[ShardWork], None] = lambda work: None
         self._on_done: Callable[[ShardWork], None] = lambda work: None
 
@@ -77,8 +77,8 @@ class ShardsExecution:
         self.engine.step_observers.append(self._observe_step)
         try:
             for output in outputs:
-                work, request = self.pending.pop(output.request_id)
-                self._collect(work.outcome, request, output)
+                work, request, top_k = self.pending.pop(output.request_id)
+                self._collect(work.outcome, request, output, top_k)
                 work.outstanding -= 1
                 self._finish_if_done(work)
         finally:
@@ -125,7 +125,7 @@ class ShardsExecution:
                     self.on_progress(1, 0)
                     continue
                 request_id = f"{work.prefix}{item.row}"
-                self.pending[request_id] = (work, item)
+                self.pending[request_id] = (work, item, prepared[1].logprobs)
                 work.outstanding += 1
                 yield request_id, *prepared, self.priority
             work.fed = True
@@ -137,8 +137,15 @@ class ShardsExecution:
 
         try:
             params = sampling_params(self.defaults, request.params)
+        except ResponseFormatError as problem:
+            return error("invalid_response_format", str(problem))
         except (ValueError, TypeError) as problem:
             return error("invalid_parameter", str(problem))
+        if params.structured_outputs is not None:
+            try:
+                self.engine.structured.compile(params.structured_outputs)  # cached per schema
+            except ValueError as problem:
+                return error("invalid_response_format", str(problem))
         try:
             token_ids = self._tokenize(request)
         except Exception as problem:  # a chat template or tokenizer refusing this row's content
@@ -158,14 +165,13 @@ class ShardsExecution:
         return self.engine.encode(request.prompt)
 
     @staticmethod
-    def _collect(outcome: ShardOutcome, request: Request, output: RequestOutput) -> None:
+    def _collect(outcome: ShardOutcome, request: Request, output: RequestOutput, top_k: int | None) -> None:
         if output.error or not output.outputs:
             message = output.error or "the engine returned no completion"
             outcome.errors.append(RowError(request.row, request.custom_id, "engine_error", message))
             return
-        completion = output.outputs[0]
         metrics = output.metrics
-        outcome.records.append({
+        outcome.records.extend({
             "custom_id": request.custom_id,
             "text": completion.text,
             "finish_reason": completion.finish_reason,
@@ -176,7 +182,9 @@ class ShardsExecution:
             "latency_ms": _ms(metrics.arrival_time, metrics.finish_time) if metrics else None,
             "row_index": request.row,
             "endpoint": request.endpoint,
-        })
+            "logprobs": None if top_k is None else openai_logprobs(completion, request.endpoint, top_k),
+            "choice_index": completion.index,
+        } for completion in output.outputs)
 
 
 class ShardExecution:
@@ -193,6 +201,29 @@ class ShardExecution:
         work = ShardWork(None, rows, self.prefix)
         work.outcome.cancelled = self.execution.run([work])
         return work.outcome
+
+
+def openai_logprobs(completion, endpoint: str, top_k: int) -> str:
+    """The completion's logprobs as JSON text in OpenAI's shape for the endpoint (chat: `content` items with
+    `top_logprobs`; completions: `tokens`, `token_logprobs`, `top_logprobs`, `text_offset`)."""
+    import json
+
+    chosen = [entry[token] for token, entry in zip(completion.token_ids, completion.logprobs, strict=True)]
+    tops = [sorted((lp for lp in entry.values() if lp.rank <= top_k), key=lambda lp: lp.rank)[:top_k]
+            for entry in completion.logprobs]
+    if endpoint == CHAT:
+        def item(lp) -> dict:
+            return {"token": lp.decoded_token, "logprob": lp.logprob, "bytes": list(lp.decoded_token.encode())}
+
+        content = [{**item(lp), "top_logprobs": [item(t) for t in top]} for lp, top in zip(chosen, tops, strict=True)]
+        return json.dumps({"content": content, "refusal": None}, ensure_ascii=False)
+    offsets, offset = [], 0
+    for lp in chosen:
+        offsets.append(offset)
+        offset += len(lp.decoded_token)
+    return json.dumps({"tokens": [lp.decoded_token for lp in chosen], "token_logprobs": [lp.logprob for lp in chosen],
+                       "top_logprobs": [{t.decoded_token: t.logprob for t in top} for top in tops],
+                       "text_offset": offsets}, ensure_ascii=False)
 
 
 def _ms(start: float, end: float | None) -> float | None:

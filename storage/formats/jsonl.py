@@ -19,6 +19,7 @@ from storage.formats.rows import (
     Request,
     RowError,
     check_custom_id,
+    check_unsupported,
     parse_messages,
     parse_prompt,
     pick_params,
@@ -108,6 +109,8 @@ def parse_line(row: int, line: bytes) -> Request | RowError:
         return RowError(row, custom_id, "invalid_request", f"url must be one of {', '.join(ENDPOINTS)}, got {url!r}")
     if not isinstance(body, dict):
         return RowError(row, custom_id, "invalid_request", "body must be a JSON object")
+    if unsupported := check_unsupported(row, custom_id, body):
+        return unsupported
     params = pick_params(body)
     if url == CHAT:
         messages = parse_messages(row, custom_id, body.get("messages"))

@@ -33,6 +33,8 @@ PART_SCHEMA = pa.schema([
     pa.field("latency_ms", pa.float64()),  # from entering the engine to the last token
     pa.field("row_index", pa.int64()),  # 0-based row of the input
     pa.field("endpoint", pa.string()),  # /v1/chat/completions or /v1/completions
+    pa.field("logprobs", pa.string()),  # when the row asked for logprobs: OpenAI's choice.logprobs as JSON text
+    pa.field("choice_index", pa.int32()),  # which of the row's n completions (one part row each)
 ])
 
 
@@ -42,7 +44,7 @@ def part_key(index: int) -> str:
 
 def write_part(store: ObjectStore, index: int, records: list[dict[str, Any]]) -> str:
     """One shard's results, in input order, written once (atomically). Returns the key."""
-    records = sorted(records, key=lambda r: r["row_index"])
+    records = sorted(records, key=lambda r: (r["row_index"], r["choice_index"]))
     table = pa.Table.from_pylist(records, schema=PART_SCHEMA)
     sink = pa.BufferOutputStream()
     pq.write_table(table, sink, compression="zstd")
@@ -85,31 +87,40 @@ def write_manifest(store: ObjectStore, manifest: dict[str, Any]) -> None:
     store.put_bytes(MANIFEST_KEY, (json.dumps(manifest, indent=2, default=str) + "\n").encode())
 
 
-def batch_output_line(job_id: str, model: str, record: dict[str, Any]) -> dict[str, Any]:
-    """One line of the OpenAI Batch output file, for a result record (a part row) or an error record."""
+def batch_output_line(job_id: str, model: str, record: dict[str, Any] | list[dict[str, Any]]) -> dict[str, Any]:
+    """One line of the OpenAI Batch output file, for a row's result records (its part rows, one per choice)
+    or its error record."""
+    records = record if isinstance(record, list) else [record]
+    record = records[0]
     row_index = record["row_index"]
     line_id = f"batch_req_{uuid.uuid5(uuid.NAMESPACE_URL, f'{job_id}/{row_index}').hex}"
     if "code" in record:
         return {"id": line_id, "custom_id": record["custom_id"], "response": None,
                 "error": {"code": record["code"], "message": record["message"]}}
     return {"id": line_id, "custom_id": record["custom_id"], "error": None,
-            "response": {"status_code": 200, "request_id": line_id, "body": _completion_body(model, record)}}
+            "response": {"status_code": 200, "request_id": line_id, "body": _completion_body(model, records)}}
 
 
-def _completion_body(model: str, record: dict[str, Any]) -> dict[str, Any]:
-    chat = record["endpoint"] == CHAT
-    choice: dict[str, Any] = {"index": 0, "finish_reason": record["finish_reason"]}
+def _choice(record: dict[str, Any], chat: bool) -> dict[str, Any]:
+    choice: dict[str, Any] = {"index": record.get("choice_index") or 0, "finish_reason": record["finish_reason"]}
+    logprobs = json.loads(record["logprobs"]) if record.get("logprobs") else None
     if chat:
-        choice["message"] = {"role": "assistant", "content": record["text"]}
+        choice.update(message={"role": "assistant", "content": record["text"]}, logprobs=logprobs)
     else:
-        choice.update(text=record["text"], logprobs=None)
-    prompt, completion = record["prompt_tokens"], record["completion_tokens"]
+        choice.update(text=record["text"], logprobs=logprobs)
+    return choice
+
+
+def _completion_body(model: str, records: list[dict[str, Any]]) -> dict[str, Any]:
+    record = records[0]
+    chat = record["endpoint"] == CHAT
+    prompt, completion = record["prompt_tokens"], sum(r["completion_tokens"] for r in records)
     return {
         "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
         "object": "chat.completion" if chat else "text_completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [choice],
+        "choices": [_choice(r, chat) for r in records],
         "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
                   "prompt_tokens_details": {"cached_tokens": record["cached_tokens"]}},
     }

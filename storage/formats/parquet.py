@@ -17,11 +17,13 @@ from storage.formats.rows import (
     CHAT,
     COMPLETIONS,
     PARAM_NAMES,
+    UNSUPPORTED_PARAMS,
     InputError,
     Limits,
     Request,
     RowError,
     check_custom_id,
+    check_unsupported,
     parse_messages,
     parse_prompt,
     pick_params,
@@ -43,7 +45,8 @@ class ParquetInput:
             raise InputError(f"{name} is not a readable Parquet file (corrupt footer: {error})") from None
         self._check_footer_limits()
         self.prompt_column = self._check_schema()
-        self.columns = ["custom_id", self.prompt_column] + [c for c in PARAM_NAMES if c in self.column_names]
+        self.columns = ["custom_id", self.prompt_column] + [c for c in PARAM_NAMES + UNSUPPORTED_PARAMS
+                                                            if c in self.column_names]
         metadata = self.parquet.metadata
         self.row_group_starts = [0]
         for i in range(metadata.num_row_groups):
@@ -143,6 +146,8 @@ class ParquetInput:
         custom_id = values["custom_id"]
         if error := check_custom_id(row, custom_id):
             return error
+        if unsupported := check_unsupported(row, custom_id, values):
+            return unsupported
         params = pick_params(values)
         if self.prompt_column == "messages":
             messages = parse_messages(row, custom_id, values["messages"])

@@ -10,7 +10,15 @@ from typing import Any
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 ENDPOINTS = (CHAT, COMPLETIONS)
-PARAM_NAMES = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n")
+PARAM_NAMES = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n", "response_format", "logprobs",
+               "top_logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
+               "min_tokens")
+# OpenAI body fields tokenmill does not honour: a row that sets one fails with `unsupported_parameter`, so
+# nothing is silently dropped (a no-op value such as false, 0, [] or null is accepted)
+UNSUPPORTED_PARAMS = ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "audio",
+                      "modalities", "prediction", "web_search_options", "echo", "best_of", "suffix", "stream",
+                      "reasoning_effort")
+NO_OP_VALUES = {"tool_choice": "none", "best_of": 1, "modalities": ["text"]}
 
 
 class InputError(ValueError):
@@ -71,6 +79,16 @@ class RowError:
     message: str
 
 
+def check_unsupported(row: int, custom_id: str, source: dict[str, Any]) -> RowError | None:
+    """The row's error when it sets a field tokenmill does not honour (tools, audio, logprobs...)."""
+    used = [name for name in UNSUPPORTED_PARAMS
+            if source.get(name) not in (None, False, 0, [], {}, "", NO_OP_VALUES.get(name))]
+    if not used:
+        return None
+    return RowError(row, custom_id, "unsupported_parameter",
+                    f"{', '.join(used)} {'is' if len(used) == 1 else 'are'} not supported by tokenmill")
+
+
 def check_custom_id(row: int, value: Any) -> RowError | None:
     if isinstance(value, str) and value:
         return None
@@ -85,6 +103,9 @@ def parse_messages(row: int, custom_id: str, value: Any) -> list[dict[str, str]]
         return RowError(row, custom_id, "invalid_messages", f"messages must be a list, got {type(value).__name__}")
     messages = []
     for i, message in enumerate(value):
+        if kinds := _non_text_parts(message):
+            return RowError(row, custom_id, "unsupported_content",
+                            f"messages[{i}] has {', '.join(kinds)} content: only text is supported")
         role = message.get("role") if isinstance(message, dict) else None
         content = _text_content(message.get("content")) if isinstance(message, dict) else None
         if not isinstance(role, str) or not role or content is None:
@@ -92,6 +113,14 @@ def parse_messages(row: int, custom_id: str, value: Any) -> list[dict[str, str]]
                             f"messages[{i}] must have a string 'role' and a string (or text parts) 'content'")
         messages.append({"role": role, "content": content})
     return messages
+
+
+def _non_text_parts(message: Any) -> list[str]:
+    content = message.get("content") if isinstance(message, dict) else None
+    if not isinstance(content, list):
+        return []
+    kinds = {p.get("type") for p in content if isinstance(p, dict) and isinstance(p.get("type"), str)}
+    return sorted(kinds - {"text"})
 
 
 def _text_content(content: Any) -> str | None:

@@ -119,8 +119,9 @@ def hf_continuous(model_dir, workload: Workload, dtype: str) -> Result:
     return Result("HF continuous batching", dtype, seconds, workload.useful_tokens, "init_continuous_batching")
 
 
-def tokenmill_run(model: str, workload: Workload, dtype: str, label: str = "tokenmill",
+def tokenmill_run(model: str, workload: Workload, dtype: str, label: str = "tokenmill", structured=None,
                   **engine_kwargs) -> TokenmillRun:
+    """`structured` (StructuredOutputsParams) constrains every request, e.g. to a JSON schema."""
     from engine import LLM, SamplingParams
 
     llm = LLM(model=model, dtype=dtype, **engine_kwargs)
@@ -136,7 +137,20 @@ def tokenmill_run(model: str, workload: Workload, dtype: str, label: str = "toke
     llm.engine.kv_manager.pool.reset_prefix_cache()
     before = llm.engine.get_stats().snapshot()
     runner.execute = recording_execute
-    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in workload.output_lens]
+    mask_seconds = [0.0]
+    if structured is not None:  # compiled before the clock starts, as a job's _prepare does
+        llm.engine.structured.compile(structured)
+        mask = llm.engine.structured.mask
+
+        def timed_mask(logits, layout):
+            begun = time.perf_counter()
+            masked = mask(logits, layout)
+            mask_seconds[0] += time.perf_counter() - begun
+            return masked
+
+        llm.engine.structured.mask = timed_mask
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, structured_outputs=structured)
+              for n in workload.output_lens]
     started = time.perf_counter()
     outputs = llm.generate(workload.prompts, params)
     seconds = time.perf_counter() - started
@@ -148,6 +162,8 @@ def tokenmill_run(model: str, workload: Workload, dtype: str, label: str = "toke
     prefill = stats["computed_prefill_tokens"] - before["computed_prefill_tokens"]
     preemptions = stats["num_preemptions"] - before["num_preemptions"]
     note = f"{len(steps)} steps, {preemptions} preemptions"
+    if structured is not None:
+        note += f", masks {mask_seconds[0]:.1f} s ({mask_seconds[0] / seconds:.1%})"
     del llm
     gc.collect()
     return TokenmillRun(Result(label, dtype, seconds, workload.useful_tokens, note, prefill, preemptions), steps,

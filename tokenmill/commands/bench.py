@@ -33,6 +33,9 @@ def register(commands: argparse._SubParsersAction) -> None:
     tp.add_argument("--threads", type=int, default=2, help="torch CPU threads for every system (default: 2)")
     add_against_options(tp)
     tp.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    tp.add_argument("--schema", nargs="?", const="builtin", metavar="FILE",
+                    help="also run tokenmill with every request constrained to this JSON schema (without FILE: a "
+                         "built-in list-of-records schema) and print the cost of the token masks")
     tp.add_argument("--plots", metavar="DIR", default="bench-out",
                     help="write PNG plots here: throughput_concurrency.png (a concurrency sweep of tokenmill under "
                          "the roofline) and latency_distributions.png (TTFT/TPOT of the tokenmill run) "
@@ -167,6 +170,24 @@ def against_vllm(args: argparse.Namespace, console):
     return python
 
 
+def bench_schema(path: str):
+    """The StructuredOutputsParams of `--schema`: a file's JSON schema, or an open-ended list of records (no
+    maxItems, so the forced lengths rarely let the JSON close before the end)."""
+    import json
+    from pathlib import Path
+
+    from engine.structured_outputs import StructuredOutputsParams
+
+    if path != "builtin":
+        return StructuredOutputsParams(json=json.loads(Path(path).read_text()))
+    record = {"type": "object", "properties": {"name": {"type": "string"}, "score": {"type": "integer"},
+                                               "tags": {"type": "array", "items": {"type": "string"}}},
+              "required": ["name", "score", "tags"], "additionalProperties": False}
+    return StructuredOutputsParams(json={"type": "object", "properties": {"records": {"type": "array",
+                                                                                      "items": record}},
+                                         "required": ["records"], "additionalProperties": False})
+
+
 def run_throughput(args: argparse.Namespace) -> int:
     import json
     import logging
@@ -217,6 +238,15 @@ def run_throughput(args: argparse.Namespace) -> int:
                 steps, tokenmill_ids = run.steps, run.output_token_ids
                 results.append(run.result)
                 latencies[f"tokenmill {dtype}"] = run.latencies
+                if args.schema:
+                    constrained = tp.tokenmill_run(str(model_dir), workload, dtype, "tokenmill + JSON schema",
+                                                   structured=bench_schema(args.schema), num_threads=args.threads)
+                    results.append(constrained.result)
+                    cost = 1 - constrained.result.tokens_per_second / run.result.tokens_per_second
+                    console.print(f"{dtype}: with a JSON schema on every row, throughput {cost:+.1%} lower "
+                                  f"({run.result.tokens_per_second:.1f} -> "
+                                  f"{constrained.result.tokens_per_second:.1f} tok/s); building and applying the "
+                                  f"masks took {constrained.result.note.rsplit('masks ', 1)[-1]} of the run")
                 if batch1_prompt:
                     batch1.append(("tokenmill", dtype, vllm_compare.tokenmill_batch1_tpot(
                         str(model_dir), dtype, *batch1_prompt, num_threads=args.threads)))

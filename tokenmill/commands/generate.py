@@ -34,7 +34,8 @@ def run(args: argparse.Namespace) -> int:
 
     from rich.console import Console
 
-    from engine import LLM, SamplingParams
+    from engine import LLM
+    from ingest.sampling import sampling_params
 
     if args.file:
         with open(args.file) as f:
@@ -43,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
         prompts = args.prompts or sample_prompts()
     console = Console()
     llm = LLM(**engine_kwargs(args))
-    params = SamplingParams(**sampling_kwargs(args))
+    params = sampling_params(sampling_kwargs(args), {})
     started = time.perf_counter()
     if args.raw:
         outputs = llm.generate(prompts, params, use_tqdm=True, cache_salt=args.cache_salt)

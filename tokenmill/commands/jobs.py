@@ -17,8 +17,11 @@ manifest.json. The job's state is kept in the database, so running the same comm
 same output) resumes the job where it stopped and never repeats a finished shard.
 
 INPUT is a Parquet file (custom_id plus prompt or messages, optional per-row max_tokens, temperature,
-top_p, top_k, seed, stop) or an OpenAI Batch JSONL file, as a path, file:// or s3:// URI. Without INPUT
-the bundled sample of 40 chat prompts runs."""
+top_p, top_k, seed, stop, logprobs, top_logprobs, response_format as JSON text) or an OpenAI Batch JSONL
+file, as a path, file:// or s3:// URI. Without INPUT the bundled sample of 40 chat prompts runs.
+
+Constrained JSON for every row (each output parses and validates against the schema):
+  tokenmill run reviews.parquet --json-schema label.json --openai-output"""
 
 
 def register(commands: argparse._SubParsersAction) -> None:
