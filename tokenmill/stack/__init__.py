@@ -437,7 +437,8 @@ def describe(state: dict[str, Any], state_dir: Path) -> str:
         f"Kafka       {env['TOKENMILL_KAFKA_BOOTSTRAP']}  (topics {JOBS_TOPIC}, {EVENTS_TOPIC})",
         f"S3          {env['TOKENMILL_S3_ENDPOINT_URL']}  bucket {env['TOKENMILL_BUCKET_URI']}  "
         f"inbox {env['TOKENMILL_BUCKET_URI']}/inbox/  (random keys)",
-        f"database    {database.render_as_string(hide_password=True)}  (role {database.username}, not a superuser)",
+        f"database    {database.render_as_string(hide_password=True)}"
+        + (f"  (role {database.username}, not a superuser)" if database.username else ""),
         f"broker      {env['TOKENMILL_BROKER_URL']}  (Redis)",
         f"Flower      {flower['url']}  user {flower['user']}  (basic auth)",
         f"workers     {state['workers']} on queue gpu.{state['model']} + control; beat, Kafka consumer, S3 watcher",
