@@ -127,8 +127,10 @@ def _register_stack(commands: argparse._SubParsersAction) -> None:
     start.add_argument("--workers", type=int, default=1, metavar="N", help="Celery workers (default: 1)")
     start.add_argument("--port-base", type=int, metavar="PORT",
                        help="Kafka on PORT, Redis +1, Flower +2, S3 +10..+17 (default: 9092, 6380, 5555, 8333)")
-    start.add_argument("--database-url", metavar="URL", help="job database (default: PostgreSQL on 127.0.0.1, "
-                                                              "database tokenmill, created if missing)")
+    start.add_argument("--database-url", metavar="URL",
+                       help="job database, as an administrator who creates it (if missing) and the service's own "
+                            "role <database>_service, which the stack then uses (default: PostgreSQL on 127.0.0.1 "
+                            "as postgres, database tokenmill)")
     start.add_argument("--model", default="smollm2-135m", help="the model the workers load")
     start.add_argument("--threads", type=int, metavar="N", help="CPU threads per worker (default: cores / N)")
     start.add_argument("--kv-cache-memory", type=float, default=0.5, metavar="GIB",
@@ -137,7 +139,10 @@ def _register_stack(commands: argparse._SubParsersAction) -> None:
                        help="extra environment for every component, e.g. TOKENMILL_SWEEP_INTERVAL_S=5 (default 30), "
                             "TOKENMILL_SWEEP_GRACE_S=60 (how long lost work waits before the sweep resends it; "
                             "default 600), TOKENMILL_MAX_SHARD_ATTEMPTS=3, TOKENMILL_MAX_SPEC_BYTES (largest job "
-                            "message; default 64 MiB)")
+                            "message or sidecar; default 1 MiB), TOKENMILL_ALLOWED_INPUT_PREFIXES and "
+                            "TOKENMILL_ALLOWED_OUTPUT_PREFIXES (comma-separated URI prefixes the front doors' jobs "
+                            "may read and write; default the stack's bucket), TOKENMILL_CACHE_ISOLATION "
+                            "(source, job or spec; default source)")
     stop = actions.add_parser("down", help="stop every component and check the ports are free")
     env = actions.add_parser("env", help="print `export` lines that point a shell at the stack",
                              description="Print `export` lines for the stack's variables. The database URL (it "
