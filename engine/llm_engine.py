@@ -6,6 +6,7 @@ import itertools
 import json
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,12 +22,14 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerLimits
 from engine.sequence import FinishReason, Sequence
 from engine.spec_decode.config import SpeculativeConfig
-from engine.spec_decode.decoder import SpecDecoder
+from engine.spec_decode.decoder import SpecDecoder, draft_key
 from engine.structured_outputs import StructuredOutputs
 
 log = logging.getLogger("tokenmill.engine")
 
 Prompt = str | list[int]
+MAX_SPEC_DECODERS = 4  # speculative settings kept ready (jobs switch between them)
+MAX_DRAFT_PROPOSERS = 2  # distinct draft models (or self-draft depths) kept, each with its own KV pool
 
 
 @dataclass
@@ -74,7 +77,7 @@ class LLMEngine:
         self.stats = EngineStats()
         self.step_observers: list[Callable[[list[RequestOutput]], None]] = []
         self.spec: SpecDecoder | None = None
-        self._spec_decoders: dict[str, SpecDecoder] = {}
+        self._spec_decoders: OrderedDict[str, SpecDecoder] = OrderedDict()  # least recently used first
         self._spec_key: str | None = None
         self._request_ids = itertools.count()
         self._rejected: list[_Request] = []
@@ -90,9 +93,34 @@ class LLMEngine:
         if self.has_unfinished_requests():
             raise RuntimeError("speculative decoding can only be switched while no request is running")
         if key is not None and key not in self._spec_decoders:
-            self._spec_decoders[key] = SpecDecoder(SpeculativeConfig.from_dict(settings), self.runner)
+            self._spec_decoders[key] = self._new_decoder(SpeculativeConfig.from_dict(settings))
+        if key is not None:
+            self._spec_decoders.move_to_end(key)
         self.spec = self._spec_decoders.get(key) if key else None
         self._spec_key = key
+
+    def _new_decoder(self, config: SpeculativeConfig) -> SpecDecoder:
+        """A decoder that reuses the draft proposer (model and KV pool) of a kept decoder with the same draft.
+        At most MAX_SPEC_DECODERS decoders and MAX_DRAFT_PROPOSERS distinct drafts are kept: the least
+        recently used go first (the engine's own, from its config, is never dropped)."""
+        wanted = draft_key(config)
+        decoders = self._spec_decoders
+        shared = next((d.draft for d in decoders.values() if wanted is not None and draft_key(d.config) == wanted),
+                      None)
+        own = self.config.speculative_config
+        own_key = json.dumps(own, sort_keys=True) if own else None
+
+        def victims(with_draft: bool) -> list[str]:
+            return [k for k, d in decoders.items() if k != own_key and (d.draft is not None or not with_draft)]
+
+        while len(decoders) >= MAX_SPEC_DECODERS and (oldest := victims(False)):
+            del decoders[oldest[0]]
+        while (shared is None and wanted is not None and (oldest := victims(True))
+               and len({draft_key(d.config) for d in decoders.values() if d.draft is not None}) >= MAX_DRAFT_PROPOSERS):
+            dropped = draft_key(decoders[oldest[0]].config)
+            for key in [k for k in oldest if draft_key(decoders[k].config) == dropped]:
+                del decoders[key]
+        return SpecDecoder(config, self.runner, draft=shared)
 
     @classmethod
     def from_engine_args(cls, **kwargs: Any) -> LLMEngine:

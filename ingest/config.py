@@ -7,6 +7,7 @@ import os
 import re
 from dataclasses import dataclass
 
+from ingest.policy import FrontDoorPolicy
 from ingest.spec import MAX_SPEC_BYTES
 from storage.db import resolve_url
 from storage.objectstore import S3Options
@@ -46,6 +47,7 @@ class ServiceConfig:
     s3: S3Options
     bucket_uri: str | None  # the service's bucket: inbox/, results/, inline/ and uploads/ live under it
     inbox_uri: str | None  # watched for new input files; default: <bucket>/inbox
+    policy: FrontDoorPolicy  # what the front doors let a spec read, write and share (ingest.policy)
 
     @classmethod
     def from_env(cls) -> ServiceConfig:
@@ -68,6 +70,7 @@ class ServiceConfig:
             s3=S3Options(endpoint_url=env_setting("S3_ENDPOINT_URL")),
             bucket_uri=bucket,
             inbox_uri=env_setting("INBOX_URI", f"{bucket}/inbox" if bucket else None),
+            policy=FrontDoorPolicy.from_env(bucket),
         )
 
     def in_bucket(self, folder: str) -> str | None:

@@ -18,6 +18,7 @@ import pyarrow.parquet as pq
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
+from ingest.policy import OPEN, FrontDoorPolicy
 from ingest.spec import JobRequest, NewJob, SpecError
 from storage import repository as repo
 from storage.job_settings import CELERY
@@ -106,10 +107,13 @@ class Intake:
     s3: S3Options
     dispatch: Callable[[str], None]  # job id -> queued for validation (the workers' dispatch_job)
     inline_uri: str | None = None  # where inline rows are stored
+    policy: FrontDoorPolicy = OPEN  # allowed prefixes and cache isolation (ingest.policy)
 
-    def accept(self, request: JobRequest, *, source: str, source_ref: str, default_key: str) -> Submission:
-        """The job for this request, created or found again; raises SpecError for a spec that cannot run."""
-        key = request.idempotency_key or default_key
+    def accept(self, request: JobRequest, *, source: str, source_ref: str, default_key: str,
+               tenant: str = "") -> Submission:
+        """The job for this request, created or found again; raises SpecError for a spec that cannot run.
+        `tenant` names who sent it (the inbox folder, the message key), for its cache salt."""
+        request, key = self.admit(request, source=source, default_key=default_key, tenant=tenant)
         if request.rows is not None:
             request = request.model_copy(update={"input_uri": self._store_rows(request.rows, key), "rows": None})
         try:
@@ -120,6 +124,20 @@ class Intake:
         if submission.job.status == JobStatus.VALIDATING:  # also when an earlier arrival was not handed out
             self.dispatch(submission.job.id)
         return submission
+
+    def admit(self, request: JobRequest, *, source: str, default_key: str, tenant: str = "") -> tuple[JobRequest, str]:
+        """The policy's part of `accept`, touching nothing: SpecError for a URI outside the allow-lists; else the
+        request with its cache salt, and its idempotency key (made to fit its column)."""
+        key = bounded_key(request.idempotency_key or default_key)
+        try:
+            if request.output_uri is not None:
+                self.policy.check_output(request.output_uri)
+            if request.input_uri is not None:
+                self.policy.check_input(request.input_uri)
+        except ValueError as error:
+            raise SpecError(str(error)) from None
+        salt = self.policy.cache_salt(request.cache_salt, f"{source}:{tenant}", key)
+        return request.model_copy(update={"cache_salt": salt}), key
 
     def _store_rows(self, rows: list[dict], key: str) -> str:
         if not self.inline_uri:
@@ -134,6 +152,13 @@ class Intake:
         store = open_store(self.inline_uri, self.s3)
         store.put_bytes(name, buffer.getvalue())
         return store.uri_of(name)
+
+
+def bounded_key(key: str, limit: int = 255) -> str:
+    """An idempotency key that fits its column: a longer one (e.g. derived from a long S3 key) is hashed."""
+    if len(key) <= limit:
+        return key
+    return f"{key[:limit - 42]}#{hashlib.sha256(key.encode('utf-8', 'surrogatepass')).hexdigest()[:40]}"
 
 
 def content_key(prefix: str, document: bytes | str) -> str:

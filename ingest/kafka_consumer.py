@@ -79,7 +79,8 @@ class JobConsumer:
         try:
             request = parse_request(record.value, max_bytes=self.max_bytes)
             submission = self.intake.accept(request, source=JobSource.KAFKA.value, source_ref=ref,
-                                            default_key=content_key("kafka", request.model_dump_json()))
+                                            default_key=content_key("kafka", request.model_dump_json()),
+                                            tenant=f"{record.topic}/{_text(record.key or b'')[:PAYLOAD_LIMIT]}")
         except SpecError as error:
             return self._rejected(record, ref, str(error))
         except Exception as error:

@@ -11,6 +11,7 @@ just after its input file is still seen; upload the sidecar first to be sure.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import posixpath
 import threading
@@ -21,8 +22,8 @@ from datetime import datetime, timedelta
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
-from ingest.intake import Intake
-from ingest.spec import SpecError, parse_request
+from ingest.intake import Intake, Submission
+from ingest.spec import MAX_SPEC_BYTES, SpecError, parse_request
 from storage.faults import is_transient
 from storage.models import InboxObject, JobSource, utcnow
 from storage.objectstore import TMP_PREFIX, S3Store, normalize_uri
@@ -30,6 +31,7 @@ from storage.objectstore import TMP_PREFIX, S3Store, normalize_uri
 log = logging.getLogger("tokenmill.watcher")
 
 SIDECAR_SUFFIX = ".job.json"
+MAX_NAME = 100  # characters of an input's name kept in the output folder derived from it
 
 
 @dataclass(frozen=True)
@@ -47,9 +49,19 @@ class InboxEntry:
     def sidecar_key(self) -> str:
         return posixpath.join(posixpath.dirname(self.key), self.stem + SIDECAR_SUFFIX)
 
+    @property
+    def output_name(self) -> str:
+        """The folder of results derived from the key: the name (shortened when long) and the ETag."""
+        name = self.stem
+        if len(name) > MAX_NAME:
+            digest = hashlib.sha256(self.key.encode("utf-8", "surrogatepass")).hexdigest()
+            name = f"{name[:MAX_NAME - 13]}-{digest[:12]}"
+        return f"{name}-{self.etag[:12]}"
+
 
 class InboxWatcher:
-    def __init__(self, intake: Intake, inbox_uri: str, results_uri: str, settle_s: float = 5.0) -> None:
+    def __init__(self, intake: Intake, inbox_uri: str, results_uri: str, settle_s: float = 5.0,
+                 max_bytes: int = MAX_SPEC_BYTES) -> None:
         self.intake = intake
         inbox = normalize_uri(inbox_uri)
         if not inbox.startswith("s3://"):
@@ -57,6 +69,7 @@ class InboxWatcher:
         self.store = S3Store(*_bucket_and_prefix(inbox), options=intake.s3)
         self.results_uri = normalize_uri(results_uri)
         self.settle = timedelta(seconds=settle_s)
+        self.max_bytes = max_bytes
 
     def run(self, stop: threading.Event | None = None, interval_s: float = 2.0) -> None:
         stop = stop or threading.Event()
@@ -72,8 +85,20 @@ class InboxWatcher:
         """One pass over the inbox: the ids of the jobs made from new objects."""
         entries = [e for e in self._list() if utcnow() - e.modified >= self.settle]
         seen = self._seen(entries)
-        return [job_id for entry in entries if (entry.key, entry.etag) not in seen
-                if (job_id := self._take(entry)) is not None]
+        made = []
+        for entry in entries:
+            if (stored_key(entry.key), entry.etag) in seen:
+                continue
+            try:
+                job_id = self._take(entry)
+            except Exception as error:
+                if is_transient(error):
+                    raise
+                log.exception("could not record %s; the next scan tries again", entry.key[:300])  # never blocks
+                continue
+            if job_id is not None:
+                made.append(job_id)
+        return made
 
     def _list(self) -> Iterator[InboxEntry]:
         prefix = f"{self.store.prefix}/" if self.store.prefix else ""
@@ -89,18 +114,13 @@ class InboxWatcher:
             return set()
         with self.intake.sessions() as session:
             rows = session.execute(select(InboxObject.key, InboxObject.etag).where(
-                InboxObject.bucket == self.store.bucket, InboxObject.key.in_([e.key for e in entries])))
+                InboxObject.bucket == self.store.bucket, InboxObject.key.in_([stored_key(e.key) for e in entries])))
             return {(key, etag) for key, etag in rows}
 
     def _take(self, entry: InboxEntry) -> str | None:
         uri = f"s3://{self.store.bucket}/{entry.key}"
         try:
-            request = parse_request(self._sidecar(entry), input_uri=uri,
-                                    output_uri=f"{self.results_uri}/{entry.stem}-{entry.etag[:12]}")
-            if request.input_uri != normalize_uri(uri):
-                raise SpecError(f"{entry.sidecar_key}: a sidecar cannot name another input_uri or give rows")
-            job = self.intake.accept(request, source=JobSource.S3.value, source_ref=f"{uri}@{entry.etag}",
-                                     default_key=f"s3-{self.store.bucket}/{entry.key}@{entry.etag}").job
+            job = self.accept(entry, self._sidecar(entry)).job
         except Exception as error:
             if is_transient(error):  # S3 or the database is down: the next scan tries again
                 raise
@@ -112,18 +132,40 @@ class InboxWatcher:
         self._remember(entry, job.id, None)
         return job.id
 
+    def accept(self, entry: InboxEntry, sidecar: bytes) -> Submission:
+        """The job of an inbox object with its sidecar's bytes; SpecError (or UnsafeURI) when it cannot be one."""
+        uri = f"s3://{self.store.bucket}/{entry.key}"
+        request = parse_request(sidecar, max_bytes=self.max_bytes, input_uri=uri,
+                                output_uri=f"{self.results_uri}/{entry.output_name}")
+        if request.input_uri != normalize_uri(uri):
+            raise SpecError(f"{entry.sidecar_key}: a sidecar cannot name another input_uri or give rows")
+        return self.intake.accept(request, source=JobSource.S3.value, source_ref=f"{uri}@{entry.etag}",
+                                  default_key=f"s3-{self.store.bucket}/{entry.key}@{entry.etag}",
+                                  tenant=f"{self.store.bucket}/{posixpath.dirname(entry.key)}")
+
     def _sidecar(self, entry: InboxEntry) -> bytes:
         key = entry.sidecar_key
         relative = key[len(self.store.prefix) + 1:] if self.store.prefix else key
-        return self.store.get_bytes(relative) if self.store.exists(relative) else b"{}"
+        if not self.store.exists(relative):
+            return b"{}"
+        size = self.store.size(relative)
+        if size > self.max_bytes:  # not read: refused by its size alone
+            raise SpecError(f"sidecar {key} is too large: {size} bytes, the limit is {self.max_bytes} "
+                            f"(TOKENMILL_MAX_SPEC_BYTES)")
+        return self.store.get_bytes(relative)
 
     def _remember(self, entry: InboxEntry, job_id: str | None, error: str | None) -> None:
         try:
             with self.intake.sessions.begin() as session:
-                session.add(InboxObject(bucket=self.store.bucket, key=entry.key, etag=entry.etag, job_id=job_id,
-                                        error=error))
+                session.add(InboxObject(bucket=self.store.bucket, key=stored_key(entry.key), etag=entry.etag,
+                                        job_id=job_id, error=error))
         except IntegrityError:  # another watcher took it first; its job is the same (same idempotency key)
             pass
+
+
+def stored_key(key: str) -> str:
+    """The key as `inbox_objects` keeps it: PostgreSQL text holds no NUL."""
+    return key.replace("\x00", "\ufffd")
 
 
 def _bucket_and_prefix(uri: str) -> tuple[str, str]:

@@ -9,6 +9,12 @@ if TYPE_CHECKING:
     from engine.sampling_params import SamplingParams
 
 INTEGER_PARAMS = ("max_tokens", "top_k", "seed", "n", "logprobs", "top_logprobs", "min_tokens")
+MAX_TOP_K = 1 << 20  # beyond any vocabulary; the row's check against the model's own is `check_for_model`
+MAX_STOP = 16  # stop strings per request
+MAX_STOP_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
+MAX_TEMPERATURE = 1e4
+MAX_N = 16  # completions per row
 
 
 class ResponseFormatError(ValueError):
@@ -25,6 +31,7 @@ def sampling_params(defaults: dict[str, Any], overrides: dict[str, Any]) -> Samp
     merged["logprobs"] = logprobs_of(merged.pop("logprobs", None), merged.pop("top_logprobs", None))
     if (response_format := merged.pop("response_format", None)) is not None:
         merged["structured_outputs"] = structured_outputs(response_format)
+    _check_bounds(merged)
     return SamplingParams(**merged)
 
 
@@ -84,6 +91,33 @@ def structured_outputs(response_format: Any):
     except ValueError as problem:
         raise ResponseFormatError(f"response_format: {problem}") from None
     return StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+
+
+def _check_bounds(params: dict[str, Any]) -> None:
+    """Values the engine would accept but torch or the detokenizer could not take: ValueError names the field."""
+    top_k, temperature, n = params.get("top_k"), params.get("temperature"), params.get("n")
+    if isinstance(n, int) and n > MAX_N:
+        raise ValueError(f"n must be at most {MAX_N}, got {n}")
+    if isinstance(top_k, int) and top_k > MAX_TOP_K:
+        raise ValueError(f"top_k must be at most {MAX_TOP_K}, got {top_k}")
+    if isinstance(temperature, float) and not temperature <= MAX_TEMPERATURE:
+        raise ValueError(f"temperature must be a finite number <= {MAX_TEMPERATURE:g}, got {temperature!r}")
+    stop = params.get("stop")
+    if isinstance(stop, list | tuple) and (len(stop) > MAX_STOP or
+                                          any(isinstance(s, str) and len(s) > MAX_STOP_CHARS for s in stop)):
+        raise ValueError(f"stop: at most {MAX_STOP} strings of at most {MAX_STOP_CHARS} characters")
+    stop_ids = params.get("stop_token_ids")
+    if isinstance(stop_ids, list | tuple) and len(stop_ids) > MAX_STOP_TOKEN_IDS:
+        raise ValueError(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS}")
+
+
+def check_for_model(params: SamplingParams, vocab_size: int) -> None:
+    """ValueError for a value out of the loaded model's range: top_k above its vocabulary, a stop token id
+    outside it."""
+    if params.top_k > vocab_size:
+        raise ValueError(f"top_k must be at most the vocabulary size ({vocab_size}), got {params.top_k}")
+    if any(not 0 <= t < vocab_size for t in params.stop_token_ids):
+        raise ValueError(f"stop_token_ids must be in [0, {vocab_size})")
 
 
 def _integral(name: str, value: Any) -> Any:

@@ -21,6 +21,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from ingest.intake import Intake
 from ingest.spec import JobRequest, SpecError, validate_request
+from storage.job_settings import CELERY
 from storage.models import JobSource, Schedule, ScheduleRun, utcnow
 
 log = logging.getLogger("tokenmill.schedules")
@@ -72,7 +73,10 @@ def add_schedule(sessions: sessionmaker[Session], name: str, cron: str, input_pa
                             f"weekday, in UTC)") from None
     schedule = Schedule(name=name, cron=cron, input_pattern=input_pattern, output_pattern=output_pattern,
                         model=model, settings=settings, enabled=True, created_at=utcnow())
-    request_for(schedule, utcnow().date())  # the patterns and settings make a valid job spec
+    try:  # the patterns and settings make a valid job spec for the workers
+        request_for(schedule, utcnow().date()).to_job(executor=CELERY)
+    except SpecError as error:
+        raise ScheduleError(f"schedule {name}: {error}") from None
     try:
         with sessions.begin() as session:
             session.add(schedule)
@@ -122,7 +126,7 @@ def _fire(sessions: sessionmaker[Session], intake: Intake, schedule: Schedule, d
         return
     submission = intake.accept(request_for(schedule, day), source=JobSource.SCHEDULE.value,
                                source_ref=f"{schedule.name}@{day.isoformat()}",
-                               default_key=f"schedule-{schedule.name}-{day.isoformat()}")
+                               default_key=f"schedule-{schedule.name}-{day.isoformat()}", tenant=schedule.name)
     (fired.created if submission.outcome == "created" else fired.existing).append(submission.job.id)
     try:
         with sessions.begin() as session:

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import re
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -33,9 +35,14 @@ from storage.models import JobSource
 from storage.objectstore import S3Options, check_output_uri, normalize_uri
 
 MAX_INLINE_ROWS = 10_000
-MAX_SPEC_BYTES = 64 << 20  # default of TOKENMILL_MAX_SPEC_BYTES
+MAX_SPEC_BYTES = 1 << 20  # default of TOKENMILL_MAX_SPEC_BYTES (a message or a sidecar)
 MAX_DEPTH = 32  # nesting of arrays and objects in a spec
 PRIORITY_BOUND = 2**31  # priorities are 32-bit in the database
+MAX_CACHE_SALT = 256
+MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+# bounds of the speculative settings a job may set (the engine checks the rest)
+SPECULATIVE_BOUNDS = {"prompt_lookup_max": (1, 64), "prompt_lookup_min": (1, 64), "max_verify_tokens": (1, 1024),
+                      "probe_every": (1, 1_000_000), "draft_layers": (1, 1024)}
 
 
 class SpecError(ValueError):
@@ -72,6 +79,7 @@ class JobRequest(BaseModel):
     openai_output: bool = False
     idempotency_key: str | None = Field(default=None, min_length=1, max_length=200)
     job_id: uuid.UUID | None = None
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT)  # see ingest.policy
 
     @field_validator("input_uri")
     @classmethod
@@ -106,6 +114,11 @@ class JobRequest(BaseModel):
     def _speculative(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
         if value is not None:
             _check_types(value, SpeculativeConfig)
+            for name, (low, high) in SPECULATIVE_BOUNDS.items():
+                if value.get(name) is not None and not low <= value[name] <= high:
+                    raise ValueError(f"{name} must be in [{low}, {high}], got {value[name]!r}")
+            if isinstance(value.get("min_acceptance"), float) and not math.isfinite(value["min_acceptance"]):
+                raise ValueError(f"min_acceptance must be finite, got {value['min_acceptance']!r}")
             SpeculativeConfig.from_dict(value)  # ValueError names the bad key or value
         return value
 
@@ -126,13 +139,29 @@ class JobRequest(BaseModel):
             raise SpecError(f"engine: the service's workers run the engine they loaded (tokenmill worker "
                             f"--kv-cache-memory ...), so a job cannot set {', '.join(sorted(self.engine))}; "
                             f"a job may set speculative_config")
+        if executor == CELERY:  # the workers load models by name only, never a path a spec names
+            check_model_name("model", self.model)
+            if (self.speculative_config or {}).get("model") is not None:
+                check_model_name("speculative_config.model", self.speculative_config["model"])
         settings = JobSettings(sampling=self.sampling, engine=self.engine, speculative_config=self.speculative_config,
                                shard_size=self.shard_size, limits=limits or Limits.from_env(), s3=s3 or S3Options(),
-                               openai_output=self.openai_output, executor=executor)
+                               openai_output=self.openai_output, executor=executor, cache_salt=self.cache_salt)
         return NewJob(input_uri=self.input_uri, output_uri=self.output_uri, model=self.model, settings=settings,
                       source=source, source_ref=source_ref, priority=self.priority,
                       idempotency_key=self.idempotency_key or default_key,
                       job_id=str(self.job_id) if self.job_id else None)
+
+
+def check_model_name(field: str, name: Any) -> None:
+    """SpecError unless name is a model registered here (`tokenmill model list`): a name, never a path."""
+    from engine.model_loader import list_models
+
+    if not isinstance(name, str) or not MODEL_NAME.fullmatch(name):
+        raise SpecError(f"{field}: {name!r} is not a model name (letters, digits, '.', '_', '-'; no paths)")
+    registered = [row["name"] for row in list_models()]
+    if name not in registered:
+        raise SpecError(f"{field}: unknown model {name!r}; registered: {', '.join(registered)} "
+                        f"(tokenmill model list)")
 
 
 _SCALARS: dict[str, tuple[type, ...]] = {"int": (int,), "float": (int, float), "str": (str,)}

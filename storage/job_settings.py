@@ -16,7 +16,8 @@ from storage.objectstore import S3Options
 
 DEFAULT_SHARD_SIZE = 500
 LOCAL, CELERY = "local", "celery"  # who runs a job: `tokenmill run` in process, or the Celery workers
-ShardSize = Annotated[int, Field(ge=1)]  # rows per shard
+MAX_SHARD_SIZE = 1_000_000  # Limits.max_rows's default: a shard is never larger than a job may be
+ShardSize = Annotated[int, Field(ge=1, le=MAX_SHARD_SIZE)]  # rows per shard
 
 
 class JobSettings(BaseModel):
@@ -30,6 +31,7 @@ class JobSettings(BaseModel):
     s3: S3Options = Field(default_factory=S3Options)
     openai_output: bool = False
     executor: Literal["local", "celery"] = LOCAL
+    cache_salt: str | None = None  # rows share prefix-cache blocks only with rows of the same salt
     input_fingerprint: dict[str, Any] | None = None  # set when the input is validated
     input_format: str | None = None
 

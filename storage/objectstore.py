@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import os
 import posixpath
+import re
 import tempfile
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
@@ -18,7 +19,11 @@ from pathlib import Path
 from typing import IO, Any
 from urllib.parse import unquote, urlparse
 
+ALLOWED_INPUT_PREFIXES_ENV = "TOKENMILL_ALLOWED_INPUT_PREFIXES"
 ALLOWED_OUTPUT_PREFIXES_ENV = "TOKENMILL_ALLOWED_OUTPUT_PREFIXES"
+ANYWHERE = "*"  # an allow-list entry that allows every URI
+MAX_KEY_BYTES = 1024  # S3's limit on an object key
+MAX_PATH_BYTES = 4096  # Linux's PATH_MAX
 TMP_PREFIX = ".tmp-"
 MULTIPART_THRESHOLD = 64 << 20
 READ_BUFFER = 1 << 20
@@ -34,7 +39,8 @@ FILE_MODE = 0o666 & ~_current_umask()  # what open() would give; mkstemp alone m
 
 
 class UnsafeURI(ValueError):
-    """An output URI that is malformed, climbs with `..`, or lies outside the allowed prefixes."""
+    """A URI that is malformed, climbs with `..`, has empty segments or control characters, is too long, or
+    lies outside the allowed prefixes."""
 
 
 @dataclass(frozen=True)
@@ -61,20 +67,47 @@ def has_dot_dot(uri: str) -> bool:
     return ".." in unquote(path).replace(os.sep, "/").split("/")
 
 
+def check_key(key: str, what: str = "key") -> str:
+    """An S3 key (or key prefix) as given, or UnsafeURI when it holds `.` or `..` segments, empty segments
+    (`a//b`), control characters, or exceeds S3's 1024 bytes. One trailing slash (a folder) is allowed."""
+    segments = key.removesuffix("/").split("/") if key else []
+    if any(segment in ("", ".", "..") for segment in segments):
+        raise UnsafeURI(f"{what} {key!r} has an empty, '.' or '..' segment")
+    if _has_control(key):
+        raise UnsafeURI(f"{what} {key!r} holds control characters")
+    if len(key.encode("utf-8", "surrogatepass")) > MAX_KEY_BYTES:
+        raise UnsafeURI(f"{what} is {len(key.encode('utf-8', 'surrogatepass'))} bytes long, over S3's "
+                        f"{MAX_KEY_BYTES}")
+    return key
+
+
+def _has_control(text: str) -> bool:
+    return any(ord(c) < 32 or ord(c) == 127 or 0xD800 <= ord(c) < 0xE000 for c in text)
+
+
 def normalize_uri(uri: str) -> str:
-    """`s3://bucket/prefix` or `file:///absolute/path`, without a trailing slash."""
-    if not uri or not uri.strip():
+    """`s3://bucket/prefix` or `file:///absolute/path`, without a trailing slash. S3 keys are refused when
+    they hold `..`, empty segments or control characters (see `check_key`); local paths are made absolute
+    (`..` resolved) and refused when they hold control characters or exceed PATH_MAX."""
+    if not isinstance(uri, str) or not uri.strip():
         raise UnsafeURI("empty URI")
     if uri.startswith("s3://"):
-        parsed = urlparse(uri)
-        if not parsed.netloc:
+        bucket, _, key = uri[len("s3://"):].partition("/")
+        if not bucket:
             raise UnsafeURI(f"{uri!r} has no bucket (expected s3://BUCKET/PREFIX)")
-        path = posixpath.normpath("/" + parsed.path.strip("/")).strip("/")
-        return f"s3://{parsed.netloc}/{path}".rstrip("/") if path not in ("", ".") else f"s3://{parsed.netloc}"
+        if not re.fullmatch(r"[A-Za-z0-9._-]{1,255}", bucket):
+            raise UnsafeURI(f"{uri!r}: {bucket!r} is not a valid bucket name")
+        check_key(key, f"the key of {uri!r}")
+        return f"s3://{bucket}/{key.removesuffix('/')}" if key.removesuffix("/") else f"s3://{bucket}"
     if "://" in uri and not uri.startswith("file://"):
         raise UnsafeURI(f"unsupported URI scheme in {uri!r} (use a path, file:// or s3://)")
     path = unquote(urlparse(uri).path) if uri.startswith("file://") else uri
-    return "file://" + os.path.abspath(os.path.expanduser(path))
+    if _has_control(path):
+        raise UnsafeURI(f"path {path!r} holds control characters")
+    normalized = os.path.abspath(os.path.expanduser(path))
+    if len(normalized.encode("utf-8", "surrogatepass")) > MAX_PATH_BYTES:
+        raise UnsafeURI(f"path is over {MAX_PATH_BYTES} bytes long")
+    return "file://" + normalized
 
 
 def is_under(uri: str, prefix: str) -> bool:
@@ -83,22 +116,38 @@ def is_under(uri: str, prefix: str) -> bool:
     return uri == prefix or uri.startswith(prefix.rstrip("/") + "/")
 
 
+def allowed_prefixes(env: str) -> list[str] | None:
+    """The comma-separated URI prefixes of `$env`; None when it is unset or empty (no list: anywhere)."""
+    raw = os.environ.get(env, "")
+    prefixes = [p.strip() for p in raw.split(",") if p.strip()]
+    return prefixes or None
+
+
 def allowed_output_prefixes() -> list[str]:
     """From `$TOKENMILL_ALLOWED_OUTPUT_PREFIXES` (comma-separated); empty means anywhere."""
-    raw = os.environ.get(ALLOWED_OUTPUT_PREFIXES_ENV, "")
-    return [p.strip() for p in raw.split(",") if p.strip()]
+    return allowed_prefixes(ALLOWED_OUTPUT_PREFIXES_ENV) or []
+
+
+def check_allowed(uri: str, prefixes: Iterable[str] | None, what: str, env: str) -> str:
+    """The normalized URI, or UnsafeURI when it is not under one of prefixes (None or `*` in it: anywhere)."""
+    normalized = normalize_uri(uri)
+    if prefixes is None:
+        return normalized
+    prefixes = list(prefixes)
+    if ANYWHERE in prefixes or any(is_under(normalized, p) for p in prefixes):
+        return normalized
+    listed = ", ".join(prefixes) or "none"
+    raise UnsafeURI(f"{what} {uri!r} is outside the allowed prefixes ({listed}; set by {env})")
 
 
 def check_output_uri(uri: str, allowed_prefixes: Iterable[str] | None = None) -> str:
     """The normalized output URI, or UnsafeURI when it has `..` segments or is outside the allowed prefixes."""
+    if not isinstance(uri, str):
+        raise UnsafeURI(f"output URI must be a string, got {type(uri).__name__}")
     if has_dot_dot(uri):
         raise UnsafeURI(f"output URI {uri!r} contains a '..' segment; give the folder without '..'")
-    normalized = normalize_uri(uri)
     prefixes = list(allowed_output_prefixes() if allowed_prefixes is None else allowed_prefixes)
-    if prefixes and not any(is_under(normalized, p) for p in prefixes):
-        raise UnsafeURI(f"output URI {uri!r} is outside the allowed prefixes ({', '.join(prefixes)}; "
-                        f"set by {ALLOWED_OUTPUT_PREFIXES_ENV})")
-    return normalized
+    return check_allowed(uri, prefixes or None, "output URI", ALLOWED_OUTPUT_PREFIXES_ENV)
 
 
 def split_uri(uri: str) -> tuple[str, str]:

@@ -46,6 +46,7 @@ def pg_databases() -> Iterator:
     with admin.connect() as connection:
         for name in created:
             connection.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+            connection.execute(text(f'DROP ROLE IF EXISTS "{stack.service_role(name)}"'))  # made by `stack up`
     admin.dispose()
 
 

@@ -248,7 +248,7 @@ class JobSteps:
         watch = StatusWatch(self.sessions, job.id, {shard.id})
         execution = ShardExecution(engine, job.settings.sampling, f"{job.id[:8]}-{shard.index}-",
                                    should_stop=watch.should_stop, on_progress=self.progress.advance,
-                                   priority=engine_priority(job))
+                                   priority=engine_priority(job), cache_salt=job.settings.cache_salt)
         return execution.run(self._reader_for(job).read(shard.row_start, shard.row_end))
 
     def _complete_shard(self, shard: Shard, outcome: ShardOutcome, key: str) -> bool:
@@ -397,7 +397,8 @@ class JobRunner(JobSteps):
         engine.set_speculative_config(job.settings.speculative_config)
         watch = StatusWatch(self.sessions, job.id, set())
         execution = ShardsExecution(engine, job.settings.sampling, should_stop=watch.should_stop,
-                                    on_progress=self.progress.advance, priority=engine_priority(job))
+                                    on_progress=self.progress.advance, priority=engine_priority(job),
+                                    cache_salt=job.settings.cache_salt)
         reader = self._reader_for(job)
         started: dict[int, float] = {}
 

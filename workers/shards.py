@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ingest.sampling import ResponseFormatError, sampling_params
+from ingest.sampling import ResponseFormatError, check_for_model, sampling_params
 from storage.formats import CHAT, Request, RowError
 
 if TYPE_CHECKING:
@@ -54,12 +54,14 @@ class ShardsExecution:
     current one's tail decodes. A shard is started (`on_start`) when its first row is about to be fed, and
     finished (`on_done` with its outcome) as soon as its last row finishes. `should_stop` is asked between
     engine steps; `on_progress(rows, tokens)` reports finished rows and newly generated tokens. `priority` is
-    the engine request priority of every row (it orders admission under `scheduling_policy="priority"`)."""
+    the engine request priority of every row (it orders admission under `scheduling_policy="priority"`);
+    rows share prefix-cache blocks only with rows of the same `cache_salt`."""
 
     def __init__(self, engine: LLMEngine, defaults: dict[str, Any],
                  should_stop: Callable[[], bool] = lambda: False,
-                 on_progress: Callable[[int, int], None] = lambda rows, tokens: None, priority: int = 0) -> None:
-        self.engine, self.defaults, self.priority = engine, defaults, priority
+                 on_progress: Callable[[int, int], None] = lambda rows, tokens: None, priority: int = 0,
+                 cache_salt: str | None = None) -> None:
+        self.engine, self.defaults, self.priority, self.cache_salt = engine, defaults, priority, cache_salt
         self.should_stop, self.on_progress = should_stop, on_progress
         self.cancelled = False
         self.in_flight: list[ShardWork] = []  # started, not done (oldest first)
@@ -113,7 +115,8 @@ class ShardsExecution:
         self.on_progress(len(finished), generated - self._generated)
         self._generated = generated
 
-    def _requests(self, works: Iterable[ShardWork]) -> Iterator[tuple[str, list[int], SamplingParams, int]]:
+    def _requests(self, works: Iterable[ShardWork]
+                  ) -> Iterator[tuple[str, list[int], SamplingParams, int, str | None]]:
         """The rows the engine should run, shard after shard; a row that cannot run becomes its error here."""
         for work in works:
             self.in_flight.append(work)
@@ -127,7 +130,7 @@ class ShardsExecution:
                 request_id = f"{work.prefix}{item.row}"
                 self.pending[request_id] = (work, item, prepared[1].logprobs)
                 work.outstanding += 1
-                yield request_id, *prepared, self.priority
+                yield request_id, *prepared, self.priority, self.cache_salt
             work.fed = True
             self._finish_if_done(work)  # every row of it was an error, or all finished while feeding
 
@@ -137,6 +140,7 @@ class ShardsExecution:
 
         try:
             params = sampling_params(self.defaults, request.params)
+            check_for_model(params, self.engine.runner.vocab_size)
         except ResponseFormatError as problem:
             return error("invalid_response_format", str(problem))
         except (ValueError, TypeError) as problem:
@@ -192,8 +196,9 @@ class ShardExecution:
 
     def __init__(self, engine: LLMEngine, defaults: dict[str, Any], request_prefix: str,
                  should_stop: Callable[[], bool] = lambda: False,
-                 on_progress: Callable[[int, int], None] = lambda rows, tokens: None, priority: int = 0) -> None:
-        self.execution = ShardsExecution(engine, defaults, should_stop, on_progress, priority)
+                 on_progress: Callable[[int, int], None] = lambda rows, tokens: None, priority: int = 0,
+                 cache_salt: str | None = None) -> None:
+        self.execution = ShardsExecution(engine, defaults, should_stop, on_progress, priority, cache_salt)
         self.prefix = request_prefix
 
     def run(self, rows: Iterable[Request | RowError]) -> ShardOutcome:

@@ -54,7 +54,7 @@ def dispatch_job(job_id: str) -> None:
 
 def intake() -> Intake:
     """How this process turns job specs into jobs handed to the workers."""
-    return Intake(sessions(), config.s3, dispatch_job, config.inline_uri)
+    return Intake(sessions(), config.s3, dispatch_job, config.inline_uri, config.policy)
 
 
 def finalize_later(job_id: str) -> None:

@@ -101,15 +101,25 @@ class AdaptiveControl:
             self.draft_seconds += 0.2 * (seconds / draft_tokens - self.draft_seconds)
 
 
+def draft_key(config: SpeculativeConfig) -> tuple | None:
+    """What a draft proposer (its model and KV pool) depends on: decoders with the same key share one."""
+    if config.method == "draft":
+        return ("draft", config.model)
+    if config.method == "self":
+        return ("self", config.draft_layers)
+    return None
+
+
 class SpecDecoder:
-    def __init__(self, config: SpeculativeConfig, runner) -> None:
+    def __init__(self, config: SpeculativeConfig, runner, draft=None) -> None:
+        """`draft`: an existing proposer of the same `draft_key` to reuse (its model and KV pool)."""
         self.config = config
         self.cost = StepCost.calibrate(runner.model, config.max_verify_tokens)
         self.control = AdaptiveControl(config, self.cost)
         self.stats = SpecStats(accepted_by_position=[0] * config.num_speculative_tokens,
                                drafted_by_position=[0] * config.num_speculative_tokens)
-        self.draft = None
-        if config.method in ("draft", "self"):
+        self.draft = draft
+        if draft is None and config.method in ("draft", "self"):
             from engine.spec_decode.draft import DraftProposer
 
             self.draft = DraftProposer(config, runner)

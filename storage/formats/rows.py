@@ -19,6 +19,9 @@ UNSUPPORTED_PARAMS = ("tools", "tool_choice", "functions", "function_call", "par
                       "modalities", "prediction", "web_search_options", "echo", "best_of", "suffix", "stream",
                       "reasoning_effort")
 NO_OP_VALUES = {"tool_choice": "none", "best_of": 1, "modalities": ["text"]}
+MAX_CUSTOM_ID = 512  # characters
+MAX_MESSAGES = 1024  # messages in one chat row
+MAX_ROLE = 64  # characters of a message's role
 
 
 class InputError(ValueError):
@@ -90,9 +93,12 @@ def check_unsupported(row: int, custom_id: str, source: dict[str, Any]) -> RowEr
 
 
 def check_custom_id(row: int, value: Any) -> RowError | None:
+    if isinstance(value, str) and len(value) > MAX_CUSTOM_ID:
+        return RowError(row, None, "invalid_custom_id", f"custom_id is {len(value)} characters long, over the limit "
+                                                        f"of {MAX_CUSTOM_ID} (it starts {value[:40]!r})")
     if isinstance(value, str) and value:
         return None
-    return RowError(row, None, "missing_custom_id", f"custom_id must be a non-empty string, got {value!r}")
+    return RowError(row, None, "missing_custom_id", f"custom_id must be a non-empty string, got {value!r:.200}")
 
 
 def parse_messages(row: int, custom_id: str, value: Any) -> list[dict[str, str]] | RowError:
@@ -101,6 +107,9 @@ def parse_messages(row: int, custom_id: str, value: Any) -> list[dict[str, str]]
         return RowError(row, custom_id, "missing_messages", "messages is null or empty")
     if not isinstance(value, list):
         return RowError(row, custom_id, "invalid_messages", f"messages must be a list, got {type(value).__name__}")
+    if len(value) > MAX_MESSAGES:
+        return RowError(row, custom_id, "invalid_messages", f"messages holds {len(value)} messages, over the limit "
+                                                            f"of {MAX_MESSAGES}")
     messages = []
     for i, message in enumerate(value):
         if kinds := _non_text_parts(message):
@@ -108,9 +117,10 @@ def parse_messages(row: int, custom_id: str, value: Any) -> list[dict[str, str]]
                             f"messages[{i}] has {', '.join(kinds)} content: only text is supported")
         role = message.get("role") if isinstance(message, dict) else None
         content = _text_content(message.get("content")) if isinstance(message, dict) else None
-        if not isinstance(role, str) or not role or content is None:
+        if not isinstance(role, str) or not role or len(role) > MAX_ROLE or content is None:
             return RowError(row, custom_id, "invalid_messages",
-                            f"messages[{i}] must have a string 'role' and a string (or text parts) 'content'")
+                            f"messages[{i}] must have a string 'role' (at most {MAX_ROLE} characters) and a string "
+                            f"(or text parts) 'content'")
         messages.append({"role": role, "content": content})
     return messages
 

@@ -79,3 +79,30 @@ def test_bad_speculative_config_is_refused():
         LLM(speculative_config={"method": "magic"})
     with pytest.raises(ValueError, match="needs \"model\""):
         LLM(speculative_config={"method": "draft"})
+
+
+def test_jobs_switching_speculative_settings_keep_a_bounded_set_of_draft_pools(model_dir) -> None:
+    """Per-job speculative settings: decoders of the same draft share its model and KV pool; at most
+    MAX_SPEC_DECODERS decoders and MAX_DRAFT_PROPOSERS distinct drafts stay, however many settings jobs bring."""
+    from engine import LLMEngine
+    from engine.llm_engine import MAX_DRAFT_PROPOSERS, MAX_SPEC_DECODERS
+
+    def self_draft(layers: int, k: int) -> dict:  # max_verify_tokens 2: a quick cost calibration
+        return {"method": "self", "draft_layers": layers, "num_speculative_tokens": k, "max_verify_tokens": 2}
+
+    engine = LLMEngine.from_engine_args(model=str(model_dir), dtype="float32", num_threads=2, num_kv_blocks=32)
+    engine.set_speculative_config(self_draft(4, 2))
+    first = engine.spec.draft
+    engine.set_speculative_config(self_draft(4, 3))
+    assert engine.spec.draft is first, "the same draft depth reuses the proposer and its KV pool"
+    for layers in (2, 3, 5):
+        engine.set_speculative_config(self_draft(layers, 1))
+    engine.set_speculative_config({"method": "ngram", "max_verify_tokens": 2})
+    drafts = {id(d.draft) for d in engine._spec_decoders.values() if d.draft is not None}
+    assert len(engine._spec_decoders) <= MAX_SPEC_DECODERS and len(drafts) <= MAX_DRAFT_PROPOSERS
+    assert first not in [d.draft for d in engine._spec_decoders.values()], "the least recently used draft went"
+    assert engine._spec_decoders[next(reversed(engine._spec_decoders))] is engine.spec  # the latest is kept
+    engine.set_speculative_config(self_draft(5, 1))
+    engine.add_request("r", "Hello there", SamplingParams(max_tokens=4, temperature=0))
+    while engine.has_unfinished_requests():
+        engine.step()

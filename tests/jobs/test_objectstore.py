@@ -57,6 +57,51 @@ def test_uri_forms(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         normalize_uri("http://example.com/x")
 
 
+@pytest.mark.parametrize(("uri", "message"), [
+    ("s3://b/inbox/../secret.parquet", "segment"), ("s3://b/a//b", "segment"), ("s3://b/./a", "segment"),
+    ("s3://b/a\x00b", "control characters"), ("s3://b/a\nb", "control characters"),
+    ("s3://b/" + "k" * 1025, "over S3's 1024"), ("s3://b/" + "\u00e9" * 513, "over S3's 1024"),
+    ("/tmp/a\x00b", "control characters"), ("/" + "p" * 5000, "4096"), ("s3://b c/x", "bucket"),
+])
+def test_keys_with_climbing_or_empty_segments_control_characters_or_too_long_are_refused(uri, message) -> None:
+    with pytest.raises(UnsafeURI, match=message):
+        normalize_uri(uri)
+
+
+def test_front_door_allow_lists_default_to_the_bucket(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from ingest.policy import FrontDoorPolicy
+
+    for name in ("TOKENMILL_ALLOWED_INPUT_PREFIXES", "TOKENMILL_ALLOWED_OUTPUT_PREFIXES"):
+        monkeypatch.delenv(name, raising=False)
+    policy = FrontDoorPolicy.from_env("s3://tokenmill")
+    assert policy.check_input("s3://tokenmill/inbox/a.parquet") == "s3://tokenmill/inbox/a.parquet"
+    for uri in (str(tmp_path / "in.parquet"), "s3://tokenmill-other/x", "s3://other/x"):
+        with pytest.raises(UnsafeURI, match="input_uri: .* outside the allowed prefixes"):
+            policy.check_input(uri)
+    with pytest.raises(UnsafeURI, match="TOKENMILL_ALLOWED_OUTPUT_PREFIXES"):
+        policy.check_output(str(tmp_path / "out"))
+    monkeypatch.setenv("TOKENMILL_ALLOWED_INPUT_PREFIXES", f"s3://tokenmill, {tmp_path}")
+    monkeypatch.setenv("TOKENMILL_ALLOWED_OUTPUT_PREFIXES", "*")
+    opened = FrontDoorPolicy.from_env("s3://tokenmill")
+    assert opened.check_input(str(tmp_path / "in.parquet")) == f"file://{tmp_path}/in.parquet"
+    assert opened.check_output("/anywhere/at/all") == "file:///anywhere/at/all"
+    with pytest.raises(UnsafeURI):
+        opened.check_input("/etc/passwd")
+
+
+def test_cache_salts_separate_tenants_and_cannot_be_chosen_to_collide() -> None:
+    from ingest.policy import FrontDoorPolicy
+
+    source = FrontDoorPolicy(cache_isolation="source")
+    assert source.cache_salt(None, "s3:b/inbox/a", "k1") == source.cache_salt(None, "s3:b/inbox/a", "k2")
+    assert source.cache_salt(None, "s3:b/inbox/a", "k1") != source.cache_salt(None, "s3:b/inbox/b", "k1")
+    theirs = source.cache_salt("x", "s3:b/inbox/a", "k")
+    assert source.cache_salt(theirs, "s3:b/inbox/b", "k") != theirs, "a spec cannot pick another tenant's salt"
+    job = FrontDoorPolicy(cache_isolation="job")
+    assert job.cache_salt(None, "t", "k1") != job.cache_salt(None, "t", "k2")
+    assert FrontDoorPolicy(cache_isolation="spec").cache_salt("mine", "t", "k") == "mine"
+
+
 # ---- local folder ----------------------------------------------------------------------------------
 
 

@@ -210,11 +210,11 @@ def wait_for_workers(stack: RunningStack, count: int = 2, timeout: float = 120) 
 
 README_WALKTHROUGH = """\
 set -euo pipefail
-eval "$(tokenmill stack env)"
+eval "$(tokenmill stack env --show-secrets)"
 JOB=$(tokenmill submit --via kafka --shard-size 10 --max-tokens 16 --wait)
 tokenmill status "$JOB" --json > status.json
 curl -fsu "$TOKENMILL_FLOWER_AUTH" "$TOKENMILL_FLOWER_URL/api/workers?refresh=1" > workers.json
-psql "$PSQL_URL" \\
+psql "${TOKENMILL_DATABASE_URL/+psycopg/}" \\
      -c "SELECT job_id, status, requests_completed, shards_completed, round(tokens_per_s) AS tok_s FROM job_status" \\
      > job_status.txt
 echo "$JOB"
@@ -241,8 +241,7 @@ def kafka_job(stack: RunningStack, sessions, tmp_path_factory) -> SubmittedJob:
     default place): the bundled 40 prompts submitted via Kafka in shards of 10, waited for."""
     folder = tmp_path_factory.mktemp("walkthrough")
     env = {**os.environ, "TOKENMILL_DATA": str(stack.dir.parent), "COLUMNS": "200",
-           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-           "PSQL_URL": stack.database_url.replace("postgresql+psycopg://", "postgresql://")}
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     done = subprocess.run(["bash", "-c", README_WALKTHROUGH], cwd=folder, env=env, capture_output=True, text=True,
                           timeout=400)
     assert done.returncode == 0, f"the README walkthrough failed:\n{done.stdout}\n{done.stderr[-4000:]}"

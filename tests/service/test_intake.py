@@ -61,6 +61,20 @@ def count(sessions, model) -> int:
     (b'{"input_uri": "/i.parquet", "output_uri": "/tmp/o", '
      b'"speculative_config": {"method": "ngram", "num_speculative_tokens": "4"}}',
      "speculative_config: num_speculative_tokens must be int, got str '4'"),
+    (b'{"input_uri": "/i.parquet", "output_uri": "/tmp/o", "shard_size": 10000001}', "shard_size: Input should be less "
+     "than or equal to 1000000"),
+    (b'{"input_uri": "/i.parquet", "output_uri": "/tmp/o", "sampling": {"top_k": 1099511627776}}',
+     "sampling: top_k must be at most 1048576"),
+    (b'{"input_uri": "/i.parquet", "output_uri": "/tmp/o", "sampling": {"temperature": Infinity}}',
+     "sampling: temperature must be a finite number"),
+    (b'{"input_uri": "/i.parquet", "output_uri": "/tmp/o", "sampling": {"n": 17}}', "sampling: n must be at most 16"),
+    (b'{"input_uri": "/i.parquet", "output_uri": "/tmp/o", "sampling": {"stop": ["a","b","c","d","e","f","g","h",'
+     b'"i","j","k","l","m","n","o","p","q"]}}', "sampling: stop: at most 16 strings"),
+    (b'{"input_uri": "/i.parquet", "output_uri": "/tmp/o", "cache_salt": "' + b"s" * 257 + b'"}', "cache_salt:"),
+    (b'{"input_uri": "/i.parquet", "output_uri": "/tmp/o", '
+     b'"speculative_config": {"method": "ngram", "prompt_lookup_max": 1000000}}',
+     "speculative_config: prompt_lookup_max must be in [1, 64], got 1000000"),
+    (b'{"input_uri": "s3://b/in//x.parquet", "output_uri": "/tmp/o"}', "input_uri: the key of"),
 ])
 def test_specs_that_cannot_run_say_which_field_and_why(payload: bytes, message: str) -> None:
     with pytest.raises(SpecError) as raised:
@@ -131,3 +145,32 @@ def test_a_database_that_is_down_is_retried_not_recorded_as_rejected(tmp_path: P
     with pytest.raises(Exception) as raised:  # a poison message while the database is down: still a retry
         JobConsumer(intake, "unused:9092", "jobs", "group").handle(Record("jobs", 0, 2, None))
     assert is_transient(raised.value), raised.value
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"model": "/root/.cache/tokenmill/models/smollm2-135m"}, "model: '/root/.cache/tokenmill/models/smollm2-135m' "
+                                                             "is not a model name"),
+    ({"model": "llama-70b"}, "model: unknown model 'llama-70b'; registered: smollm2-135m"),
+    ({"speculative_config": {"method": "draft", "model": "../models/x"}}, "speculative_config.model: '../models/x' "
+                                                                          "is not a model name"),
+])
+def test_the_service_runs_registered_models_by_name_only(fields: dict, message: str) -> None:
+    from ingest.spec import validate_request
+    from storage.job_settings import CELERY, LOCAL
+
+    request = validate_request({"input_uri": "s3://b/in.parquet", "output_uri": "s3://b/out", **fields})
+    with pytest.raises(SpecError) as raised:
+        request.to_job(executor=CELERY)
+    assert message in str(raised.value)
+    if "speculative_config" not in fields:
+        assert request.to_job(executor=LOCAL).model == fields["model"], "tokenmill run keeps paths"
+
+
+def test_rows_with_a_long_custom_id_or_too_many_messages_fail_alone() -> None:
+    from storage.formats.rows import MAX_MESSAGES, check_custom_id, parse_messages
+
+    assert check_custom_id(3, "k" * 512) is None
+    error = check_custom_id(3, "k" * 513)
+    assert error.code == "invalid_custom_id" and "513 characters long, over the limit of 512" in error.message
+    too_many = parse_messages(4, "a", [{"role": "user", "content": "x"}] * (MAX_MESSAGES + 1))
+    assert too_many.code == "invalid_messages" and "1025 messages" in too_many.message

@@ -72,6 +72,24 @@ def test_firing_twice_for_a_date_makes_one_job(sqlite_sessions, local_intake, tm
     assert job.settings.sampling == {"max_tokens": 4} and job.settings.executor == "celery"
 
 
+def test_a_schedule_reading_or_writing_outside_the_allow_lists_fires_no_job(sqlite_sessions, local_intake,
+                                                                            tmp_path: Path) -> None:
+    from dataclasses import replace
+
+    from ingest.policy import FrontDoorPolicy
+
+    sessions, (intake, handed_out) = sqlite_sessions, local_intake
+    intake = replace(intake, policy=FrontDoorPolicy.from_env("s3://tokenmill"))
+    add_schedule(sessions, "local", "* * * * *", str(tmp_path / "in-{date}.parquet"), str(tmp_path / "out-{date}"),
+                 "smollm2-135m", {})
+    fired = fire_due(sessions, intake, datetime.now(UTC) + timedelta(seconds=1))
+    assert fired.created == [] and handed_out == []
+    assert "outside the allowed prefixes (s3://tokenmill; set by TOKENMILL_ALLOWED_OUTPUT_PREFIXES)" in fired.errors[0]
+    with pytest.raises(ScheduleError, match="is not a model name"):
+        add_schedule(sessions, "path", "* * * * *", "s3://tokenmill/{date}.parquet", "s3://tokenmill/o-{date}",
+                     str(tmp_path), {})
+
+
 @pytest.mark.real_model
 def test_beat_firing_a_schedule_again_and_again_makes_one_job_for_the_date(stack, sessions, tmp_path) -> None:
     from celery import Celery

@@ -16,8 +16,13 @@ def test_a_second_stack_up_in_the_same_directory_is_refused(stack) -> None:
     assert set(stack.state["processes"]) == {"redis", "worker1", "worker2", "beat", "flower", "consumer", "watcher"}
 
 
-def test_stack_env_exports_every_address(stack) -> None:
+def test_stack_env_exports_every_address_and_the_secrets_only_when_asked(stack) -> None:
     exported = stack.cli("stack", "env").stdout
-    for name in ("TOKENMILL_DATABASE_URL", "TOKENMILL_BROKER_URL", "TOKENMILL_KAFKA_BOOTSTRAP",
-                 "TOKENMILL_BUCKET_URI", "AWS_ENDPOINT_URL_S3", "AWS_ACCESS_KEY_ID"):
+    for name in ("TOKENMILL_BROKER_URL", "TOKENMILL_KAFKA_BOOTSTRAP", "TOKENMILL_BUCKET_URI", "AWS_ENDPOINT_URL_S3",
+                 "AWS_ACCESS_KEY_ID", "TOKENMILL_FLOWER_URL"):
         assert f"export {name}=" in exported
+    secret = ("TOKENMILL_DATABASE_URL", "AWS_SECRET_ACCESS_KEY", "TOKENMILL_FLOWER_AUTH")
+    assert not any(f"export {name}=" in exported for name in secret)
+    assert "--show-secrets" in exported
+    shown = stack.cli("stack", "env", "--show-secrets").stdout
+    assert all(f"export {name}=" in shown for name in secret)

@@ -62,8 +62,9 @@ def fresh_venv(work: Path, wheel: Path) -> Path:
 
 
 def clean_env(**extra: str) -> dict[str, str]:
-    """This environment without what points at the checkout."""
-    return {**{k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}, **extra}
+    """This environment without what points at the checkout or at another stack (its random S3 keys)."""
+    dropped = ("PYTHONPATH", "VIRTUAL_ENV", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
+    return {**{k: v for k, v in os.environ.items() if k not in dropped}, **extra}
 
 
 def test_the_stack_runs_from_a_wheel_in_a_fresh_virtualenv(tmp_path_factory, pg_databases) -> None:

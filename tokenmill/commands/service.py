@@ -84,6 +84,9 @@ def _register_submit(commands: argparse._SubParsersAction) -> None:
                         help="job priority: its rows' engine request priority is the negated value, so a higher "
                              "one is admitted first under --scheduling-policy priority (default: 0)")
     parser.add_argument("--openai-output", action="store_true", help="also write batch_output.jsonl")
+    parser.add_argument("--cache-salt", metavar="TEXT",
+                        help="share prefix-cache blocks only with jobs of the same salt (the service folds in the "
+                             "job's source too: TOKENMILL_CACHE_ISOLATION, see the README's Security section)")
     parser.add_argument("--wait", action="store_true", help="wait until the job ends and print its status")
     parser.add_argument("--timeout", type=float, default=1800, metavar="S", help="how long --wait waits")
     add_sampling_options(parser, max_tokens=64)
@@ -124,8 +127,10 @@ def _register_stack(commands: argparse._SubParsersAction) -> None:
     start.add_argument("--workers", type=int, default=1, metavar="N", help="Celery workers (default: 1)")
     start.add_argument("--port-base", type=int, metavar="PORT",
                        help="Kafka on PORT, Redis +1, Flower +2, S3 +10..+17 (default: 9092, 6380, 5555, 8333)")
-    start.add_argument("--database-url", metavar="URL", help="job database (default: PostgreSQL on 127.0.0.1, "
-                                                              "database tokenmill, created if missing)")
+    start.add_argument("--database-url", metavar="URL",
+                       help="job database, as an administrator who creates it (if missing) and the service's own "
+                            "role <database>_service, which the stack then uses (default: PostgreSQL on 127.0.0.1 "
+                            "as postgres, database tokenmill)")
     start.add_argument("--model", default="smollm2-135m", help="the model the workers load")
     start.add_argument("--threads", type=int, metavar="N", help="CPU threads per worker (default: cores / N)")
     start.add_argument("--kv-cache-memory", type=float, default=0.5, metavar="GIB",
@@ -134,9 +139,18 @@ def _register_stack(commands: argparse._SubParsersAction) -> None:
                        help="extra environment for every component, e.g. TOKENMILL_SWEEP_INTERVAL_S=5 (default 30), "
                             "TOKENMILL_SWEEP_GRACE_S=60 (how long lost work waits before the sweep resends it; "
                             "default 600), TOKENMILL_MAX_SHARD_ATTEMPTS=3, TOKENMILL_MAX_SPEC_BYTES (largest job "
-                            "message; default 64 MiB)")
+                            "message or sidecar; default 1 MiB), TOKENMILL_ALLOWED_INPUT_PREFIXES and "
+                            "TOKENMILL_ALLOWED_OUTPUT_PREFIXES (comma-separated URI prefixes the front doors' jobs "
+                            "may read and write; default the stack's bucket), TOKENMILL_CACHE_ISOLATION "
+                            "(source, job or spec; default source)")
     stop = actions.add_parser("down", help="stop every component and check the ports are free")
-    env = actions.add_parser("env", help="print `export` lines that point a shell at the stack")
+    env = actions.add_parser("env", help="print `export` lines that point a shell at the stack",
+                             description="Print `export` lines for the stack's variables. The database URL (it "
+                                         "holds the service role's password), the S3 keys and Flower's login are "
+                                         "left out unless --show-secrets; tokenmill commands read them from the "
+                                         "state directory anyway.")
+    env.add_argument("--show-secrets", action="store_true",
+                     help="also print the variables holding secrets (e.g. for psql, curl, aws)")
     for action, handler in ((start, stack_up), (stop, stack_down), (env, stack_env)):
         _stack_dir_option(action)
         action.set_defaults(handler=_friendly(handler))
@@ -221,7 +235,7 @@ def submit(args: argparse.Namespace) -> int:
 
     sent = submit_job(args.input or sample_input(), args.via, _service_config(), args.output, model=args.model,
                       sampling=sampling_kwargs(args), shard_size=args.shard_size, priority=args.priority,
-                      openai_output=args.openai_output)
+                      openai_output=args.openai_output, cache_salt=args.cache_salt)
     print(f"job {sent.job_id}: {sent.input_uri} -> {sent.output_uri} (sent to {sent.sent_to})", file=sys.stderr)
     print(sent.job_id, flush=True)
     if args.wait:
@@ -313,7 +327,7 @@ def stack_down(args: argparse.Namespace) -> int:
 def stack_env(args: argparse.Namespace) -> int:
     from tokenmill import stack
 
-    print(stack.env_script(args.state_dir or default_state_dir()), end="")
+    print(stack.env_script(args.state_dir or default_state_dir(), show_secrets=args.show_secrets), end="")
     return 0
 
 
@@ -363,5 +377,6 @@ def watcher(args: argparse.Namespace) -> int:
     if not config.inbox_uri or not config.bucket_uri:
         raise ValueError("no S3 inbox: set TOKENMILL_BUCKET_URI (or TOKENMILL_INBOX_URI), or start the stack")
     events.install(config)
-    InboxWatcher(_intake(), config.inbox_uri, config.in_bucket("results"), args.settle).run(interval_s=args.interval)
+    InboxWatcher(_intake(), config.inbox_uri, config.in_bucket("results"), args.settle,
+                 max_bytes=config.max_spec_bytes).run(interval_s=args.interval)
     return 0

