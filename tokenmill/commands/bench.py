@@ -243,7 +243,8 @@ def run_throughput(args: argparse.Namespace) -> int:
                                                    structured=bench_schema(args.schema), num_threads=args.threads)
                     results.append(constrained.result)
                     cost = 1 - constrained.result.tokens_per_second / run.result.tokens_per_second
-                    console.print(f"{dtype}: with a JSON schema on every row, throughput {cost:+.1%} lower "
+                    change = f"{abs(cost):.1%} {'lower' if cost >= 0 else 'higher'}"
+                    console.print(f"{dtype}: with a JSON schema on every row, throughput {change} "
                                   f"({run.result.tokens_per_second:.1f} -> "
                                   f"{constrained.result.tokens_per_second:.1f} tok/s); building and applying the "
                                   f"masks took {constrained.result.note.rsplit('masks ', 1)[-1]} of the run")
