@@ -45,3 +45,15 @@ def hf_model(model_dir):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture
+def sqlite_sessions(tmp_path):
+    """A migrated SQLite database of this test's own, for tests that need no service."""
+    from storage import db, migrate
+
+    url = f"sqlite:///{tmp_path / 'jobs.db'}"
+    migrate.upgrade(url)
+    factory = db.session_factory(db.make_engine(url))
+    yield factory
+    factory.kw["bind"].dispose()

@@ -22,7 +22,6 @@ from ingest.kafka_consumer import JobConsumer
 from ingest.policy import FrontDoorPolicy
 from ingest.s3_watcher import InboxEntry, InboxWatcher
 from ingest.spec import NewJob, SpecError, parse_request
-from storage import db, migrate
 from storage.job_settings import CELERY
 from storage.models import Job, RejectedMessage
 from storage.objectstore import S3Options, UnsafeURI, is_under
@@ -118,15 +117,6 @@ def kafka_values(allowed: Path | str, outside: Path | str, base: dict | None = N
 def batches(values):
     """BATCH (Kafka value, message key) pairs per example."""
     return st.lists(st.tuples(values, st.one_of(st.none(), st.binary(max_size=16))), min_size=BATCH, max_size=BATCH)
-
-
-@pytest.fixture
-def sqlite_sessions(tmp_path: Path):
-    url = f"sqlite:///{tmp_path / 'jobs.db'}"
-    migrate.upgrade(url)
-    factory = db.session_factory(db.make_engine(url))
-    yield factory
-    factory.kw["bind"].dispose()
 
 
 @pytest.fixture

@@ -22,7 +22,7 @@ import pytest
 from sqlalchemy import text
 
 from ingest.intake import Intake
-from storage import db, migrate
+from storage import db
 from storage.objectstore import S3Options, open_store
 from tests.fixtures_services import REPO, free_port_block, pg_databases  # noqa: F401 - fixtures
 from tokenmill.commands.jobs import sample_input
@@ -128,16 +128,6 @@ def _stop_and_check(running: RunningStack) -> None:
     still_open = [p for p in [ports["kafka"], ports["redis"], ports["flower"], *range(ports["s3"], ports["s3"] + 8)]
                   if module.port_open(p)]
     assert not still_open, f"ports still open after stack down: {still_open}"
-
-
-@pytest.fixture
-def sqlite_sessions(tmp_path: Path):
-    """A migrated SQLite database of this test's own, for tests that need no service."""
-    url = f"sqlite:///{tmp_path / 'jobs.db'}"
-    migrate.upgrade(url)
-    factory = db.session_factory(db.make_engine(url))
-    yield factory
-    factory.kw["bind"].dispose()
 
 
 @pytest.fixture
