@@ -36,6 +36,17 @@ def chat_line(custom_id: str, content: str, **body) -> dict:
             "body": {"model": "smollm2-135m", "messages": [{"role": "user", "content": content}], **body}}
 
 
+def run_jsonl_job(sessions, engine_provider, tmp_path: Path, lines: list[dict]):
+    """Run the lines as a batch.jsonl job (greedy, 8 tokens, OpenAI output); its output store once completed."""
+    path = tmp_path / "batch.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    job = run_job(sessions, submit(sessions, new_job(str(path), str(tmp_path / "out"), "smollm2-135m",
+                                                     sampling={"max_tokens": 8, "temperature": 0.0},
+                                                     openai_output=True)).job.id, engine_provider)
+    assert job.status == "completed", job.error
+    return open_store(str(tmp_path / "out"))
+
+
 def test_json_rows_validate_and_bad_rows_fail_alone(sessions, engine_provider, tmp_path: Path) -> None:
     lines = [chat_line(f"schema-{i}", QUESTIONS[i % 3], max_tokens=48, temperature=0.7 * (i % 2), seed=i,
                        response_format={"type": "json_schema",
@@ -49,13 +60,7 @@ def test_json_rows_validate_and_bad_rows_fail_alone(sessions, engine_provider, t
               chat_line("chat-logprobs", "Name a color.", max_tokens=4, logprobs=True, top_logprobs=2),
               {"custom_id": "free", "method": "POST", "url": "/v1/completions",
                "body": {"prompt": "The sky is", "max_tokens": 4, "logprobs": 3}}]
-    path = tmp_path / "batch.jsonl"
-    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    job = run_job(sessions, submit(sessions, new_job(str(path), str(tmp_path / "out"), "smollm2-135m",
-                                                     sampling={"max_tokens": 8, "temperature": 0.0},
-                                                     openai_output=True)).job.id, engine_provider)
-    assert job.status == "completed", job.error
-    store = open_store(str(tmp_path / "out"))
+    store = run_jsonl_job(sessions, engine_provider, tmp_path, lines)
     results, errors, _ = assert_each_id_once(store, [line["custom_id"] for line in lines])
     assert {e["custom_id"]: e["code"] for e in errors} == {"bad-schema": "invalid_response_format",
                                                            "tools": "unsupported_parameter"}
@@ -85,13 +90,7 @@ def test_n_choices_become_one_line_and_one_part_row_each(sessions, engine_provid
     lines = [chat_line("three", QUESTIONS[0], n=3, temperature=1.0, seed=4, max_tokens=16, response_format=schema),
              {"custom_id": "one", "method": "POST", "url": "/v1/completions",
               "body": {"prompt": "Hi", "max_tokens": 3}}]
-    path = tmp_path / "batch.jsonl"
-    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    job = run_job(sessions, submit(sessions, new_job(str(path), str(tmp_path / "out"), "smollm2-135m",
-                                                     sampling={"max_tokens": 8, "temperature": 0.0},
-                                                     openai_output=True)).job.id, engine_provider)
-    assert job.status == "completed", job.error
-    store = open_store(str(tmp_path / "out"))
+    store = run_jsonl_job(sessions, engine_provider, tmp_path, lines)
     part = read_part(store, "part-00000.parquet").to_pylist()
     assert [(r["custom_id"], r["choice_index"]) for r in part] == [("three", 0), ("three", 1), ("three", 2),
                                                                    ("one", 0)]
