@@ -40,6 +40,7 @@ class ServiceConfig:
     consumer_group: str
     queue_prefix: str  # lets several stacks share one broker
     max_shard_attempts: int  # a shard that failed or killed its worker this often fails the job
+    max_control_attempts: int  # validating or finalizing started this often without finishing fails the job
     sweep_interval_s: float
     sweep_grace_s: float  # work with no live task this long is handed out again by the sweep
     max_spec_bytes: int  # a larger job message is rejected
@@ -63,6 +64,7 @@ class ServiceConfig:
             consumer_group=env_setting("CONSUMER_GROUP", "tokenmill-ingest"),
             queue_prefix=env_setting("QUEUE_PREFIX", ""),
             max_shard_attempts=int(_number("MAX_SHARD_ATTEMPTS", 3)),
+            max_control_attempts=int(_number("MAX_CONTROL_ATTEMPTS", 3)),
             sweep_interval_s=_number("SWEEP_INTERVAL_S", 30),
             sweep_grace_s=_number("SWEEP_GRACE_S", 600),
             max_spec_bytes=int(_number("MAX_SPEC_BYTES", MAX_SPEC_BYTES)),

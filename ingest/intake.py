@@ -12,24 +12,41 @@ import logging
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import datetime, timedelta
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.orm import Session, object_session, sessionmaker
 
 from ingest.policy import OPEN, FrontDoorPolicy
 from ingest.spec import JobRequest, NewJob, SpecError
 from storage import repository as repo
-from storage.job_settings import CELERY
+from storage.job_settings import CELERY, JobSettings, window_seconds
 from storage.liveness import runner_alive
 from storage.models import Job, JobStatus, utcnow
 from storage.objectstore import S3Options, normalize_uri, open_store
-from storage.states import is_terminal, transition
+from storage.states import is_terminal, output_claim, transition
 
 log = logging.getLogger("tokenmill.jobs")
 
 S = JobStatus
+
+
+class OutputClaimed(ValueError):
+    """Another live job writes to this output prefix."""
+
+    def __init__(self, output_uri: str, owner: str) -> None:
+        super().__init__(f"output {output_uri} is taken by live job {owner}; wait for it to end, cancel it, "
+                         f"or choose another output")
+        self.owner = owner
+
+
+def claim_owner(session: Session, output_uri: str, but: str | None = None) -> str | None:
+    """The live job holding this output prefix, other than `but`."""
+    owner = session.scalar(select(Job.id).where(Job.output_claim == output_claim(output_uri)))
+    return owner if owner != but else None
 
 
 @dataclass
@@ -54,19 +71,29 @@ def submit(sessions: sessionmaker[Session], new: NewJob, reopen: bool = True) ->
             if job is not None:
                 return Submission(job, _reopen(job, new) if reopen else "duplicate")
             _check_id_free(session, new.job_id)
+            if owner := claim_owner(session, new.output_uri):
+                raise OutputClaimed(new.output_uri, owner)
             now = utcnow()
             job = Job(id=new.job_id or str(uuid.uuid4()), idempotency_key=key, source=new.source,
                       source_ref=new.source_ref, status=S.VALIDATING.value, model=new.model,
                       input_uri=new.input_uri, output_uri=new.output_uri, settings=new.settings,
-                      priority=new.priority, created_at=now, validating_at=now)
+                      priority=new.priority, created_at=now, validating_at=now,
+                      output_claim=output_claim(new.output_uri), expires_at=deadline(new.settings, now))
             session.add(job)
             return Submission(job, "created")
     except IntegrityError:  # submitted concurrently by someone else: that one wins
         with sessions() as session:
             job = repo.job_by_key(session, key)
-        if job is None:  # the clash was on the job id, not the key
+        if job is None:  # the clash was on the job id or on the output prefix, not the key
+            with sessions() as session:
+                if owner := claim_owner(session, new.output_uri):
+                    raise OutputClaimed(new.output_uri, owner) from None
             raise
         return Submission(job, "resumed" if reopen else "duplicate")
+
+
+def deadline(settings: JobSettings, start: datetime) -> datetime:
+    return start + timedelta(seconds=window_seconds(settings.completion_window))
 
 
 def _check_id_free(session: Session, job_id: str | None) -> None:
@@ -81,7 +108,10 @@ def _reopen(job: Job, new: NewJob) -> str:
     if job.status == S.CANCELLING and not runner_alive(job):
         transition(job, S.CANCELLED)
     if is_terminal(job.status):
+        if owner := claim_owner(object_session(job), job.output_uri, but=job.id):
+            raise OutputClaimed(job.output_uri, owner)
         transition(job, S.VALIDATING)
+        job.expires_at = deadline(job.settings, utcnow())
         return "retried"
     return "resumed"
 

@@ -27,6 +27,7 @@ log = logging.getLogger("tokenmill.consumer")
 
 PAYLOAD_LIMIT = 64 << 10  # characters of a rejected message kept
 RETRY_DELAY_S = 2.0
+RECONNECT_BACKOFF_MAX_MS = 2000  # a restarted broker is found again within seconds
 
 
 def kafka_consumer(bootstrap: str, topic: str, group: str):
@@ -35,7 +36,8 @@ def kafka_consumer(bootstrap: str, topic: str, group: str):
     # short poll interval and session: group joins and rebalances stay quick (tansu needs it too)
     return KafkaConsumer(topic, bootstrap_servers=bootstrap, group_id=group, enable_auto_commit=False,
                          auto_offset_reset="earliest", max_poll_records=20, max_poll_interval_ms=10_000,
-                         session_timeout_ms=10_000, heartbeat_interval_ms=1_000)
+                         session_timeout_ms=10_000, heartbeat_interval_ms=1_000,
+                         reconnect_backoff_max_ms=RECONNECT_BACKOFF_MAX_MS)
 
 
 class JobConsumer:
@@ -117,13 +119,12 @@ def _text(data: bytes | str) -> str:
 
 
 def run_forever(consumer: JobConsumer) -> None:
-    """Run until interrupted; a broker that is down (or not up yet) is waited for."""
-    from kafka.errors import KafkaError
-
+    """Run until interrupted; a broker that is down, not up yet or restarted is waited for with a fresh
+    consumer (uncommitted messages are read again: recording one is idempotent)."""
     while True:
         try:
             consumer.run()
             return
-        except KafkaError as error:
-            log.warning("Kafka at %s: %s; retrying", consumer.bootstrap, error)
+        except Exception as error:  # KafkaError, a socket error mid-commit, the database down while recording
+            log.warning("Kafka at %s: %s: %s; reconnecting", consumer.bootstrap, type(error).__name__, error)
             time.sleep(RETRY_DELAY_S)

@@ -30,7 +30,15 @@ from engine.config import DEFAULT_MODEL, EngineConfig
 from engine.spec_decode.config import SpeculativeConfig
 from ingest.sampling import sampling_params
 from storage.formats import Limits
-from storage.job_settings import CELERY, DEFAULT_SHARD_SIZE, JobSettings, ShardSize
+from storage.job_settings import (
+    CELERY,
+    DEFAULT_COMPLETION_WINDOW,
+    DEFAULT_SHARD_SIZE,
+    CompletionWindow,
+    JobSettings,
+    ShardSize,
+    window_seconds,
+)
 from storage.models import JobSource
 from storage.objectstore import S3Options, check_output_uri, normalize_uri
 
@@ -80,6 +88,13 @@ class JobRequest(BaseModel):
     idempotency_key: str | None = Field(default=None, min_length=1, max_length=200)
     job_id: uuid.UUID | None = None
     cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT)  # see ingest.policy
+    completion_window: CompletionWindow = DEFAULT_COMPLETION_WINDOW  # the job's deadline (OpenAI Batch's)
+
+    @field_validator("completion_window")
+    @classmethod
+    def _window(cls, value: str) -> str:
+        window_seconds(value)
+        return value
 
     @field_validator("input_uri")
     @classmethod
@@ -145,7 +160,8 @@ class JobRequest(BaseModel):
                 check_model_name("speculative_config.model", self.speculative_config["model"])
         settings = JobSettings(sampling=self.sampling, engine=self.engine, speculative_config=self.speculative_config,
                                shard_size=self.shard_size, limits=limits or Limits.from_env(), s3=s3 or S3Options(),
-                               openai_output=self.openai_output, executor=executor, cache_salt=self.cache_salt)
+                               openai_output=self.openai_output, executor=executor, cache_salt=self.cache_salt,
+                               completion_window=self.completion_window)
         return NewJob(input_uri=self.input_uri, output_uri=self.output_uri, model=self.model, settings=settings,
                       source=source, source_ref=source_ref, priority=self.priority,
                       idempotency_key=self.idempotency_key or default_key,

@@ -89,7 +89,7 @@ def send(bootstrap: str, topic: str, document: dict[str, Any] | bytes, key: str 
     """Produce one message and wait until the broker has it; its RecordMetadata (partition, offset)."""
     from kafka import KafkaProducer
 
-    producer = KafkaProducer(bootstrap_servers=bootstrap, acks="all")
+    producer = KafkaProducer(bootstrap_servers=bootstrap, acks="all", retries=5, reconnect_backoff_max_ms=2000)
     try:
         value = document if isinstance(document, bytes) else json.dumps(document).encode()
         return producer.send(topic, value=value, key=key.encode() if key else None).get(timeout=SEND_TIMEOUT_S)

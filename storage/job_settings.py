@@ -18,6 +18,19 @@ DEFAULT_SHARD_SIZE = 500
 LOCAL, CELERY = "local", "celery"  # who runs a job: `tokenmill run` in process, or the Celery workers
 MAX_SHARD_SIZE = 1_000_000  # Limits.max_rows's default: a shard is never larger than a job may be
 ShardSize = Annotated[int, Field(ge=1, le=MAX_SHARD_SIZE)]  # rows per shard
+DEFAULT_COMPLETION_WINDOW = "24h"
+# OpenAI Batch's deadline: a number and s, m, h or d (at most 30 days)
+CompletionWindow = Annotated[str, Field(pattern=r"^[1-9][0-9]{0,6}[smhd]$", max_length=8)]
+WINDOW_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+MAX_WINDOW_S = 30 * 86400
+
+
+def window_seconds(window: str) -> int:
+    """'24h' -> 86400; ValueError beyond 30 days."""
+    seconds = int(window[:-1]) * WINDOW_UNITS[window[-1]]
+    if seconds > MAX_WINDOW_S:
+        raise ValueError(f"completion_window {window!r} is longer than 30 days")
+    return seconds
 
 
 class JobSettings(BaseModel):
@@ -32,6 +45,7 @@ class JobSettings(BaseModel):
     openai_output: bool = False
     executor: Literal["local", "celery"] = LOCAL
     cache_salt: str | None = None  # rows share prefix-cache blocks only with rows of the same salt
+    completion_window: CompletionWindow = DEFAULT_COMPLETION_WINDOW  # past it the sweep ends the job `expired`
     input_fingerprint: dict[str, Any] | None = None  # set when the input is validated
     input_format: str | None = None
 

@@ -128,6 +128,9 @@ class Job(Base):
     attempts: Mapped[int] = mapped_column(Integer, default=0)
     worker: Mapped[str | None] = mapped_column(String(255))
     error: Mapped[str | None] = mapped_column(Text)
+    # the normalized output prefix while the job is live (NULL once terminal): one live job per prefix
+    output_claim: Mapped[str | None] = mapped_column(String(2048), unique=True, index=True)
+    claim_token: Mapped[int] = mapped_column(Integer, default=0, server_default="0")  # bumped per step claim
 
     requests_total: Mapped[int] = mapped_column(BigInteger, default=0)
     requests_completed: Mapped[int] = mapped_column(BigInteger, default=0)
@@ -176,6 +179,7 @@ class Shard(Base):
     attempts: Mapped[int] = mapped_column(Integer, default=0)
     worker: Mapped[str | None] = mapped_column(String(255))
     lease_expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    claim_token: Mapped[int] = mapped_column(Integer, default=0, server_default="0")  # bumped per claim (fencing)
     started_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     rows_completed: Mapped[int] = mapped_column(Integer, default=0)

@@ -7,6 +7,7 @@ pyarrow can read a Parquet footer and then single row groups without fetching th
 
 from __future__ import annotations
 
+import hashlib
 import io
 import os
 import posixpath
@@ -36,6 +37,10 @@ def _current_umask() -> int:
 
 
 FILE_MODE = 0o666 & ~_current_umask()  # what open() would give; mkstemp alone makes files 0600
+
+
+class InputChanged(ValueError):
+    """A job's input is no longer the version validated: the job fails with this reason."""
 
 
 class UnsafeURI(ValueError):
@@ -190,9 +195,32 @@ class ObjectStore(ABC):
     def fingerprint(self, key: str) -> dict[str, Any]:
         """Size and version (mtime or ETag): changes when the object is replaced."""
 
+    @abstractmethod
+    def delete(self, key: str) -> None:
+        """Remove the object if it is there."""
+
     def get_bytes(self, key: str) -> bytes:
         with self.open(key) as f:
             return f.read()
+
+    def pin(self, key: str) -> dict[str, Any]:
+        """What the object is now, to read exactly this version later (`open_pinned`, `check_pin`)."""
+        return self.fingerprint(key)
+
+    def check_pin(self, key: str, pin: dict[str, Any]) -> None:
+        """InputChanged when the object is no longer the pinned version (checked cheaply: no hash)."""
+        try:
+            now = self.fingerprint(key)
+        except FileNotFoundError:
+            raise InputChanged(f"input {self.uri_of(key)} was removed since the job was validated") from None
+        if any(now.get(name) != value for name, value in pin.items() if name != "sha256"):
+            raise InputChanged(f"input {self.uri_of(key)} changed since the job was validated "
+                               f"(pinned {_describe(pin)}, now {_describe(now)}); the job cannot mix two inputs")
+
+    def open_pinned(self, key: str, pin: dict[str, Any]) -> IO[bytes]:
+        """The pinned version of the object, or InputChanged."""
+        self.check_pin(key, pin)
+        return self.open(key)
 
     def size(self, key: str) -> int:
         return int(self.fingerprint(key)["size"])
@@ -236,6 +264,9 @@ class LocalStore(ObjectStore):
     def open(self, key: str) -> IO[bytes]:
         return open(self.path(key), "rb")
 
+    def delete(self, key: str) -> None:
+        self.path(key).unlink(missing_ok=True)
+
     def exists(self, key: str) -> bool:
         return self.path(key).is_file()
 
@@ -248,6 +279,14 @@ class LocalStore(ObjectStore):
     def fingerprint(self, key: str) -> dict[str, Any]:
         stat = self.path(key).stat()
         return {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+
+    def pin(self, key: str) -> dict[str, Any]:
+        """Size and mtime (checked before and after every shard's read), and a hash (checked on a resume)."""
+        digest = hashlib.sha256()
+        with self.open(key) as f:
+            while chunk := f.read(READ_BUFFER):
+                digest.update(chunk)
+        return {**self.fingerprint(key), "sha256": digest.hexdigest()}
 
 
 def _fsync_dir(path: Path) -> None:
@@ -274,8 +313,18 @@ class S3Store(ObjectStore):
     def put_file(self, key: str, path: str | Path) -> None:
         self.client.upload_file(str(path), self.bucket, self.key(key), Config=_transfer_config())
 
-    def open(self, key: str) -> IO[bytes]:
-        return io.BufferedReader(S3RangeReader(self.client, self.bucket, self.key(key)), buffer_size=READ_BUFFER)
+    def open(self, key: str, if_match: str | None = None) -> IO[bytes]:
+        reader = S3RangeReader(self.client, self.bucket, self.key(key), if_match)
+        return io.BufferedReader(reader, buffer_size=READ_BUFFER)
+
+    def delete(self, key: str) -> None:
+        self.client.delete_object(Bucket=self.bucket, Key=self.key(key))
+
+    def open_pinned(self, key: str, pin: dict[str, Any]) -> IO[bytes]:
+        """Every range request carries If-Match (the pinned ETag) and the VersionId where the bucket has one:
+        a replaced object answers 412, which is InputChanged."""
+        self.check_pin(key, pin)
+        return self.open(key, if_match=pin.get("etag"))
 
     def exists(self, key: str) -> bool:
         return self._head(key) is not None
@@ -291,7 +340,10 @@ class S3Store(ObjectStore):
         head = self._head(key)
         if head is None:
             raise FileNotFoundError(f"no object {self.uri_of(key)}")
-        return {"size": head["ContentLength"], "etag": head.get("ETag", "").strip('"')}
+        found = {"size": head["ContentLength"], "etag": head.get("ETag", "").strip('"')}
+        if head.get("VersionId") and head["VersionId"] != "null":
+            found["version_id"] = head["VersionId"]
+        return found
 
     def _head(self, key: str) -> dict | None:
         from botocore.exceptions import ClientError
@@ -304,14 +356,18 @@ class S3Store(ObjectStore):
             raise
 
 
+def _describe(fingerprint: dict[str, Any]) -> str:
+    return ", ".join(f"{k} {v}" for k, v in sorted(fingerprint.items()) if k != "sha256")
+
+
 class S3RangeReader(io.RawIOBase):
     """Seekable reads of one S3 object by HTTP range requests."""
 
-    def __init__(self, client, bucket: str, key: str) -> None:
+    def __init__(self, client, bucket: str, key: str, if_match: str | None = None) -> None:
         from botocore.exceptions import ClientError
 
         super().__init__()
-        self.client, self.bucket, self.key = client, bucket, key
+        self.client, self.bucket, self.key, self.if_match = client, bucket, key, if_match
         self.position = 0
         try:
             self.length = client.head_object(Bucket=bucket, Key=key)["ContentLength"]
@@ -338,7 +394,17 @@ class S3RangeReader(io.RawIOBase):
         end = min(self.position + len(buffer), self.length)
         if end <= self.position:
             return 0
-        body = self.client.get_object(Bucket=self.bucket, Key=self.key, Range=f"bytes={self.position}-{end - 1}")
+        from botocore.exceptions import ClientError
+
+        pinned = {"IfMatch": f'"{self.if_match}"'} if self.if_match else {}
+        try:
+            body = self.client.get_object(Bucket=self.bucket, Key=self.key, Range=f"bytes={self.position}-{end - 1}",
+                                          **pinned)
+        except ClientError as error:
+            if error.response.get("Error", {}).get("Code") in ("PreconditionFailed", "412"):
+                raise InputChanged(f"input s3://{self.bucket}/{self.key} changed since the job was validated "
+                                   f"(its ETag is no longer {self.if_match}); the job cannot mix two inputs") from None
+            raise
         data = body["Body"].read()
         buffer[:len(data)] = data
         self.position += len(data)
@@ -358,7 +424,8 @@ def s3_client(options: S3Options):
     session = boto3.session.Session(profile_name=options.profile, region_name=options.region)
     custom_endpoint = options.endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get(
         "AWS_ENDPOINT_URL")
-    config = Config(retries={"max_attempts": 5, "mode": "standard"},
+    # standard retries back off on 5xx, throttling and timeouts; longer outages are the callers' to wait out
+    config = Config(retries={"max_attempts": 5, "mode": "standard"}, connect_timeout=10, read_timeout=60,
                     # S3-compatible servers want path-style URLs and only the checksums S3 requires
                     **({"s3": {"addressing_style": "path"}, "request_checksum_calculation": "when_required",
                         "response_checksum_validation": "when_required"} if custom_endpoint else {}))

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from datetime import datetime
 
-from sqlalchemy import delete, func, select
+from sqlalchemy import delete, func, select, update
 from sqlalchemy.orm import Session
 
 from storage.models import FailedRow, Job, Shard, ShardStatus, utcnow
@@ -88,6 +88,8 @@ def add_shards(session: Session, job: Job, ranges: Iterable[tuple[int, int]]) ->
 
 
 def start_shard(shard: Shard, worker: str, lease_until: datetime) -> None:
+    """A new claim of the shard: its token goes up, which fences every earlier claim's writes."""
+    shard.claim_token = (shard.claim_token or 0) + 1
     shard.status = ShardStatus.RUNNING.value
     shard.attempts += 1
     shard.worker = worker
@@ -95,6 +97,14 @@ def start_shard(shard: Shard, worker: str, lease_until: datetime) -> None:
     shard.finished_at = None
     shard.lease_expires_at = lease_until
     shard.error = None
+
+
+def renew_lease(session: Session, shard_id: int, claim_token: int, lease_until: datetime) -> bool:
+    """Extend a running shard's lease if the claim is still this token's; False when it was lost."""
+    result = session.execute(update(Shard).where(Shard.id == shard_id, Shard.claim_token == claim_token,
+                                                 Shard.status == ShardStatus.RUNNING.value)
+                             .values(lease_expires_at=lease_until))
+    return result.rowcount == 1
 
 
 def complete_shard(session: Session, shard: Shard, totals: dict[str, int], output_key: str,

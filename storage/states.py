@@ -1,8 +1,11 @@
 """The job state machine (OpenAI Batch statuses). Every transition stamps `<status>_at`; others raise.
 
     validating -> queued -> in_progress -> finalizing -> completed
-    any live status -> failed | cancelling -> cancelled;  queued/in_progress -> expired
+    any live status -> failed | cancelling -> cancelled;  validating/queued/in_progress -> expired
     failed | cancelled | expired -> validating  (a retry: resubmitting the same job)
+
+A live job holds its output prefix (`output_claim`, unique); reaching a terminal status lets it go, a retry
+takes it again.
 """
 
 from __future__ import annotations
@@ -10,11 +13,12 @@ from __future__ import annotations
 from datetime import datetime
 
 from storage.models import Job, JobStatus, utcnow
+from storage.objectstore import normalize_uri
 
 S = JobStatus
 
 ALLOWED: dict[JobStatus, frozenset[JobStatus]] = {
-    S.VALIDATING: frozenset({S.QUEUED, S.FAILED, S.CANCELLING, S.CANCELLED}),
+    S.VALIDATING: frozenset({S.QUEUED, S.FAILED, S.CANCELLING, S.CANCELLED, S.EXPIRED}),
     S.QUEUED: frozenset({S.IN_PROGRESS, S.FAILED, S.CANCELLING, S.CANCELLED, S.EXPIRED}),
     S.IN_PROGRESS: frozenset({S.FINALIZING, S.FAILED, S.CANCELLING, S.EXPIRED}),
     S.FINALIZING: frozenset({S.COMPLETED, S.FAILED}),
@@ -51,6 +55,15 @@ def transition(job: Job, new_status: str, *, error: str | None = None, at: datet
         job.error = error
     elif new is S.VALIDATING:
         job.error = None
+    if new in TERMINAL:
+        job.output_claim = None
+    elif new is S.VALIDATING and job.output_uri:  # a retry takes the prefix again (submit checks it is free)
+        job.output_claim = output_claim(job.output_uri)
+
+
+def output_claim(output_uri: str) -> str:
+    """The key a live job holds its output prefix by: the normalized URI without a trailing slash."""
+    return normalize_uri(output_uri).rstrip("/")
 
 
 def is_terminal(status: str) -> bool:

@@ -35,9 +35,14 @@ app.conf.update(
     worker_proc_alive_timeout=120,  # a pool process loads its engine before it takes tasks
     worker_cancel_long_running_tasks_on_connection_loss=True,
     broker_connection_retry_on_startup=True,
+    broker_connection_retry=True,
+    broker_connection_max_retries=None,  # a broker down (restarting) is waited for, however long
+    result_backend_always_retry=True,  # and so is the result backend (Redis) for task states
+    redis_socket_keepalive=True,
+    redis_backend_health_check_interval=10,  # a restarted Redis: stale connections are found and replaced
     # Redis hands an unacknowledged task to another worker after this; a dead worker's shard is found
     # sooner by the sweep (its process is gone), so this only needs to exceed the longest shard.
-    broker_transport_options={"visibility_timeout": 6 * 3600},
+    broker_transport_options={"visibility_timeout": 6 * 3600, "health_check_interval": 10},
     beat_schedule={  # a firing no worker took before the next one is dropped, so busy workers find no pile
         "sweep": {"task": "tokenmill.sweep", "schedule": config.sweep_interval_s,
                   "options": {"expires": config.sweep_interval_s}},

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("tokenmill.events")
 
 SEND_WAIT_MS = 5000
+RECONNECT_BACKOFF_MAX_MS = 2000  # after a broker restart, back within seconds
 PENDING = "tokenmill_job_events"  # session.info key: the events of the open transaction, in order
 
 
@@ -46,9 +47,18 @@ class EventPublisher:
 
             self._producer = KafkaProducer(bootstrap_servers=self.bootstrap, max_block_ms=SEND_WAIT_MS,
                                            value_serializer=lambda v: json.dumps(v).encode(),
-                                           key_serializer=str.encode)
+                                           key_serializer=str.encode, retries=5,
+                                           reconnect_backoff_max_ms=RECONNECT_BACKOFF_MAX_MS)
             self._pid = os.getpid()
         return self._producer
+
+    def _drop(self) -> None:
+        producer, self._producer = self._producer, None
+        if producer is not None:
+            try:
+                producer.close(timeout=0)
+            except Exception:
+                pass
 
     def publish(self, payloads: list[dict[str, Any]]) -> None:
         """Send the events and wait until the broker has them."""
@@ -58,6 +68,7 @@ class EventPublisher:
                 producer.send(self.topic, key=payload["job_id"], value=payload)
             producer.flush(timeout=SEND_WAIT_MS / 1000)
         except Exception as error:  # events are best effort, never fatal to the job
+            self._drop()  # a fresh producer next time (the broker may have restarted)
             log.warning("could not publish the events %s: %s",
                         ", ".join(f"{p['job_id']} {p['status']}" for p in payloads), error)
 

@@ -95,6 +95,10 @@ def finalize_outputs(sessions: sessionmaker[Session], job: Job, shards: list[Sha
     if job.settings.openai_output:
         lines = write_jsonl(store, BATCH_OUTPUT_KEY, batch_output_lines(sessions, job, shards, store))
         files["batch_output"] = {"key": BATCH_OUTPUT_KEY, "rows": lines}
+    committed = {s.output_key for s in shards}
+    for key in store.list("part-"):  # parts of claims that were taken over: the database never committed them
+        if key not in committed:
+            store.delete(key)
     document = manifest(job, shards, files, finished_at)
     write_manifest(store, document)
     return document

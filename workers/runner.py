@@ -8,19 +8,21 @@ it to `finalizing` in the same transaction that holds the job row's lock, so exa
 from __future__ import annotations
 
 import logging
+import os
+import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
-from sqlalchemy import delete
+from sqlalchemy import delete, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from storage import repository as repo
 from storage.formats import InputError, InputReader, open_input, write_part
 from storage.liveness import runner_alive, shard_runner_alive, worker_alive, worker_id
 from storage.models import FailedRow, Job, JobStatus, Shard, ShardStatus, utcnow
-from storage.objectstore import ObjectStore, open_file_store, open_store
+from storage.objectstore import InputChanged, ObjectStore, open_file_store, open_store
 from storage.states import is_terminal, transition
 from workers.finalize import finalize_outputs
 from workers.shards import ShardExecution, ShardOutcome, ShardsExecution, ShardWork
@@ -30,7 +32,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("tokenmill.jobs")
 
-LEASE = timedelta(minutes=2)
+LEASE = timedelta(seconds=float(os.environ.get("TOKENMILL_LEASE_S") or 120))  # renewed every quarter
+RUNNING_HERE: set[int] = set()  # the shards this process is running now
 STATUS_POLL_SECONDS = 1.0
 S = JobStatus
 EngineProvider = Callable[[dict[str, Any]], "LLMEngine"]  # engine settings of the job -> engine
@@ -38,6 +41,10 @@ EngineProvider = Callable[[dict[str, Any]], "LLMEngine"]  # engine settings of t
 
 class JobBusy(RuntimeError):
     """Another live process is running this job."""
+
+
+class StaleClaim(RuntimeError):
+    """The shard was claimed again (its token moved on): this worker must stop it and write nothing."""
 
 
 def mark_cancelled(job: Job) -> None:
@@ -86,6 +93,7 @@ class JobSteps:
         self.sessions, self.job_id = sessions, job_id
         self.progress = progress or NoProgress()
         self.worker = worker_id()
+        self.step_token: int | None = None  # the job's claim token while this holds a step (claim_step)
         self._reader: InputReader | None = None
 
     def close(self) -> None:
@@ -120,29 +128,62 @@ class JobSteps:
                 transition(job, S.FAILED, error=error)
             return job
 
-    def claim_step(self, status: JobStatus) -> bool:
+    def claim_step(self, status: JobStatus, max_attempts: int | None = None) -> bool:
         """Hold the job for one step (validating, finalizing) unless it is past that step or another live
-        process holds it. `release` lets go."""
+        process holds it. Each claim bumps the job's token (the step's writes are conditional on it) and its
+        attempts: a step started `max_attempts` times without finishing (its worker died each time) fails the
+        job. `release` lets go."""
         with self.sessions.begin() as session:
             job = self._job(session)
             if job.status != status or (job.worker not in (None, self.worker) and worker_alive(job.worker)):
                 return False
-            job.worker = self.worker
+            if max_attempts is not None and job.attempts >= max_attempts:
+                transition(job, S.FAILED, error=f"{status} was started {job.attempts} time(s) without finishing "
+                                                f"(the limit; its worker died or it kept failing)")
+                log.error("job %s: %s", job.id, job.error)
+                return False
+            job.worker, job.attempts = self.worker, job.attempts + 1
+            job.claim_token = (job.claim_token or 0) + 1
+            self.step_token = job.claim_token
             return True
 
-    def release(self) -> None:
+    def _step_is_ours(self, job: Job) -> bool:
+        """(job row locked) Does this process still hold the job's step? Always, outside `claim_step`."""
+        if self.step_token is None or job.claim_token == self.step_token:
+            return True
+        log.warning("job %s: its step was claimed again (token %s, ours %s); writing nothing", job.id,
+                    job.claim_token, self.step_token)
+        return False
+
+    def release(self, finished: bool = False, refund: bool = False) -> None:
+        """Let go of the step; `finished` clears the step's attempt count, `refund` gives this attempt back
+        (a transient fault, not the work)."""
         self.close()
         with self.sessions.begin() as session:
             job = self._job(session)
+            if not self._step_is_ours(job):
+                return
             if job.worker == self.worker:
                 job.worker = None
+            if finished:
+                job.attempts = 0
+            elif refund and job.attempts > 0:
+                job.attempts -= 1
 
     # -- validating ---------------------------------------------------------------------------------
 
     def _reader_for(self, job: Job) -> InputReader:
+        """The job's input; once validated, the pinned version only (else `InputChanged`)."""
         if self._reader is None:
-            self._reader = open_input(*self._input_location(job), job.settings.limits)
+            self._reader = open_input(*self._input_location(job), job.settings.limits,
+                                      pin=job.settings.input_fingerprint if job.status != S.VALIDATING else None)
         return self._reader
+
+    def _check_input(self, job: Job) -> None:
+        """After reading a shard: the input is still the validated version (a local file checks size, mtime)."""
+        if job.settings.input_fingerprint is not None:
+            store, key = self._input_location(job)
+            store.check_pin(key, job.settings.input_fingerprint)
 
     def _input_location(self, job: Job) -> tuple[ObjectStore, str]:
         return open_file_store(job.input_uri, job.settings.s3)
@@ -154,13 +195,16 @@ class JobSteps:
             job = self._job(session, lock=False)
             started = any(s.attempts for s in job.shards)
         try:
+            store, key = self._input_location(job)
+            fingerprint = store.pin(key)
             reader = self._reader_for(job)
             reader.validate()
-            store, key = self._input_location(job)
-            fingerprint = store.fingerprint(key)
+            store.check_pin(key, fingerprint)  # not replaced while it was read
             if not started:
                 self._check_output_empty(job)
-        except InputError as error:
+        except FileNotFoundError:
+            return self.set_status(S.FAILED, error=f"input {job.input_uri} does not exist")
+        except (InputError, InputChanged) as error:
             log.warning("job %s failed validation: %s", job.id, error)
             return self.set_status(S.FAILED, error=str(error))
         return self._plan(reader.num_rows, reader.format, fingerprint, started)
@@ -174,11 +218,14 @@ class JobSteps:
     def _plan(self, num_rows: int, input_format: str, fingerprint: dict, started: bool) -> Job:
         with self.sessions.begin() as session:
             job = self._job(session)
+            if not self._step_is_ours(job):
+                return job
             if job.status == S.CANCELLING:
                 mark_cancelled(job)
                 return job
             if started and job.settings.input_fingerprint != fingerprint:
-                transition(job, S.FAILED, error=f"input {job.input_uri} changed since this job started; "
+                transition(job, S.FAILED, error=f"input {job.input_uri} changed since this job started "
+                                                f"(pinned {job.settings.input_fingerprint}, now {fingerprint}); "
                                                 "write to a new --output to run it as a new job")
                 return job
             if not started:
@@ -207,7 +254,7 @@ class JobSteps:
                 return ShardClaim("stopped", shard, job)
             if shard.status == ShardStatus.COMPLETED:
                 return ShardClaim("done", shard, job)
-            if shard.status == ShardStatus.RUNNING and shard_runner_alive(shard):
+            if shard.status == ShardStatus.RUNNING and shard_runner_alive(shard) and not self._left_here(shard):
                 return ShardClaim("busy", shard, job)
             if shard.attempts >= max_attempts:
                 give_up(job, shard)
@@ -217,25 +264,51 @@ class JobSteps:
             repo.start_shard(shard, self.worker, utcnow() + LEASE)
             return ShardClaim("run", shard, job)
 
+    def _left_here(self, shard: Shard) -> bool:
+        """Marked running by this process, which no longer runs it (its end was not recorded: the database
+        was down then)."""
+        return shard.worker == self.worker and shard.id not in RUNNING_HERE
+
     def execute_shard(self, job: Job, shard: Shard, engine: Callable[[], LLMEngine]) -> ShardOutcome:
         """Run a shard this process has started (status running, its lease ours): generate, write the part
         file, mark it completed. A stop request ends it `cancelled`; an error (loading the engine included)
         ends it `failed` and is raised."""
         started = time.perf_counter()
+        heartbeat = LeaseHeartbeat(self.sessions, {shard.id: shard.claim_token})
+        RUNNING_HERE.add(shard.id)
         try:
-            outcome = self._execute(job, shard, engine())
+            with heartbeat:
+                outcome = self._execute(job, shard, engine(), heartbeat)
+            if heartbeat.lost:
+                raise StaleClaim(f"job {job.id}: shard {shard.index} was claimed by another worker")
             if outcome.cancelled:
                 self._end_shard(shard, ShardStatus.CANCELLED)
                 return outcome
+            self._check_input(job)
             key = self._write_part(job, shard, outcome)
+            self._record_shard(job, shard, outcome, key, started)
+        except StaleClaim as lost:
+            log.warning("%s; this worker stops it and writes nothing", lost)
+            return ShardOutcome(lost=True)
+        except InputChanged as changed:  # not the shard's fault, nor a retry's cure: the job fails with why
+            self._end_shard(shard, ShardStatus.FAILED, str(changed))
+            self.fail(str(changed))
+            log.error("job %s: %s", job.id, changed)
+            return ShardOutcome(cancelled=True)
         except Exception as error:
             self._end_shard(shard, ShardStatus.FAILED, f"{type(error).__name__}: {error}")
             raise
-        self._record_shard(job, shard, outcome, key, started)
+        finally:
+            RUNNING_HERE.discard(shard.id)
         return outcome
 
     def _write_part(self, job: Job, shard: Shard, outcome: ShardOutcome) -> str:
-        return write_part(open_store(job.output_uri, job.settings.s3), shard.index, outcome.records)
+        """The part under this claim's own key, once the claim is checked to be still ours."""
+        with self.sessions() as session:
+            if session.scalar(select(Shard.claim_token).where(Shard.id == shard.id)) != shard.claim_token:
+                raise StaleClaim(f"job {job.id}: shard {shard.index} was claimed by another worker")
+        return write_part(open_store(job.output_uri, job.settings.s3), shard.index, outcome.records,
+                          shard.claim_token)
 
     def _record_shard(self, job: Job, shard: Shard, outcome: ShardOutcome, key: str, started: float) -> None:
         outcome.completed_job = self._complete_shard(shard, outcome, key)
@@ -243,9 +316,9 @@ class JobSteps:
                  shard.row_start, shard.row_end - 1, time.perf_counter() - started, len(outcome.records),
                  len(outcome.errors))
 
-    def _execute(self, job: Job, shard: Shard, engine: LLMEngine) -> ShardOutcome:
+    def _execute(self, job: Job, shard: Shard, engine: LLMEngine, heartbeat: LeaseHeartbeat) -> ShardOutcome:
         engine.set_speculative_config(job.settings.speculative_config)
-        watch = StatusWatch(self.sessions, job.id, {shard.id})
+        watch = StatusWatch(self.sessions, job.id, heartbeat)
         execution = ShardExecution(engine, job.settings.sampling, f"{job.id[:8]}-{shard.index}-",
                                    should_stop=watch.should_stop, on_progress=self.progress.advance,
                                    priority=engine_priority(job), cache_salt=job.settings.cache_salt)
@@ -255,7 +328,10 @@ class JobSteps:
         """Mark the shard completed; True when it was the job's last (the job went to finalizing)."""
         with self.sessions.begin() as session:
             job = self._job(session)
-            row = repo.get_shard_by_id(session, shard.id)
+            row = repo.get_shard_by_id(session, shard.id, for_update=True)
+            if row.claim_token != shard.claim_token:
+                raise StaleClaim(f"job {job.id}: shard {shard.index} was claimed by another worker "
+                                 f"(token {row.claim_token}, ours {shard.claim_token})")
             errors = [FailedRow(job_id=job.id, shard=shard.index, row_index=e.row, custom_id=e.custom_id,
                                 code=e.code, message=e.message) for e in outcome.errors]
             repo.complete_shard(session, row, outcome.totals(), key, errors)
@@ -265,7 +341,11 @@ class JobSteps:
         """A shard that stopped without completing: cancelled, or failed with its error (redone on a retry)."""
         with self.sessions.begin() as session:
             job = self._job(session)
-            row = repo.get_shard_by_id(session, shard.id)
+            row = repo.get_shard_by_id(session, shard.id, for_update=True)
+            if row.claim_token != shard.claim_token:
+                log.warning("job %s: shard %d was claimed by another worker; not marking it %s", job.id,
+                            shard.index, status)
+                return
             row.status, row.error, row.lease_expires_at, row.finished_at = status.value, error, None, utcnow()
             _settle(job)
 
@@ -274,7 +354,7 @@ class JobSteps:
         with self.sessions.begin() as session:
             self._job(session)
             row = repo.get_shard_by_id(session, shard.id, for_update=True)
-            if row.status == ShardStatus.FAILED and row.attempts > 0:
+            if row.status == ShardStatus.FAILED and row.attempts > 0 and row.claim_token == shard.claim_token:
                 row.attempts -= 1
 
     def finish_cancel(self) -> Job:
@@ -302,7 +382,7 @@ class JobSteps:
         finalize_outputs(self.sessions, job, shards, store, finished_at)
         with self.sessions.begin() as session:
             job = self._job(session)
-            if job.status == S.FINALIZING:
+            if job.status == S.FINALIZING and self._step_is_ours(job):
                 transition(job, S.COMPLETED, at=finished_at)
             return job
 
@@ -349,7 +429,7 @@ class JobRunner(JobSteps):
             while (step := steps.get(JobStatus(job.status))) is not None:
                 job = step()
             return job
-        except InputError as error:  # e.g. a corrupt row group found mid-job
+        except (InputError, InputChanged) as error:  # e.g. a corrupt row group found mid-job, a replaced input
             return self.set_status(S.FAILED, error=str(error))
         except Exception as error:
             self.set_status(S.FAILED, error=f"{type(error).__name__}: {error}")
@@ -395,7 +475,8 @@ class JobRunner(JobSteps):
         written and the shard completed as soon as its last row finishes; a stop request or an error ends the
         shards still in flight cancelled or failed (a resume redoes them)."""
         engine.set_speculative_config(job.settings.speculative_config)
-        watch = StatusWatch(self.sessions, job.id, set())
+        heartbeat = LeaseHeartbeat(self.sessions, {})
+        watch = StatusWatch(self.sessions, job.id, heartbeat)
         execution = ShardsExecution(engine, job.settings.sampling, should_stop=watch.should_stop,
                                     on_progress=self.progress.advance, priority=engine_priority(job),
                                     cache_salt=job.settings.cache_salt)
@@ -404,19 +485,23 @@ class JobRunner(JobSteps):
 
         def on_start(work: ShardWork) -> None:
             with self.sessions.begin() as session:
-                repo.start_shard(repo.get_shard_by_id(session, work.key.id), self.worker, utcnow() + LEASE)
-            watch.shard_ids.add(work.key.id)
+                row = repo.get_shard_by_id(session, work.key.id, for_update=True)
+                repo.start_shard(row, self.worker, utcnow() + LEASE)
+            work.key.claim_token = row.claim_token
+            heartbeat.add(work.key.id, row.claim_token)
             started[work.key.id] = time.perf_counter()
 
         def on_done(work: ShardWork) -> None:
             shard = work.key
+            heartbeat.discard(shard.id)
+            self._check_input(job)
             self._record_shard(job, shard, work.outcome, self._write_part(job, shard, work.outcome),
                                started[shard.id])
-            watch.shard_ids.discard(shard.id)
 
         works = (ShardWork(s, reader.read(s.row_start, s.row_end), f"{job.id[:8]}-{s.index}-") for s in todo)
         try:
-            cancelled = execution.run(works, on_start, on_done)
+            with heartbeat:
+                cancelled = execution.run(works, on_start, on_done)
         except Exception as error:
             for work in execution.in_flight:
                 self._end_shard(work.key, ShardStatus.FAILED, f"{type(error).__name__}: {error}")
@@ -432,25 +517,68 @@ def engine_priority(job: Job) -> int:
     return -(job.priority or 0)
 
 
-class StatusWatch:
-    """Between engine steps: is the job still in progress? Asks the database at most once a second and
-    renews the leases of the shards in `shard_ids` (those running here) while they run."""
+class LeaseHeartbeat:
+    """Renews the leases of the shards it holds ({shard id: claim token}) on its own thread, every quarter
+    lease, whatever the engine is doing (a long step, a rescan of the input). A renewal that finds the claim
+    gone (another claim bumped the token) sets `lost`: the shard must stop and write nothing."""
 
-    def __init__(self, sessions: sessionmaker[Session], job_id: str, shard_ids: set[int]) -> None:
-        self.sessions, self.job_id, self.shard_ids = sessions, job_id, shard_ids
+    def __init__(self, sessions: sessionmaker[Session], claims: dict[int, int], every_s: float | None = None) -> None:
+        self.sessions, self.claims = sessions, dict(claims)
+        self.every_s = every_s if every_s is not None else LEASE.total_seconds() / 4
+        self.lost = False
+        self._lock, self._stop = threading.Lock(), threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def add(self, shard_id: int, token: int) -> None:
+        with self._lock:
+            self.claims[shard_id] = token
+
+    def discard(self, shard_id: int) -> None:
+        with self._lock:
+            self.claims.pop(shard_id, None)
+
+    def __enter__(self) -> LeaseHeartbeat:
+        self._thread = threading.Thread(target=self._run, name="lease-heartbeat", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            self.beat()
+
+    def beat(self) -> None:
+        with self._lock:
+            claims = dict(self.claims)
+        try:
+            with self.sessions.begin() as session:
+                for shard_id, token in claims.items():
+                    if not repo.renew_lease(session, shard_id, token, utcnow() + LEASE):
+                        log.warning("shard id %d: its claim (token %d) was taken over; stopping it", shard_id, token)
+                        self.lost = True
+        except Exception as error:  # the database is down: try again next beat (the lease has 4 beats)
+            log.warning("could not renew the shard leases: %s", error)
+
+
+class StatusWatch:
+    """Between engine steps: is the job still in progress, and does this worker still hold its shards? Asks
+    the database at most once a second (the leases are renewed by a `LeaseHeartbeat`)."""
+
+    def __init__(self, sessions: sessionmaker[Session], job_id: str, heartbeat: LeaseHeartbeat) -> None:
+        self.sessions, self.job_id, self.heartbeat = sessions, job_id, heartbeat
         self.checked = float("-inf")  # the first call always asks: a shard never starts on a cancelled job
-        self.renewed = time.monotonic()
 
     def should_stop(self) -> bool:
+        if self.heartbeat.lost:
+            return True
         now = time.monotonic()
         if now - self.checked < STATUS_POLL_SECONDS:
             return False
         self.checked = now
-        renew = now - self.renewed > LEASE.total_seconds() / 4
-        with self.sessions.begin() as session:
+        with self.sessions() as session:
             status = repo.job_status(session, self.job_id)
-            if renew:
-                for shard_id in self.shard_ids:
-                    session.get(Shard, shard_id).lease_expires_at = utcnow() + LEASE
-                self.renewed = now
         return status != S.IN_PROGRESS

@@ -22,6 +22,7 @@ class ShardOutcome:
     spec_draft_tokens: int = 0  # speculative decoding while this shard ran
     spec_accepted_tokens: int = 0
     completed_job: bool = False  # this shard was the job's last to complete: the job is now finalizing
+    lost: bool = False  # another worker claimed the shard meanwhile: this one stopped and wrote nothing
 
     def totals(self) -> dict[str, int]:
         return {

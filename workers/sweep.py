@@ -8,6 +8,8 @@
   FLUSHALL or restart) and is sent again; so is a job left in `validating` or `finalizing` with no live process
   on it while the control queue is empty. Tasks are idempotent, so a duplicate costs a claim, never data.
   A resent shard's `lease_expires_at` records when it was resent: it is not resent again within the grace.
+- a job past its deadline (`expires_at`, from the spec's `completion_window`) ends `expired`: its completed
+  shards and their parts are kept, the others end cancelled (their running workers see it and stop).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from storage import repository as repo
 from storage.job_settings import CELERY
 from storage.liveness import runner_alive, shard_runner_alive, worker_alive
 from storage.models import Job, JobStatus, Shard, ShardStatus, utcnow
+from storage.states import transition
 from workers.runner import mark_cancelled
 
 log = logging.getLogger("tokenmill.sweep")
@@ -38,6 +41,7 @@ class SweepResult:
     plan: list[str] = field(default_factory=list)  # job ids to validate again
     finalize: list[str] = field(default_factory=list)
     cancelled: list[str] = field(default_factory=list)
+    expired: list[str] = field(default_factory=list)
 
 
 def sweep(sessions: sessionmaker[Session], now: datetime | None = None, stale: timedelta = STALE,
@@ -47,6 +51,10 @@ def sweep(sessions: sessionmaker[Session], now: datetime | None = None, stale: t
     now, result = now or utcnow(), SweepResult()
     waiting = functools.cache(queued or (lambda model: 0))
     with sessions.begin() as session:
+        for job in _service_jobs(session, (S.VALIDATING, S.QUEUED, S.IN_PROGRESS)):
+            if job.expires_at is not None and job.expires_at <= now:
+                expire(job)
+                result.expired.append(job.id)
         for job in _service_jobs(session, (S.QUEUED, S.IN_PROGRESS, S.CANCELLING)):
             _requeue_dead_shards(job, result)
             if job.status == S.CANCELLING and not runner_alive(job):
@@ -58,9 +66,10 @@ def sweep(sessions: sessionmaker[Session], now: datetime | None = None, stale: t
             since = job.validating_at if job.status == S.VALIDATING else job.finalizing_at
             if since and now - since > stale and not worker_alive(job.worker) and not waiting(None):
                 (result.plan if job.status == S.VALIDATING else result.finalize).append(job.id)
-    if any((result.requeue, result.plan, result.finalize, result.cancelled)):
-        log.info("sweep: requeued shards %s, validating again %s, finalizing again %s, cancelled %s",
-                 [shard for _, shard, _ in result.requeue], result.plan, result.finalize, result.cancelled)
+    if any((result.requeue, result.plan, result.finalize, result.cancelled, result.expired)):
+        log.info("sweep: requeued shards %s, validating again %s, finalizing again %s, cancelled %s, expired %s",
+                 [shard for _, shard, _ in result.requeue], result.plan, result.finalize, result.cancelled,
+                 result.expired)
     return result
 
 
@@ -92,12 +101,25 @@ def _waiting_since(job: Job, shard: Shard) -> datetime:
     return max(t for t in times if t is not None)
 
 
+def expire(job: Job) -> None:
+    """(job row locked) The deadline passed: completed shards are kept, the rest end cancelled."""
+    for shard in job.shards:
+        if shard.status in (ShardStatus.PENDING, ShardStatus.RUNNING, ShardStatus.FAILED):
+            shard.status, shard.lease_expires_at = ShardStatus.CANCELLED.value, None
+            shard.claim_token += 1  # a worker still on it writes nothing
+    done = sum(1 for s in job.shards if s.status == ShardStatus.COMPLETED)
+    log.warning("job %s: past its deadline %s; expired with %d of %d shard(s) completed", job.id,
+                job.expires_at, done, len(job.shards))
+    transition(job, S.EXPIRED)
+
+
 def _requeue_dead_shards(job: Job, result: SweepResult) -> None:
     for shard in job.shards:
         if shard.status != ShardStatus.RUNNING or shard_runner_alive(shard):
             continue
         log.warning("job %s: shard %d was running on %s, which is gone", job.id, shard.index, shard.worker)
         shard.lease_expires_at = None
+        shard.claim_token += 1  # fenced: should that worker live on (elsewhere), it writes nothing
         if job.status == S.CANCELLING:
             shard.status = ShardStatus.CANCELLED.value
             continue

@@ -104,17 +104,19 @@ class TaskProgress:
 @app.task(name="tokenmill.plan_job", bind=True, soft_time_limit=1800)
 def plan_job(self: Task, job_id: str) -> dict[str, Any]:
     steps = JobSteps(sessions(), job_id, TaskProgress(self, job_id))
-    if not steps.claim_step(S.VALIDATING):
+    if not steps.claim_step(S.VALIDATING, config.max_control_attempts):
         return _summary(steps.load(), skipped=True)
+    finished = transient = False
     try:
         job = steps.validate()
+        finished = True
     except Exception as error:
-        if is_transient(error):  # S3 or the database down while validating: try again later, the job stays
+        if transient := is_transient(error):  # S3 or the database down while validating: try again later
             raise self.retry(exc=error, countdown=TRANSIENT_RETRY_DELAY_S, max_retries=None) from error
         job = steps.fail(f"{type(error).__name__}: {error}")
         raise
     finally:
-        steps.release()
+        _release(steps, finished, transient)
     pending = _unfinished_shards(job_id) if job.status == S.QUEUED else []
     if pending:
         enqueue_shards(job.id, job.model, pending)
@@ -155,25 +157,36 @@ def run_shard(self: Task, job_id: str, shard_id: int) -> dict[str, Any]:
         steps.close()
     if outcome.completed_job:
         finalize_later(job_id)
-    return _summary(steps.load(), shard=shard.index, decision="cancelled" if outcome.cancelled else "completed",
-                    rows=len(outcome.records) + len(outcome.errors))
+    decision = "lost" if outcome.lost else "cancelled" if outcome.cancelled else "completed"
+    return _summary(steps.load(), shard=shard.index, decision=decision, rows=len(outcome.records) + len(outcome.errors))
 
 
 @app.task(name="tokenmill.finalize_job", bind=True, soft_time_limit=1800)
 def finalize_job(self: Task, job_id: str) -> dict[str, Any]:
     steps = JobSteps(sessions(), job_id, TaskProgress(self, job_id))
-    if not steps.claim_step(S.FINALIZING):
+    if not steps.claim_step(S.FINALIZING, config.max_control_attempts + FINALIZE_RETRIES):
         return _summary(steps.load(), skipped=True)
+    finished = transient = False
     try:
-        return _summary(steps.finalize())
+        job = steps.finalize()
+        finished = True
+        return _summary(job)
     except Exception as error:
-        if is_transient(error):  # S3 or the database down: wait it out, without using up the retries
+        if transient := is_transient(error):  # S3 or the database down: wait it out, without using up the retries
             raise self.retry(exc=error, countdown=TRANSIENT_RETRY_DELAY_S, max_retries=None) from error
         if self.request.retries < FINALIZE_RETRIES:
             raise self.retry(exc=error, countdown=SHARD_RETRY_DELAY_S) from error
         return _summary(steps.fail(f"finalizing failed: {type(error).__name__}: {error}"))
     finally:
-        steps.release()
+        _release(steps, finished, transient)
+
+
+def _release(steps: JobSteps, finished: bool, transient: bool) -> None:
+    """Let go of a control step: a finished one clears the job's attempts, a transient fault gives its back."""
+    try:
+        steps.release(finished=finished, refund=transient)
+    except Exception:  # the database is down: the sweep resends the step once the worker is seen gone
+        log.exception("job %s: could not release its step", steps.job_id)
 
 
 @app.task(name="tokenmill.sweep")
@@ -188,7 +201,7 @@ def sweep() -> dict[str, Any]:
     for job_id in found.finalize:
         finalize_later(job_id)
     return {"requeued": [shard for _, shard, _ in found.requeue], "validating": found.plan,
-            "finalizing": found.finalize, "cancelled": found.cancelled}
+            "finalizing": found.finalize, "cancelled": found.cancelled, "expired": found.expired}
 
 
 def queued_tasks(model: str | None) -> int:

@@ -46,12 +46,13 @@ class InputReader(Protocol):
     def close(self) -> None: ...
 
 
-def open_input(store: ObjectStore, key: str, limits: Limits | None = None) -> InputReader:
-    """A reader for store/key: JSONL by suffix (.jsonl, .ndjson, .json) or by a leading '{', else Parquet."""
+def open_input(store: ObjectStore, key: str, limits: Limits | None = None, pin: dict | None = None) -> InputReader:
+    """A reader for store/key: JSONL by suffix (.jsonl, .ndjson, .json) or by a leading '{', else Parquet. With
+    `pin` (the input's version at validation) it reads that version or raises `InputChanged`."""
     limits = limits or Limits()
     try:
         size = store.size(key)
-        file = store.open(key)
+        file = store.open(key) if pin is None else store.open_pinned(key, pin)
     except FileNotFoundError:
         raise InputError(f"input {store.uri_of(key)} does not exist") from None
     try:

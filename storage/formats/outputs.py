@@ -38,17 +38,19 @@ PART_SCHEMA = pa.schema([
 ])
 
 
-def part_key(index: int) -> str:
-    return f"part-{index:05d}.parquet"
+def part_key(index: int, claim: int = 1) -> str:
+    """A shard's part file; a later claim of the shard writes its own key, so a stale worker cannot replace
+    the part the database committed (the shard row's `output_key`)."""
+    return f"part-{index:05d}.parquet" if claim <= 1 else f"part-{index:05d}-{claim}.parquet"
 
 
-def write_part(store: ObjectStore, index: int, records: list[dict[str, Any]]) -> str:
-    """One shard's results, in input order, written once (atomically). Returns the key."""
+def write_part(store: ObjectStore, index: int, records: list[dict[str, Any]], claim: int = 1) -> str:
+    """One shard's results, in input order, written once (atomically) under its claim's key. Returns the key."""
     records = sorted(records, key=lambda r: (r["row_index"], r["choice_index"]))
     table = pa.Table.from_pylist(records, schema=PART_SCHEMA)
     sink = pa.BufferOutputStream()
     pq.write_table(table, sink, compression="zstd")
-    key = part_key(index)
+    key = part_key(index, claim)
     store.put_bytes(key, sink.getvalue().to_pybytes())
     return key
 

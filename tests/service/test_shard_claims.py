@@ -14,7 +14,7 @@ from storage import repository as repo
 from storage.job_settings import CELERY, LOCAL, JobSettings
 from storage.liveness import worker_id
 from storage.models import Job, Shard, utcnow
-from workers.runner import JobSteps
+from workers.runner import RUNNING_HERE, JobSteps
 from workers.shards import ShardOutcome
 from workers.sweep import sweep
 
@@ -57,7 +57,12 @@ def test_claims_count_attempts_skip_live_workers_and_give_up_at_the_limit(sqlite
     claim = steps.claim_shard(first, max_attempts=2)
     assert claim.decision == "run" and claim.shard.attempts == 1 and claim.job.status == "in_progress"
     assert claim.shard.worker == worker_id()
-    assert steps.claim_shard(first, max_attempts=2).decision == "busy"  # this process is alive
+    RUNNING_HERE.add(first)  # while this process runs it
+    assert steps.claim_shard(first, max_attempts=2).decision == "busy"
+    RUNNING_HERE.discard(first)
+    retaken = steps.claim_shard(first, max_attempts=3)  # marked running here, but no longer run here
+    assert retaken.decision == "run" and retaken.shard.claim_token == 2
+    set_shard(sqlite_sessions, first, attempts=1)
 
     set_shard(sqlite_sessions, first, worker=dead_worker())  # its worker died mid-shard
     assert steps.claim_shard(first, max_attempts=2).shard.attempts == 2
