@@ -35,6 +35,7 @@ STACK_ENV = {
     "TOKENMILL_MAX_SHARD_ATTEMPTS": "2",
     "TOKENMILL_MAX_SPEC_BYTES": "262144",
     "TOKENMILL_SWEEP_GRACE_S": "10",
+    "TOKENMILL_LEASE_S": "20",  # heartbeats every 5 s: a worker whose claim was taken stops within seconds
 }
 TERMINAL = ("completed", "failed", "cancelled", "expired")
 

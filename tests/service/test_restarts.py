@@ -1,0 +1,295 @@
+"""Restarts and takeovers on the real services, each while a job runs: Redis restarted, tansu restarted (it keeps
+messages in memory, so it comes back empty), the consumer, the watcher and beat killed with SIGKILL, a live
+worker's shard claim stolen, two jobs on one output prefix, the input replaced mid-job, and PostgreSQL restarted
+(a private cluster this test starts itself, with a worker of its own). Each ends with every custom_id exactly
+once in the outputs (or the job cleanly failed, for a replaced input) and no job left non-terminal."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from sqlalchemy import text
+
+from ingest.config import model_slug
+from ingest.submit import send
+from tests.jobs.jobhelpers import assert_each_id_once, prompt_rows, write_parquet
+from tests.service.conftest import (
+    job_row,
+    shard_rows,
+    stack_module,
+    submit_file,
+    wait_for_job,
+    wait_for_workers,
+    wait_until,
+)
+from tests.service.test_front_doors import jobs_where
+
+pytestmark = pytest.mark.real_model
+
+PG_BIN = Path("/usr/lib/postgresql/15/bin")
+
+
+def start_job(stack, tmp_path: Path, tag: str, rows: int = 8, max_tokens: int = 16, via: str = "kafka"):
+    """A small job of `rows` prompts in shards of 2; (job id, custom ids)."""
+    columns = prompt_rows(rows, tag)
+    path = write_parquet(tmp_path / f"{tag}.parquet", columns)
+    job_id = submit_file(stack, path, "--output", f"{stack.bucket}/{tag}-{uuid.uuid4().hex[:8]}", "--shard-size", "2",
+                         "--max-tokens", str(max_tokens), via=via)
+    return job_id, columns["custom_id"]
+
+
+def a_shard_completed(sessions, job_id: str) -> None:
+    wait_until(lambda: any(s["status"] == "completed" for s in shard_rows(sessions, job_id)),
+               f"a first shard of {job_id} to complete", timeout=180)
+
+
+def assert_completed_once(stack, sessions, job_id: str, custom_ids: list[str], timeout: float = 300) -> dict:
+    job = wait_for_job(sessions, job_id, timeout=timeout)
+    assert job["status"] == "completed", job["error"]
+    assert_each_id_once(stack.store(job["output_uri"]), custom_ids)
+    return job
+
+
+def logs_of(stack, pattern: str) -> str:
+    return "".join(p.read_text(errors="replace") for p in (stack.dir / "logs").glob(pattern))
+
+
+def test_a_redis_restart_mid_job_loses_nothing_and_clients_reconnect(stack, sessions, tmp_path) -> None:
+    """Redis (broker and result backend, no persistence) restarted by the stack with its own settings: the
+    workers and beat reconnect, the reconciler resends what was queued, and a fresh client pings the workers."""
+    job_id, ids = start_job(stack, tmp_path, "redis-restart")
+    a_shard_completed(sessions, job_id)
+    stack_module().restart(stack.dir, "redis")
+    stack.reload()
+    wait_until(lambda: stack_module().port_open(stack.state["ports"]["redis"]), "Redis to listen", timeout=20)
+    assert_completed_once(stack, sessions, job_id, ids)
+    wait_for_workers(stack, 2, timeout=60)  # a new connection after the restart works
+
+
+def test_a_tansu_restart_loses_no_job_and_the_front_door_reconnects(stack, sessions, tmp_path) -> None:
+    """tansu restarted while a job runs: the job (recorded in the database) completes; the consumer and the
+    event producers reconnect, and a job sent after the restart completes too."""
+    from kafka import KafkaConsumer, TopicPartition
+
+    module = stack_module()
+    job_id, ids = start_job(stack, tmp_path, "tansu-restart")
+    a_shard_completed(sessions, job_id)
+    probe = KafkaConsumer(bootstrap_servers=stack.bootstrap)
+    end = probe.end_offsets([TopicPartition("tokenmill.jobs", 0)])[TopicPartition("tokenmill.jobs", 0)]
+    probe.close()
+    kafka_dir, port = str(stack.dir / "kafka"), str(stack.state["ports"]["kafka"])
+    runner = module.Stack(stack.dir)
+    runner.script("kafka", "stop", kafka_dir)
+    runner.script("kafka", "start", kafka_dir, port, module.JOBS_TOPIC, module.EVENTS_TOPIC)
+    _refill_offsets(stack.bootstrap, end)  # the topic came back empty: later tests must not meet old offsets
+    assert_completed_once(stack, sessions, job_id, ids)
+
+    rows = [{"custom_id": f"after-tansu-{i}", "prompt": f"Say {i}."} for i in range(4)]
+    sent = send(stack.bootstrap, "tokenmill.jobs", {"rows": rows, "output_uri": f"{stack.bucket}/after-tansu-"
+                                                    f"{uuid.uuid4().hex[:8]}", "sampling": {"max_tokens": 4}})
+    after = wait_until(lambda: jobs_where(sessions, "source_ref = :ref", ref=f"tokenmill.jobs/0/{sent.offset}"),
+                       "the consumer to take a job after the restart", timeout=90)[0]
+    assert_completed_once(stack, sessions, after["id"], [r["custom_id"] for r in rows])
+
+
+def _refill_offsets(bootstrap: str, end: int) -> None:
+    """Null messages up to the old end offset (the consumer rejects them), so new messages get new offsets."""
+    from kafka import KafkaProducer
+
+    producer = KafkaProducer(bootstrap_servers=bootstrap, acks="all")
+    try:
+        for _ in range(end):
+            producer.send("tokenmill.jobs", value=None, key=b"offset-refill")
+        producer.flush(timeout=60)
+    finally:
+        producer.close(timeout=5)
+
+
+def test_sigkill_of_the_consumer_the_watcher_and_beat(stack, sessions, tmp_path) -> None:
+    """The consumer, the watcher and beat killed with SIGKILL while a job runs and started again: the job
+    completes, and a job sent to each front door afterwards completes once."""
+    module = stack_module()
+    job_id, ids = start_job(stack, tmp_path, "sigkill-front", via="s3")
+    a_shard_completed(sessions, job_id)
+    for name in ("consumer", "watcher", "beat"):
+        os.killpg(stack.state["processes"][name], signal.SIGKILL)
+    wait_until(lambda: not set(module.Stack(stack.dir).running()) & {"consumer", "watcher", "beat"},
+               "the three to die", timeout=20)
+    for name in ("consumer", "watcher", "beat"):
+        module.restart(stack.dir, name)
+    stack.reload()
+    assert_completed_once(stack, sessions, job_id, ids)
+    kafka_job, kafka_ids = start_job(stack, tmp_path, "after-kill-kafka", rows=4, max_tokens=4)
+    inbox_job, inbox_ids = start_job(stack, tmp_path, "after-kill-inbox", rows=4, max_tokens=4, via="s3")
+    assert_completed_once(stack, sessions, kafka_job, kafka_ids)
+    assert_completed_once(stack, sessions, inbox_job, inbox_ids)
+
+
+def test_a_live_worker_whose_claim_is_stolen_writes_nothing(stack, sessions, tmp_path) -> None:
+    """A shard running on a live worker is claimed again (its token bumped, as a takeover after a lost lease
+    does) and sent to the workers again: the first worker's heartbeat sees the claim gone, it stops the shard
+    and writes nothing; the new claim completes it and the job has every custom_id exactly once."""
+    from celery import Celery
+
+    job_id, ids = start_job(stack, tmp_path, "stolen", rows=8, max_tokens=48)
+    stolen: dict = {}
+
+    def steal() -> bool:
+        for shard in shard_rows(sessions, job_id):
+            if shard["status"] != "running":
+                continue
+            with sessions.begin() as session:
+                taken = session.execute(text(
+                    "UPDATE shards SET claim_token = claim_token + 1, status = 'pending', worker = NULL, "
+                    "lease_expires_at = NULL WHERE id = :id AND claim_token = :t AND status = 'running'"),
+                    {"id": shard["id"], "t": shard["claim_token"]}).rowcount
+            if taken:
+                stolen.update(shard)
+                return True
+        return False
+
+    wait_until(steal, "a running shard to steal", timeout=180, every=0.1)
+    job = job_row(sessions, job_id)
+    app = Celery(broker=stack.state["env"]["TOKENMILL_BROKER_URL"])
+    try:
+        queue = stack.state["env"].get("TOKENMILL_QUEUE_PREFIX", "") + f"gpu.{model_slug(job['model'])}"
+        app.send_task("tokenmill.run_shard", (job_id, stolen["id"]), queue=queue)
+    finally:
+        app.close()
+    assert_completed_once(stack, sessions, job_id, ids)
+    shard = next(s for s in shard_rows(sessions, job_id) if s["id"] == stolen["id"])
+    assert shard["claim_token"] >= stolen["claim_token"] + 2 and shard["output_key"].endswith(
+        f"-{shard['claim_token']}.parquet"), shard
+    pattern = rf"(shard id {stolen['id']}: its claim \(token {stolen['claim_token']}\) was taken over|" \
+              rf"job {job_id}: shard {stolen['index']} was claimed by another worker)"
+    assert re.search(pattern, logs_of(stack, "worker*.log")), "the first worker did not notice"
+
+
+def test_a_second_job_on_a_live_jobs_output_is_refused_naming_it(stack, sessions) -> None:
+    output = f"{stack.bucket}/one-prefix-{uuid.uuid4().hex[:8]}"
+    first_rows = [{"custom_id": f"prefix-a-{i}", "prompt": f"Say {i}."} for i in range(6)]
+    first = send(stack.bootstrap, "tokenmill.jobs", {"rows": first_rows, "output_uri": output, "shard_size": 2,
+                                                     "sampling": {"max_tokens": 16}})
+    second = send(stack.bootstrap, "tokenmill.jobs", {"rows": [{"custom_id": "prefix-b", "prompt": "x"}],
+                                                      "output_uri": output + "/"})
+    owner = wait_until(lambda: jobs_where(sessions, "source_ref = :ref", ref=f"tokenmill.jobs/0/{first.offset}"),
+                       "the first job", timeout=60)[0]
+
+    def rejection():
+        with sessions() as session:
+            return session.scalar(text('SELECT error FROM rejected_messages WHERE topic = :t AND "offset" = :o'),
+                                  {"t": "tokenmill.jobs", "o": second.offset})
+
+    error = wait_until(rejection, "the second message to be rejected", timeout=60)
+    assert f"taken by live job {owner['id']}" in error
+    assert_completed_once(stack, sessions, owner["id"], [r["custom_id"] for r in first_rows])
+
+
+def test_an_input_replaced_mid_job_fails_the_job_with_that_reason(stack, sessions, tmp_path) -> None:
+    job_id, _ = start_job(stack, tmp_path, "replaced", rows=12, max_tokens=24)
+    a_shard_completed(sessions, job_id)
+    job = job_row(sessions, job_id)
+    replacement = write_parquet(tmp_path / "other.parquet", prompt_rows(12, "other"))
+    bucket_uri, _, key = job["input_uri"].rpartition("/")
+    stack.store(bucket_uri).put_file(key, replacement)
+    job = wait_for_job(sessions, job_id, timeout=180)
+    assert job["status"] == "failed" and "changed since the job was validated" in job["error"], job["error"]
+    wait_until(lambda: all(s["status"] != "running" for s in shard_rows(sessions, job_id)),
+               "the shards in flight to stop", timeout=60)
+    assert any(s["status"] == "completed" for s in shard_rows(sessions, job_id))  # kept
+
+
+# ---- PostgreSQL restarted, on a private cluster -----------------------------------------------------------
+
+@pytest.fixture
+def private_postgres():
+    """A PostgreSQL cluster of this test's own (initdb, pg_ctl) on a free port, never the machine's server; run
+    as the `postgres` user when this is root (initdb refuses root)."""
+    import pwd
+    import tempfile
+
+    from tests.fixtures_services import free_port_block
+
+    if not (PG_BIN / "initdb").exists():
+        pytest.skip(f"no PostgreSQL binaries in {PG_BIN}")
+    as_user: list[str] = []
+    root = Path(tempfile.mkdtemp(prefix="tokenmill-pg-"))
+    if os.geteuid() == 0:
+        user = pwd.getpwnam("postgres")
+        os.chown(root, user.pw_uid, user.pw_gid)
+        as_user = ["runuser", "-u", "postgres", "--"]
+    data, port = root / "data", free_port_block(1)
+
+    def run(*command) -> None:
+        subprocess.run([*as_user, *map(str, command)], check=True, capture_output=True, timeout=120)
+
+    run(PG_BIN / "initdb", "-D", data, "-U", "postgres", "--auth=trust", "-E", "UTF8")
+
+    def ctl(action: str) -> None:
+        options = ["-o", f"-p {port} -k {root} -c listen_addresses=127.0.0.1"] if action != "stop" else ["-m", "fast"]
+        run(PG_BIN / "pg_ctl", "-D", data, "-l", root / "pg.log", "-w", "-t", "60", action, *options)
+
+    ctl("start")
+    try:
+        yield f"postgresql+psycopg://postgres@127.0.0.1:{port}/postgres", ctl
+    finally:
+        subprocess.run([*as_user, str(PG_BIN / "pg_ctl"), "-D", str(data), "-m", "immediate", "stop"],
+                       capture_output=True, timeout=60)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def test_a_postgresql_restart_mid_job(stack, private_postgres, tmp_path) -> None:
+    """A worker of its own (the stack's Redis, its own queues) on a private PostgreSQL restarted while a job
+    runs: the worker waits the outage out, and the job completes with every custom_id once."""
+    from ingest.intake import submit
+    from ingest.spec import validate_request
+    from storage import db, migrate
+    from storage.job_settings import CELERY
+
+    url, ctl = private_postgres
+    migrate.upgrade(url)
+    sessions = db.session_factory(db.make_engine(url))
+    prefix = f"pg-{uuid.uuid4().hex[:6]}."
+    redis = stack.state["env"]["TOKENMILL_BROKER_URL"]
+    env = {**stack.env, "TOKENMILL_DATABASE_URL": url, "TOKENMILL_QUEUE_PREFIX": prefix,
+           "TOKENMILL_KAFKA_BOOTSTRAP": "", "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    worker = subprocess.Popen([sys.executable, "-m", "tokenmill", "worker", "--name", f"{prefix}w",
+                               "--threads", "1", "--kv-cache-memory", "0.25"], env=env, cwd=tmp_path,
+                              stdout=open(tmp_path / "worker.log", "wb"), stderr=subprocess.STDOUT,
+                              start_new_session=True)
+    try:
+        columns = prompt_rows(8, "pg-restart")
+        path = write_parquet(tmp_path / "pg.parquet", columns)
+        output = f"{stack.bucket}/pg-restart-{uuid.uuid4().hex[:8]}"
+        new = validate_request({"input_uri": str(path), "output_uri": output, "shard_size": 2,
+                                "sampling": {"max_tokens": 24}}).to_job(executor=CELERY)
+        job = submit(sessions, new).job
+        from celery import Celery
+
+        app = Celery(broker=redis)
+        app.send_task("tokenmill.plan_job", (job.id,), queue=f"{prefix}control")
+        app.close()
+        a_shard_completed(sessions, job.id)
+        ctl("stop")  # down for 5 s while a shard runs: its status polls fail
+        time.sleep(5)
+        ctl("start")
+        job = wait_for_job(sessions, job.id, timeout=240)
+        assert job["status"] == "completed", job["error"]
+        assert_each_id_once(stack.store(output), columns["custom_id"])
+        assert "OperationalError" in (tmp_path / "worker.log").read_text(errors="replace"), "no task met the outage"
+    finally:
+        os.killpg(worker.pid, signal.SIGTERM)
+        try:
+            worker.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(worker.pid, signal.SIGKILL)
+        sessions.kw["bind"].dispose()
