@@ -4,7 +4,8 @@
      "output_uri": "s3://bucket/out/run-1",
      "model": "smollm2-135m", "sampling": {"max_tokens": 64, "temperature": 0},
      "shard_size": 500, "priority": 0, "openai_output": false,
-     "idempotency_key": "...", "job_id": "<uuid>"}                  # both optional
+     "idempotency_key": "...", "job_id": "<uuid>",                  # both optional
+     "completion_window": "24h"}                                      # the deadline (s, m, h or d; <= 30 days)
 
 Only `output_uri` and one of `input_uri` / `rows` are required (the S3 inbox supplies both). Unknown fields
 are refused, so a typo does not silently run with defaults.

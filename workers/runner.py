@@ -19,6 +19,7 @@ from sqlalchemy import delete, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from storage import repository as repo
+from storage.faults import is_transient
 from storage.formats import InputError, InputReader, open_input, write_part
 from storage.liveness import runner_alive, shard_runner_alive, worker_alive, worker_id
 from storage.models import FailedRow, Job, JobStatus, Shard, ShardStatus, utcnow
@@ -579,6 +580,12 @@ class StatusWatch:
         if now - self.checked < STATUS_POLL_SECONDS:
             return False
         self.checked = now
-        with self.sessions() as session:
-            status = repo.job_status(session, self.job_id)
+        try:
+            with self.sessions() as session:
+                status = repo.job_status(session, self.job_id)
+        except Exception as error:
+            if not is_transient(error):
+                raise
+            log.warning("job %s: cannot read its status (%s); running on", self.job_id, error)
+            return False  # the database is down: keep generating (the leases outlast a short outage)
         return status != S.IN_PROGRESS

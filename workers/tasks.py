@@ -104,7 +104,7 @@ class TaskProgress:
 @app.task(name="tokenmill.plan_job", bind=True, soft_time_limit=1800)
 def plan_job(self: Task, job_id: str) -> dict[str, Any]:
     steps = JobSteps(sessions(), job_id, TaskProgress(self, job_id))
-    if not steps.claim_step(S.VALIDATING, config.max_control_attempts):
+    if not _or_retry(self, lambda: steps.claim_step(S.VALIDATING, config.max_control_attempts)):
         return _summary(steps.load(), skipped=True)
     finished = transient = False
     try:
@@ -135,7 +135,7 @@ def _unfinished_shards(job_id: str) -> list[int]:
 @app.task(name="tokenmill.run_shard", bind=True)
 def run_shard(self: Task, job_id: str, shard_id: int) -> dict[str, Any]:
     steps = JobSteps(sessions(), job_id, TaskProgress(self, job_id, shard_id))
-    claim = steps.claim_shard(shard_id, config.max_shard_attempts)
+    claim = _or_retry(self, lambda: steps.claim_shard(shard_id, config.max_shard_attempts))
     if claim.decision != "run":
         log.info("job %s: shard %d not run: %s", job_id, claim.shard.index, claim.decision)
         return _summary(claim.job, shard=claim.shard.index, decision=claim.decision)
@@ -164,7 +164,7 @@ def run_shard(self: Task, job_id: str, shard_id: int) -> dict[str, Any]:
 @app.task(name="tokenmill.finalize_job", bind=True, soft_time_limit=1800)
 def finalize_job(self: Task, job_id: str) -> dict[str, Any]:
     steps = JobSteps(sessions(), job_id, TaskProgress(self, job_id))
-    if not steps.claim_step(S.FINALIZING, config.max_control_attempts + FINALIZE_RETRIES):
+    if not _or_retry(self, lambda: steps.claim_step(S.FINALIZING, config.max_control_attempts + FINALIZE_RETRIES)):
         return _summary(steps.load(), skipped=True)
     finished = transient = False
     try:
@@ -179,6 +179,16 @@ def finalize_job(self: Task, job_id: str) -> dict[str, Any]:
         return _summary(steps.fail(f"finalizing failed: {type(error).__name__}: {error}"))
     finally:
         _release(steps, finished, transient)
+
+
+def _or_retry(task: Task, claim):
+    """A claim; the database down makes the task retry later instead of being lost (acknowledged as failed)."""
+    try:
+        return claim()
+    except Exception as error:
+        if is_transient(error):
+            raise task.retry(exc=error, countdown=TRANSIENT_RETRY_DELAY_S, max_retries=None) from error
+        raise
 
 
 def _release(steps: JobSteps, finished: bool, transient: bool) -> None:

@@ -26,6 +26,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -153,9 +154,10 @@ class Stack:
         self.dir.chmod(0o700)
         env = "".join(f"export {k}={shlex.quote(v)}\n" for k, v in self.state.get("env", {}).items())
         for path, text in ((self.file, json.dumps(self.state, indent=2)), (self.dir / "stack.env", env)):
-            path.touch(mode=0o600)
-            path.chmod(0o600)
-            path.write_text(text)
+            fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=self.dir)  # 0600; replaced whole, so a
+            with os.fdopen(fd, "w") as f:  # process starting meanwhile never reads half a file
+                f.write(text)
+            os.replace(tmp, path)
 
     @property
     def env(self) -> dict[str, str]:
