@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import time
 from collections.abc import Iterable
 from datetime import datetime, timedelta
@@ -34,7 +35,7 @@ log = logging.getLogger("tokenmill.tasks")
 
 S = JobStatus
 SHARD_RETRY_DELAY_S = 5
-TRANSIENT_RETRY_DELAY_S = 15
+TRANSIENT_RETRY_DELAY_S = float(os.environ.get("TOKENMILL_TRANSIENT_RETRY_S") or 15)  # a service down: retry
 FINALIZE_RETRIES = 3
 PROGRESS_EVERY_S = 1.0
 
