@@ -40,10 +40,10 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=900, help="seconds to wait for the jobs to end")
     args = parser.parse_args()
 
+    from storage.db import data_dir
     from tokenmill import stack as stack_module
-    from tokenmill.commands.service import default_state_dir
 
-    state_dir = args.state_dir or default_state_dir()
+    state_dir = args.state_dir or data_dir() / "stack"
     state = json.loads((state_dir / "stack.json").read_text())
     os.environ.update(state["env"])
     from ingest.config import ServiceConfig
