@@ -27,6 +27,7 @@ from storage import repository as repo
 from storage.faults import is_transient
 from storage.models import Job, JobStatus, ShardStatus
 from workers.celery_app import app, config
+from workers.engine_loop import SharedEngineSteps
 from workers.runner import JobSteps
 from workers.worker_engine import engine_for
 
@@ -62,8 +63,22 @@ def finalize_later(job_id: str) -> None:
 
 
 def enqueue_shards(job_id: str, model: str, shard_ids: Iterable[int], countdown: float | None = None) -> None:
+    priority = message_priority(_job_priority(job_id), config.broker_url)
     for shard_id in shard_ids:
-        run_shard.apply_async((job_id, shard_id), queue=config.model_queue(model), countdown=countdown)
+        run_shard.apply_async((job_id, shard_id), queue=config.model_queue(model), countdown=countdown,
+                              priority=priority)
+
+
+def _job_priority(job_id: str) -> int:
+    with sessions()() as session:
+        return session.get(Job, job_id).priority or 0
+
+
+def message_priority(job_priority: int, broker_url: str) -> int:
+    """The broker priority of a job's shard tasks: job priorities -4..5 (clamped) are the 10 levels, higher
+    first. Redis takes the lowest level first, RabbitMQ the highest."""
+    level = min(max(job_priority, -4), 5) + 4
+    return 9 - level if broker_url.startswith(("redis", "rediss")) else level
 
 
 def _summary(job: Job, **extra: Any) -> dict[str, Any]:
@@ -88,6 +103,10 @@ class TaskProgress:
         self.meta["rows_done"] += rows
         self.meta["tokens"] += tokens
         self._report()
+
+    def flush(self) -> None:
+        """Report the counts now (a short shard's only advance may have fallen within the throttle)."""
+        self._report(force=True)
 
     def _report(self, force: bool = False, **changes: Any) -> None:
         self.meta.update(changes)
@@ -132,7 +151,7 @@ def _unfinished_shards(job_id: str) -> list[int]:
 
 @app.task(name="tokenmill.run_shard", bind=True)
 def run_shard(self: Task, job_id: str, shard_id: int) -> dict[str, Any]:
-    steps = JobSteps(sessions(), job_id, TaskProgress(self, job_id, shard_id))
+    steps = SharedEngineSteps(sessions(), job_id, TaskProgress(self, job_id, shard_id))  # workers.engine_loop
     claim = steps.claim_shard(shard_id, config.max_shard_attempts)
     if claim.decision != "run":
         log.info("job %s: shard %d not run: %s", job_id, claim.shard.index, claim.decision)
