@@ -43,6 +43,7 @@ class ServiceConfig:
     max_control_attempts: int  # validating or finalizing started this often without finishing fails the job
     sweep_interval_s: float
     sweep_grace_s: float  # work with no live task this long is handed out again by the sweep
+    fair_share_shards: int  # each job's first shards go before other jobs' later ones (workers.tasks)
     max_spec_bytes: int  # a larger job message is rejected
     schedule_interval_s: float
     s3: S3Options
@@ -67,6 +68,7 @@ class ServiceConfig:
             max_control_attempts=int(_number("MAX_CONTROL_ATTEMPTS", 3)),
             sweep_interval_s=_number("SWEEP_INTERVAL_S", 30),
             sweep_grace_s=_number("SWEEP_GRACE_S", 600),
+            fair_share_shards=int(_number("FAIR_SHARE_SHARDS", 4)),
             max_spec_bytes=int(_number("MAX_SPEC_BYTES", MAX_SPEC_BYTES)),
             schedule_interval_s=_number("SCHEDULE_INTERVAL_S", 60),
             s3=S3Options(endpoint_url=env_setting("S3_ENDPOINT_URL")),

@@ -12,8 +12,9 @@ pytestmark = pytest.mark.real_model
 
 
 def test_bench_jobs_prints_both_runs_the_ratio_and_identical_outputs(capsys):
+    # float32: in bf16, near-ties between tokens can go either way with the batch order, which sharding changes
     code = main(["bench", "jobs", "--num-rows", "6", "--shard-size", "2", "--min-tokens", "2", "--max-tokens", "6",
-                 "--threads", "2", "--kv-cache-memory", "0.25"])
+                 "--threads", "2", "--kv-cache-memory", "0.25", "--dtype", "float32"])
     printed = capsys.readouterr().out
     assert code == 0, printed
     assert "machine: " in printed and "one-shard" in printed and "shards-of-2" in printed

@@ -2,9 +2,10 @@
 model plus a control queue, and beat's periodic tasks (the sweep and the schedule check).
 
 Shards are long, so every task is acknowledged only when it ends (a worker that dies leaves its task to be
-requeued), each worker process takes one task at a time, and task events are on for Flower.
+requeued), and task events are on for Flower. A worker runs its tasks in a pool of K threads over one engine
+(`workers.engine_loop`): up to K shards in flight, taken by their job's priority (the message priority).
 
-    celery -A workers.celery_app worker -Q gpu.smollm2-135m,control -c 1   (or: tokenmill worker)
+    tokenmill worker   (celery -A workers.celery_app worker -Q gpu.smollm2-135m,control --pool threads -c K)
     celery -A workers.celery_app beat
     celery -A workers.celery_app flower --basic-auth=user:password
 """
@@ -12,7 +13,7 @@ requeued), each worker process takes one task at a time, and task events are on 
 from __future__ import annotations
 
 from celery import Celery
-from celery.signals import beat_init, worker_process_init
+from celery.signals import beat_init, worker_process_init, worker_ready
 
 from ingest.config import ServiceConfig
 
@@ -27,7 +28,7 @@ app.conf.update(
     timezone="UTC",
     task_acks_late=True,  # ack when the task ends: a dead worker's shard goes back to the queue
     task_reject_on_worker_lost=True,  # ... also when the pool process running it was killed
-    worker_prefetch_multiplier=1,  # take one shard at a time; others stay free for other workers
+    worker_prefetch_multiplier=1,  # reserve no more shards than the K threads run; others stay for other workers
     task_default_queue=config.control_queue,  # run_shard is sent to its model's queue (workers.tasks)
     task_track_started=True,
     worker_send_task_events=True,  # for Flower
@@ -42,7 +43,10 @@ app.conf.update(
     redis_backend_health_check_interval=10,  # a restarted Redis: stale connections are found and replaced
     # Redis hands an unacknowledged task to another worker after this; a dead worker's shard is found
     # sooner by the sweep (its process is gone), so this only needs to exceed the longest shard.
-    broker_transport_options={"visibility_timeout": 6 * 3600, "health_check_interval": 10},
+    # Redis keeps one list per priority level and takes the lowest level first (workers.tasks.message_priority).
+    broker_transport_options={"visibility_timeout": 6 * 3600, "health_check_interval": 10,
+                              "priority_steps": list(range(10)), "queue_order_strategy": "priority"},
+    task_queue_max_priority=9 if config.broker_url.startswith("amqp") else None,  # RabbitMQ: x-max-priority
     beat_schedule={  # a firing no worker took before the next one is dropped, so busy workers find no pile
         "sweep": {"task": "tokenmill.sweep", "schedule": config.sweep_interval_s,
                   "options": {"expires": config.sweep_interval_s}},
@@ -54,19 +58,39 @@ app.conf.update(
 
 @worker_process_init.connect
 def _start_worker_process(**_kwargs) -> None:
-    """Each pool process: publish job events, and load the engine now rather than at the first shard."""
+    """Each prefork pool process: publish job events, and load the engine now rather than at the first shard."""
+    _start_tasks_process(background=False)
+
+
+@worker_ready.connect
+def _start_thread_pool(sender=None, **_kwargs) -> None:
+    """A threads pool runs the tasks in the worker's own process: the same, the engine loaded in the background
+    (the worker answers pings meanwhile; a shard that comes first waits for it)."""
+    from celery.concurrency.thread import TaskPool
+
+    if isinstance(getattr(sender, "pool", None), TaskPool):
+        _start_tasks_process(background=True)
+
+
+def _start_tasks_process(background: bool) -> None:
     import logging
     import os
+    import threading
 
     from workers import events
     from workers.worker_engine import process_engine
 
     events.install(config)
-    if os.environ.get("TOKENMILL_WORKER_PRELOAD"):
+    if not os.environ.get("TOKENMILL_WORKER_PRELOAD"):
+        return
+
+    def load() -> None:
         try:
             process_engine()
         except Exception:  # the first shard will raise it again, as the shard's error
             logging.getLogger("tokenmill.worker").exception("could not load the engine")
+
+    threading.Thread(target=load, name="engine-load", daemon=True).start() if background else load()
 
 
 @beat_init.connect

@@ -28,6 +28,7 @@ from storage import repository as repo
 from storage.faults import is_transient
 from storage.models import Job, JobStatus, ShardStatus
 from workers.celery_app import app, config
+from workers.engine_loop import SharedEngineSteps
 from workers.runner import JobSteps
 from workers.worker_engine import engine_for
 
@@ -62,9 +63,35 @@ def finalize_later(job_id: str) -> None:
     finalize_job.apply_async((job_id,), queue=config.control_queue)
 
 
-def enqueue_shards(job_id: str, model: str, shard_ids: Iterable[int], countdown: float | None = None) -> None:
+def enqueue_shards(job_id: str, model: str, shard_ids: Iterable[int], countdown: float | None = None,
+                   head: bool = False) -> None:
+    """Send shards' tasks. `head`: at the job's front (a retry or a resend), whatever the shard's index."""
+    job_priority, indices = _ordering(job_id)
     for shard_id in shard_ids:
-        run_shard.apply_async((job_id, shard_id), queue=config.model_queue(model), countdown=countdown)
+        rank = 0 if head else indices.get(shard_id, 0)
+        run_shard.apply_async((job_id, shard_id), queue=config.model_queue(model), countdown=countdown,
+                              priority=message_priority(job_priority, rank, config.broker_url))
+
+
+def _ordering(job_id: str) -> tuple[int, dict[int, int]]:
+    """The job's priority and its shards' indices."""
+    with sessions()() as session:
+        job = session.get(Job, job_id)
+        return job.priority or 0, {s.id: s.index for s in job.shards}
+
+
+PRIORITY_BANDS = 3  # job priority > 0, == 0, < 0
+RANK_BANDS = 3  # a job's first FAIR_SHARE_SHARDS shards, the next as many, the rest
+
+
+def message_priority(job_priority: int, shard_index: int, broker_url: str) -> int:
+    """The broker priority of a shard's task. Higher job priorities first; within one, every job's first shards
+    (`config.fair_share_shards` of them) go before the next ones, and those before the rest, so a job sent
+    while a large one of equal priority waits starts within about one shard's time. Redis takes the lowest
+    level first, RabbitMQ the highest."""
+    band = 0 if job_priority > 0 else 1 if job_priority == 0 else 2
+    level = band * RANK_BANDS + min(shard_index // max(1, config.fair_share_shards), RANK_BANDS - 1)  # 0..8
+    return level if broker_url.startswith(("redis", "rediss")) else PRIORITY_BANDS * RANK_BANDS - 1 - level
 
 
 def _summary(job: Job, **extra: Any) -> dict[str, Any]:
@@ -89,6 +116,10 @@ class TaskProgress:
         self.meta["rows_done"] += rows
         self.meta["tokens"] += tokens
         self._report()
+
+    def flush(self) -> None:
+        """Report the counts now (a short shard's only advance may have fallen within the throttle)."""
+        self._report(force=True)
 
     def _report(self, force: bool = False, **changes: Any) -> None:
         self.meta.update(changes)
@@ -135,7 +166,7 @@ def _unfinished_shards(job_id: str) -> list[int]:
 
 @app.task(name="tokenmill.run_shard", bind=True)
 def run_shard(self: Task, job_id: str, shard_id: int) -> dict[str, Any]:
-    steps = JobSteps(sessions(), job_id, TaskProgress(self, job_id, shard_id))
+    steps = SharedEngineSteps(sessions(), job_id, TaskProgress(self, job_id, shard_id))  # workers.engine_loop
     claim = _or_retry(self, lambda: steps.claim_shard(shard_id, config.max_shard_attempts))
     if claim.decision != "run":
         log.info("job %s: shard %d not run: %s", job_id, claim.shard.index, claim.decision)
@@ -152,7 +183,7 @@ def run_shard(self: Task, job_id: str, shard_id: int) -> dict[str, Any]:
                 steps.refund_attempt(shard)
             except Exception:  # the database too: the sweep resends the shard once it is back
                 log.exception("job %s: shard %d: could not refund its attempt", job_id, shard.index)
-        enqueue_shards(job_id, job.model, [shard_id], countdown=delay)
+        enqueue_shards(job_id, job.model, [shard_id], countdown=delay, head=True)
         return _summary(job, shard=shard.index, decision="failed", error=f"{type(error).__name__}: {error}")
     finally:
         steps.close()
@@ -206,7 +237,7 @@ def sweep() -> dict[str, Any]:
 
     found = find_lost_work(sessions(), stale=timedelta(seconds=config.sweep_grace_s), queued=queued_tasks)
     for job_id, shard_id, model in found.requeue:
-        enqueue_shards(job_id, model, [shard_id])
+        enqueue_shards(job_id, model, [shard_id], head=True)
     for job_id in found.plan:
         dispatch_job(job_id)
     for job_id in found.finalize:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import threading
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -18,6 +19,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("tokenmill.worker")
 
 _loaded: LLMEngine | None = None
+_loading = threading.Lock()  # a worker's task threads and its preloading thread load it once
 
 
 def load_engine(settings: dict[str, Any]) -> LLMEngine:
@@ -30,18 +32,23 @@ def load_engine(settings: dict[str, Any]) -> LLMEngine:
 def process_engine() -> LLMEngine:
     """This process's engine, loaded on first use."""
     global _loaded
-    if _loaded is None:
-        spec = WorkerEngine.from_env()
-        module, _, function = spec.factory.partition(":")
-        factory = getattr(importlib.import_module(module), function)
-        started = time.perf_counter()
-        _loaded = factory(spec.settings)
-        log.info("loaded %s in %.1f s with %s", spec.model, time.perf_counter() - started, spec.settings)
-        if port := os.environ.get("TOKENMILL_METRICS_PORT"):  # this pool process's engine, one port per worker
-            from engine.prometheus import EngineMetrics, start_metrics_server
+    with _loading:
+        return _loaded or _load()
 
-            addr = os.environ.get("TOKENMILL_METRICS_ADDR", "127.0.0.1")
-            start_metrics_server(EngineMetrics(_loaded, spec.model).attach().registry, int(port), addr)
+
+def _load() -> LLMEngine:
+    global _loaded
+    spec = WorkerEngine.from_env()
+    module, _, function = spec.factory.partition(":")
+    factory = getattr(importlib.import_module(module), function)
+    started = time.perf_counter()
+    _loaded = factory(spec.settings)
+    log.info("loaded %s in %.1f s with %s", spec.model, time.perf_counter() - started, spec.settings)
+    if port := os.environ.get("TOKENMILL_METRICS_PORT"):  # this pool process's engine, one port per worker
+        from engine.prometheus import EngineMetrics, start_metrics_server
+
+        addr = os.environ.get("TOKENMILL_METRICS_ADDR", "127.0.0.1")
+        start_metrics_server(EngineMetrics(_loaded, spec.model).attach().registry, int(port), addr)
     return _loaded
 
 

@@ -135,6 +135,9 @@ def _register_stack(commands: argparse._SubParsersAction) -> None:
     start.add_argument("--threads", type=int, metavar="N", help="CPU threads per worker (default: cores / N)")
     start.add_argument("--kv-cache-memory", type=float, default=0.5, metavar="GIB",
                        help="KV pool per worker in GiB (default: 0.5)")
+    start.add_argument("--shards-in-flight", type=int, metavar="K",
+                       help="shards each worker runs at once in its engine (default: `tokenmill worker`'s, from "
+                            "its --max-num-seqs and --shard-rows)")
     start.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                        help="extra environment for every component, e.g. TOKENMILL_SWEEP_INTERVAL_S=5 (default 30), "
                             "TOKENMILL_SWEEP_GRACE_S=60 (how long lost work waits before the sweep resends it; "
@@ -158,16 +161,30 @@ def _register_stack(commands: argparse._SubParsersAction) -> None:
 
 def _register_worker(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser("worker", help="a Celery worker holding one loaded engine",
-                                 description="A Celery worker: one pool process that loads the model once and "
-                                             "runs one shard at a time from the model's queue (and the control "
-                                             "queue's validation and finalizing tasks).")
+                                 description="A Celery worker: one process that loads the model once and holds up "
+                                             "to K shards of the model's queue in flight in that engine (and runs "
+                                             "the control queue's validation and finalizing tasks), K tasks in a "
+                                             "pool of threads, shards of any job sharing the engine. A worker "
+                                             "killed by a signal (a row that crashes the engine) is started again.")
     parser.add_argument("--name", default="worker", help="node name; the host is appended (default: worker)")
     parser.add_argument("--queues", metavar="Q1,Q2", help="queues to consume (default: the model's and control)")
     parser.add_argument("--metrics-port", type=int, metavar="PORT",
                         help="serve this worker's Prometheus metrics at http://127.0.0.1:PORT/metrics")
+    _shards_in_flight_options(parser)
     add_engine_options(parser)
+    for action in parser._actions:  # a worker's shards of several jobs are admitted by their job's priority
+        if action.dest == "scheduling_policy":
+            action.default, action.help = "priority", action.help.replace("(default: fcfs)", "(default: priority)")
     _stack_dir_option(parser)
     parser.set_defaults(handler=_friendly(worker))
+
+
+def _shards_in_flight_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--shards-in-flight", type=int, metavar="K",
+                        help="shards one worker runs at once in its engine (default: ceil(min(--max-num-seqs, "
+                             "--num-kv-blocks) / --shard-rows) + 1, enough to fill a batch plus the next shard)")
+    parser.add_argument("--shard-rows", type=int, default=500, metavar="ROWS",
+                        help="typical rows per shard, for the default K (default: 500, the default --shard-size)")
 
 
 def _register_consumer(commands: argparse._SubParsersAction) -> None:
@@ -305,7 +322,9 @@ def stack_up(args: argparse.Namespace) -> int:
     extra_env = dict(item.split("=", 1) for item in args.env)
     settings = stack.StackSettings(args.state_dir or default_state_dir(), workers, args.port_base,
                              args.database_url or stack.DEFAULT_DATABASE, args.model,
-                             ["--threads", str(threads), "--kv-cache-memory", str(args.kv_cache_memory)], extra_env)
+                             ["--threads", str(threads), "--kv-cache-memory", str(args.kv_cache_memory),
+                              *(["--shards-in-flight", str(args.shards_in_flight)] if args.shards_in_flight else [])],
+                             extra_env)
     state = stack.up(settings)
     print(f"tokenmill stack is up (state: {settings.state_dir})")
     print(stack.describe(state, settings.state_dir))
@@ -335,6 +354,8 @@ def worker(args: argparse.Namespace) -> int:
     import json
     import socket
 
+    if not os.environ.get("TOKENMILL_WORKER_CHILD"):
+        return _supervise([sys.executable, "-m", "tokenmill", *args.argv])
     os.environ["TOKENMILL_WORKER_MODEL"] = args.model
     os.environ["TOKENMILL_WORKER_ENGINE"] = json.dumps(engine_kwargs(args))
     if args.metrics_port:
@@ -344,10 +365,43 @@ def worker(args: argparse.Namespace) -> int:
     queues = args.queues or f"{config.model_queue(args.model)},{config.control_queue}"
     if config.model_queue(args.model) in queues.split(","):
         os.environ["TOKENMILL_WORKER_PRELOAD"] = "1"  # its pool process loads the model before taking tasks
-    app.worker_main(["worker", "--pool", "prefork", "--concurrency", "1", "--queues", queues,
+    app.worker_main(["worker", "--pool", "threads", "--concurrency", str(shards_in_flight(args)), "--queues", queues,
                      "--hostname", f"{args.name}@{socket.gethostname()}", "--task-events",
                      "--prefetch-multiplier", "1", "--loglevel", "INFO", "--without-gossip", "--without-mingle"])
     return 0
+
+
+def shards_in_flight(args: argparse.Namespace) -> int:
+    from workers.engine_loop import shards_in_flight as default
+
+    return args.shards_in_flight or default(args.max_num_seqs, args.shard_rows, args.num_kv_blocks)
+
+
+def _supervise(command: list[str]) -> int:
+    """Run the worker in a child process (same process group) and start it again when a signal killed it, as a
+    prefork pool replaces its lost process; SIGTERM or SIGINT here stops it and returns."""
+    import signal
+    import subprocess
+    import time
+
+    stopping = False
+    child: subprocess.Popen | None = None
+
+    def stop(signum, _frame) -> None:
+        nonlocal stopping
+        stopping = True
+        if child is not None and child.poll() is None:
+            child.send_signal(signum)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    while True:
+        child = subprocess.Popen(command, env={**os.environ, "TOKENMILL_WORKER_CHILD": "1"})
+        code = child.wait()
+        if stopping or code >= 0:
+            return code
+        print(f"tokenmill worker: killed by signal {-code}; starting it again", file=sys.stderr, flush=True)
+        time.sleep(1)
 
 
 def _intake():
