@@ -6,8 +6,9 @@ priority when the engine's `scheduling_policy` is `priority`).
 
 The waiting task thread asks the database once a second whether the job still runs (`StatusWatch`) and
 reports progress; the shard's lease is renewed by its `LeaseHeartbeat` thread, independently of engine steps,
-and a lost claim stops the shard like a cancel. A cancel aborts only that shard's requests. The engine thread survives any one shard's error: a row that cannot be prepared or collected fails
-its shard alone; an engine step that raises fails the shards then in the engine (their tasks retry them)."""
+and a lost claim stops the shard like a cancel. A cancel aborts only that shard's requests. The engine thread
+survives any one shard's error: a row that cannot be prepared or collected fails its shard alone; an engine
+step that raises fails the shards then in the engine (their tasks retry them)."""
 
 from __future__ import annotations
 
