@@ -1,15 +1,17 @@
-"""Prepacked CPU GEMMs give F.linear's results bit for bit, at any number of rows."""
+"""Prepacked CPU GEMMs give F.linear's results at any number of rows: bit for bit through MKL and bfloat16's
+oneDNN, within float32 rounding through float32's oneDNN."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.models.cpu_gemm import PackedWeight
+from engine.models.cpu_gemm import PackedWeight, fastest_float32_kernel, float32_kernel
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bias", [False, True])
-def test_packed_weight_equals_f_linear_at_every_row_count(dtype, bias):
+def test_packed_weight_equals_f_linear_at_every_row_count(dtype, bias, monkeypatch):
+    monkeypatch.setenv("TOKENMILL_FLOAT32_GEMM", "mkl")
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(960, 576, generator=generator).to(dtype)
     b = torch.randn(960, generator=generator).to(dtype) if bias else None
@@ -19,3 +21,29 @@ def test_packed_weight_equals_f_linear_at_every_row_count(dtype, bias):
     for rows in (1, 2, 7, 64, 129):
         x = torch.randn(rows, 576, generator=generator).to(dtype)
         assert torch.equal(packed(x), F.linear(x, weight, b)), f"{dtype} rows={rows}"
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_float32_through_onednn_is_f_linear_within_rounding(bias, monkeypatch):
+    monkeypatch.setenv("TOKENMILL_FLOAT32_GEMM", "onednn")
+    generator = torch.Generator().manual_seed(1)
+    weight = torch.randn(49152 // 16, 576, generator=generator)
+    b = torch.randn(weight.shape[0], generator=generator) if bias else None
+    packed = PackedWeight(weight, b)
+    assert packed.packed is None or packed.kind == "onednn"
+    for rows in (1, 7, 64, 129):
+        x = torch.randn(rows, 576, generator=generator)
+        torch.testing.assert_close(packed(x), F.linear(x, weight, b), rtol=1e-5, atol=1e-4)
+
+
+def test_the_float32_kernel_is_timed_once_per_shape_and_can_be_forced(monkeypatch):
+    monkeypatch.delenv("TOKENMILL_FLOAT32_GEMM", raising=False)
+    chosen = float32_kernel(64, 32)
+    assert chosen in ("mkl", "onednn")
+    calls = fastest_float32_kernel.cache_info().hits
+    assert float32_kernel(64, 32) == chosen and fastest_float32_kernel.cache_info().hits == calls + 1
+    monkeypatch.setenv("TOKENMILL_FLOAT32_GEMM", "onednn")
+    assert float32_kernel(64, 32) == "onednn"
+    monkeypatch.setenv("TOKENMILL_FLOAT32_GEMM", "blas")
+    with pytest.raises(ValueError, match="mkl or onednn"):
+        float32_kernel(64, 32)
