@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine.attention import cpu_kernel
 from engine.attention.base import AttentionBackend, StepBatch
 
 MIN_SHARED_BLOCKS = 4  # below this, reading the shared prefix per sequence costs less than a second pass
@@ -33,6 +34,8 @@ class _Group:
     unpad_index: torch.Tensor | None  # ragged prefill only: padded row -> flat token
     prefix_index: torch.Tensor | None = None  # [Hkv * shared blocks] rows read once for the group
     prefix_len: int = 0
+    kernel_tables: torch.Tensor | None = None  # decodes through the CPU kernel: int32 block tables past the prefix
+    kernel_context_lens: torch.Tensor | None = None  # int32, tokens past the prefix
 
 
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
@@ -91,7 +94,9 @@ class TorchAttention(AttentionBackend):
         pool_slots = self.num_blocks * self.block_size
         self.write_index = (heads[:, None] * pool_slots + batch.slot_mapping[None, :]).reshape(-1)
         self.groups: list[_Group] = []
-        if batch.num_decodes:
+        if batch.num_decodes and self._use_kernel(device):
+            self.groups.append(self._kernel_group(batch, heads))
+        elif batch.num_decodes:
             runs = decode_groups(batch.decode_context_lens_list, self.block_size) or [(0, batch.num_decodes)]
             self.groups.extend(self._decode_group(batch, heads, first, end) for first, end in runs)
         if batch.prefill is not None:
@@ -119,6 +124,17 @@ class TorchAttention(AttentionBackend):
         mask = additive((key_pos[None, :] < context_lens[:, None])[None, :, None, :], self.dtype)
         return _Group(first, end - first, end - first, 1, length, self._rows(tables, heads), mask, None, None,
                       prefix_rows, prefix_len)
+
+    def _use_kernel(self, device: torch.device) -> bool:
+        return device.type == "cpu" and self.dtype == torch.float32 and cpu_kernel.available()
+
+    def _kernel_group(self, batch: StepBatch, heads: torch.Tensor) -> _Group:
+        """All decodes, read from the pool by the CPU kernel, each to its own length (no gather, no mask)."""
+        tables, prefix_rows, prefix_len = self._split_shared(batch.decode_block_tables, batch.decode_shared_blocks,
+                                                             heads)
+        num = batch.num_decodes
+        return _Group(0, num, num, 1, 0, None, None, None, None, prefix_rows, prefix_len,
+                      tables.to(torch.int32).contiguous(), (batch.decode_context_lens - prefix_len).to(torch.int32))
 
     def _prefill_group(self, batch: StepBatch, heads: torch.Tensor) -> _Group:
         group = batch.prefill
@@ -154,6 +170,9 @@ class TorchAttention(AttentionBackend):
         out = torch.empty_like(q)
         for grp in self.groups:
             q_grp = q[grp.start:grp.start + grp.num_tokens]
+            if grp.kernel_tables is not None:
+                out[grp.start:grp.start + grp.num_tokens] = self._kernel_decode(q_grp, grp, layer, k_rows, v_rows)
+                continue
             lq = grp.max_query_len
             if lq == 1:  # decode: one query row per sequence
                 queries = q_grp.view(grp.num_seqs, hkv, g, d).transpose(0, 1)
@@ -174,6 +193,23 @@ class TorchAttention(AttentionBackend):
                 rows = attn if grp.unpad_index is None else attn.index_select(0, grp.unpad_index)
                 out[grp.start:grp.start + grp.num_tokens] = rows
         return out
+
+    def _kernel_decode(self, q_grp: torch.Tensor, grp: _Group, layer: int, k_rows, v_rows) -> torch.Tensor:
+        hkv, g, d = self.num_kv_heads, self.group, self.head_dim
+        queries = q_grp.reshape(grp.num_seqs, hkv, g, d).contiguous()
+        out, lse = cpu_kernel.paged_decode(queries, self.k_caches[layer], self.v_caches[layer], grp.kernel_tables,
+                                           grp.kernel_context_lens, with_lse=grp.prefix_index is not None)
+        if grp.prefix_index is not None:  # merge with the shared prefix, attended once for all (as in _cascade)
+            prefix_k = k_rows.index_select(0, grp.prefix_index).view(hkv, 1, grp.prefix_len, d)
+            prefix_v = v_rows.index_select(0, grp.prefix_index).view(hkv, 1, grp.prefix_len, d)
+            flat_q = queries.transpose(0, 1).reshape(hkv, 1, -1, d)
+            out_prefix, lse_prefix = attend_with_lse(flat_q, prefix_k, prefix_v, None)
+            out_prefix = out_prefix.view(hkv, grp.num_seqs, g, d).transpose(0, 1)
+            lse_prefix = lse_prefix.view(hkv, grp.num_seqs, g, 1).transpose(0, 1)
+            lse_suffix = lse.unsqueeze(-1)
+            total = torch.logaddexp(lse_prefix, lse_suffix)
+            out = out_prefix * torch.exp(lse_prefix - total) + out * torch.exp(lse_suffix - total)
+        return out.reshape(grp.num_seqs, -1)
 
     def _cascade(self, queries, keys, values, grp: _Group, k_rows, v_rows) -> torch.Tensor:
         """Shared prefix once for all queries of the group, each suffix on its own, merged by log-sum-exp."""
