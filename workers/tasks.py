@@ -64,9 +64,12 @@ def finalize_later(job_id: str) -> None:
 
 
 def enqueue_shards(job_id: str, model: str, shard_ids: Iterable[int], countdown: float | None = None,
-                   head: bool = False) -> None:
-    """Send shards' tasks. `head`: at the job's front (a retry or a resend), whatever the shard's index."""
-    job_priority, indices = _ordering(job_id)
+                   head: bool = False, job_priority: int | None = None) -> None:
+    """Send shards' tasks. `head`: at the front of the job's priority band (a retry or a resend), whatever the
+    shard's index; then, with `job_priority` given, the database is not asked (it may be down)."""
+    indices: dict[int, int] = {}
+    if job_priority is None or not head:
+        job_priority, indices = _ordering(job_id)
     for shard_id in shard_ids:
         rank = 0 if head else indices.get(shard_id, 0)
         run_shard.apply_async((job_id, shard_id), queue=config.model_queue(model), countdown=countdown,
@@ -74,10 +77,15 @@ def enqueue_shards(job_id: str, model: str, shard_ids: Iterable[int], countdown:
 
 
 def _ordering(job_id: str) -> tuple[int, dict[int, int]]:
-    """The job's priority and its shards' indices."""
-    with sessions()() as session:
-        job = session.get(Job, job_id)
-        return job.priority or 0, {s.id: s.index for s in job.shards}
+    """The job's priority and its shards' indices; (0, {}) when the database cannot tell (a task must still be
+    sent: its place in the queue matters less)."""
+    try:
+        with sessions()() as session:
+            job = session.get(Job, job_id)
+            return job.priority or 0, {s.id: s.index for s in job.shards}
+    except Exception as error:
+        log.warning("job %s: cannot read its priority (%s); sending its shards at priority 0", job_id, error)
+        return 0, {}
 
 
 PRIORITY_BANDS = 3  # job priority > 0, == 0, < 0
@@ -183,7 +191,7 @@ def run_shard(self: Task, job_id: str, shard_id: int) -> dict[str, Any]:
                 steps.refund_attempt(shard)
             except Exception:  # the database too: the sweep resends the shard once it is back
                 log.exception("job %s: shard %d: could not refund its attempt", job_id, shard.index)
-        enqueue_shards(job_id, job.model, [shard_id], countdown=delay, head=True)
+        enqueue_shards(job_id, job.model, [shard_id], countdown=delay, head=True, job_priority=job.priority or 0)
         return _summary(job, shard=shard.index, decision="failed", error=f"{type(error).__name__}: {error}")
     finally:
         steps.close()

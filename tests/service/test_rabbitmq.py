@@ -34,6 +34,7 @@ def rabbit(stack, tmp_path) -> Iterator[tuple[Celery, str]]:
                                    f"{prefix}control"], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
                                   start_new_session=True)
     app = Celery(broker=RABBIT_URL)
+    app.conf.task_queue_max_priority = 9  # as the workers declare their queues (workers.celery_app)
     try:
         node = f"{name}@{socket.gethostname()}"
         wait_until(lambda: app.control.ping(destination=[node], timeout=1.0), "the RabbitMQ worker", 60, every=0.5)

@@ -85,14 +85,20 @@ def hf_static(model_dir, workload: Workload, dtype: str, batch_size: int = 16) -
     return Result("HF static batching", dtype, seconds, workload.useful_tokens, f"padded batches of {batch_size}")
 
 
+HF_KV_MEMORY_SHARE = 0.2
+
+
 def hf_continuous(model_dir, workload: Workload, dtype: str) -> Result:
-    """transformers' own continuous batching (`init_continuous_batching`), per-request lengths, EOS off."""
-    from transformers import GenerationConfig
+    """transformers' own continuous batching (`init_continuous_batching`), per-request lengths, EOS off. Its KV
+    cache takes at most HF_KV_MEMORY_SHARE of the free memory (by default it takes 90%, which on a CPU leaves
+    nothing for the rest of the machine: the OOM killer ended a test's bench)."""
+    from transformers import ContinuousBatchingConfig, GenerationConfig
 
     model = load_hf_model(model_dir, DTYPES[dtype])
     config = GenerationConfig(do_sample=False, max_new_tokens=max(workload.output_lens), eos_token_id=-1,
                               pad_token_id=model.generation_config.pad_token_id)
-    manager = model.init_continuous_batching(generation_config=config)
+    cache = ContinuousBatchingConfig(max_memory_percent=HF_KV_MEMORY_SHARE)
+    manager = model.init_continuous_batching(generation_config=config, continuous_batching_config=cache)
     manager.warmup()
     manager.start()
     started = time.perf_counter()
