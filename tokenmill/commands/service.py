@@ -165,7 +165,8 @@ def _register_worker(commands: argparse._SubParsersAction) -> None:
                                              "to K shards of the model's queue in flight in that engine (and runs "
                                              "the control queue's validation and finalizing tasks), K tasks in a "
                                              "pool of threads, shards of any job sharing the engine. A worker "
-                                             "killed by a signal (a row that crashes the engine) is started again.")
+                                             "that ends unasked (a row that crashes the engine, a lost broker) "
+                                             "is started again.")
     parser.add_argument("--name", default="worker", help="node name; the host is appended (default: worker)")
     parser.add_argument("--queues", metavar="Q1,Q2", help="queues to consume (default: the model's and control)")
     parser.add_argument("--metrics-port", type=int, metavar="PORT",
@@ -378,14 +379,16 @@ def shards_in_flight(args: argparse.Namespace) -> int:
 
 
 def _supervise(command: list[str]) -> int:
-    """Run the worker in a child process (same process group) and start it again when a signal killed it, as a
-    prefork pool replaces its lost process; SIGTERM or SIGINT here stops it and returns."""
+    """Run the worker in a child process (same process group) and start it again whenever it ends unasked (killed
+    by a signal, as a prefork pool replaces its lost process, or exited); SIGTERM or SIGINT here stops it and
+    returns."""
     import signal
     import subprocess
     import time
 
     stopping = False
     child: subprocess.Popen | None = None
+    quick_exits = 0
 
     def stop(signum, _frame) -> None:
         nonlocal stopping
@@ -396,11 +399,18 @@ def _supervise(command: list[str]) -> int:
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     while True:
+        started = time.monotonic()
         child = subprocess.Popen(command, env={**os.environ, "TOKENMILL_WORKER_CHILD": "1"})
         code = child.wait()
-        if stopping or code >= 0:
+        if stopping:
             return code
-        print(f"tokenmill worker: killed by signal {-code}; starting it again", file=sys.stderr, flush=True)
+        quick_exits = quick_exits + 1 if code >= 0 and time.monotonic() - started < 30 else 0
+        if quick_exits >= 5:  # it cannot start at all (bad settings): give up
+            return code
+        # a signal (a row that crashed the engine), or Celery giving up on its broker connection (after a Redis
+        # restart its consumer can end with "Unrecoverable error"): either way the worker is wanted back
+        why = f"killed by signal {-code}" if code < 0 else f"exited with {code}"
+        print(f"tokenmill worker: {why}; starting it again", file=sys.stderr, flush=True)
         time.sleep(1)
 
 
