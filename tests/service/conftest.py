@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -146,6 +147,16 @@ def sessions(stack: RunningStack):
 
 
 # ---- waiting on the stack -------------------------------------------------------------------------------
+
+def stop_process_group(process: subprocess.Popen, timeout: float) -> None:
+    """SIGTERM to the process's group (started with start_new_session), SIGKILL if it outlives `timeout`."""
+    os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+
 
 def wait_until(check, what: str, timeout: float = 120, every: float = 0.2):
     deadline = time.monotonic() + timeout

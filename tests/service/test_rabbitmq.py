@@ -4,7 +4,6 @@ validates, plans and finalizes jobs of the stack's database."""
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -19,7 +18,7 @@ from ingest.intake import submit
 from storage.job_settings import CELERY
 from tests.fixtures_services import REPO
 from tests.jobs.jobhelpers import new_job, write_parquet
-from tests.service.conftest import wait_for_job, wait_until
+from tests.service.conftest import stop_process_group, wait_for_job, wait_until
 
 RABBIT_URL = os.environ.get("TOKENMILL_TEST_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672//")
 
@@ -40,12 +39,7 @@ def rabbit(stack, tmp_path) -> Iterator[tuple[Celery, str]]:
         wait_until(lambda: app.control.ping(destination=[node], timeout=1.0), "the RabbitMQ worker", 60, every=0.5)
         yield app, f"{prefix}control"
     finally:
-        os.killpg(worker.pid, signal.SIGTERM)
-        try:
-            worker.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(worker.pid, signal.SIGKILL)
-            worker.wait()
+        stop_process_group(worker, 20)
         with app.connection_for_write() as connection:
             connection.default_channel.queue_delete(f"{prefix}control")
         app.close()

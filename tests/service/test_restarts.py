@@ -26,6 +26,7 @@ from tests.service.conftest import (
     job_row,
     shard_rows,
     stack_module,
+    stop_process_group,
     submit_file,
     wait_for_job,
     wait_for_workers,
@@ -272,9 +273,5 @@ def test_a_postgresql_restart_mid_job(stack, private_postgres, tmp_path) -> None
         assert_each_id_once(stack.store(output), columns["custom_id"])
         assert "OperationalError" in (tmp_path / "worker.log").read_text(errors="replace"), "no task met the outage"
     finally:
-        os.killpg(worker.pid, signal.SIGTERM)
-        try:
-            worker.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(worker.pid, signal.SIGKILL)
+        stop_process_group(worker, 30)
         sessions.kw["bind"].dispose()
