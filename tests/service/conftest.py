@@ -229,6 +229,7 @@ class SubmittedJob:
     custom_ids: list[str]
     output_uri: str
     folder: Path  # what the walkthrough wrote: status.json, workers.json, job_status.txt
+    shard_workers: dict[int, str]  # shard index -> the stack worker that ran it, read when the job ended
 
 
 def submit_file(stack: RunningStack, path: Path, *args: str, via: str = "kafka") -> str:
@@ -249,4 +250,6 @@ def kafka_job(stack: RunningStack, sessions, tmp_path_factory) -> SubmittedJob:
     assert done.returncode == 0, f"the README walkthrough failed:\n{done.stdout}\n{done.stderr[-4000:]}"
     job_id = done.stdout.strip().splitlines()[-1]
     custom_ids = pq.read_table(sample_input(), columns=["custom_id"]).column(0).to_pylist()
-    return SubmittedJob(job_id, custom_ids, job_row(sessions, job_id)["output_uri"], folder)
+    shard_workers = {s["index"]: stack.worker_of(int(s["worker"].rpartition(":")[2]))
+                     for s in shard_rows(sessions, job_id)}
+    return SubmittedJob(job_id, custom_ids, job_row(sessions, job_id)["output_uri"], folder, shard_workers)
