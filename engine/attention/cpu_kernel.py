@@ -52,11 +52,11 @@ def _library() -> ctypes.CDLL | None:
             os.replace(built, target)  # atomic: another process may build it at the same time
     log.info("CPU paged decode attention: %s", target)
     library = ctypes.CDLL(str(target))
-    function = library.paged_decode_f32
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    function.argtypes = [ptr, ptr, ptr, ptr, i64, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float,
-                         ctypes.c_int]
-    function.restype = None
+    for function in (library.paged_decode_f32, library.paged_decode_bf16):
+        function.argtypes = [ptr, ptr, ptr, ptr, i64, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64,
+                             ctypes.c_float, ctypes.c_int]
+        function.restype = None
     return library
 
 
@@ -67,23 +67,27 @@ def _cpu_flags() -> str:
         return ""
 
 
-def available() -> bool:
-    return _library() is not None
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+def available(dtype: torch.dtype = torch.float32) -> bool:
+    return dtype in DTYPES and _library() is not None
 
 
 def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,
                  context_lens: torch.Tensor, first_block: int = 0, with_lse: bool = False
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """q [S, Hkv, G, D] float32 contiguous; pools [Hkv, NB, BS, D]; tables [S, B] int32 contiguous (blocks
-    from `first_block` on are attended); context_lens [S] int32, tokens from that block on. Returns the
+    """q [S, Hkv, G, D] float32 or bfloat16 (the pools' dtype), contiguous; pools [Hkv, NB, BS, D]; tables
+    [S, B] int32 contiguous (blocks from `first_block` on are attended); context_lens [S] int32, tokens from that
+    block on. Returns the
     attention output [S, Hkv, G, D] and, with `with_lse`, each row's log-sum-exp [S, Hkv, G]."""
     library = _library()
     num_seqs, num_kv_heads, group, head_dim = q.shape
     _, num_blocks, block_size, _ = k_pool.shape
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:3], dtype=torch.float32) if with_lse else None
-    library.paged_decode_f32(q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), tables.data_ptr(),
-                             tables.stride(0), first_block, context_lens.data_ptr(), out.data_ptr(),
-                             lse.data_ptr() if lse is not None else None, num_seqs, num_kv_heads, group, head_dim,
-                             num_blocks, block_size, head_dim ** -0.5, torch.get_num_threads())
+    function = library.paged_decode_f32 if q.dtype == torch.float32 else library.paged_decode_bf16
+    function(q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), tables.data_ptr(), tables.stride(0), first_block,
+             context_lens.data_ptr(), out.data_ptr(), lse.data_ptr() if lse is not None else None, num_seqs,
+             num_kv_heads, group, head_dim, num_blocks, block_size, head_dim ** -0.5, torch.get_num_threads())
     return out, lse

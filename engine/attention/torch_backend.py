@@ -126,7 +126,7 @@ class TorchAttention(AttentionBackend):
                       prefix_rows, prefix_len)
 
     def _use_kernel(self, device: torch.device) -> bool:
-        return device.type == "cpu" and self.dtype == torch.float32 and cpu_kernel.available()
+        return device.type == "cpu" and cpu_kernel.available(self.dtype)
 
     def _kernel_group(self, batch: StepBatch, heads: torch.Tensor) -> _Group:
         """All decodes, read from the pool by the CPU kernel, each to its own length (no gather, no mask)."""

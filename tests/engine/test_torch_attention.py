@@ -1,5 +1,6 @@
 """The torch backend's decode groups: decodes cut by context length read fewer keys, same results; the CPU
-decode kernel (no gather) gives the torch path's results, with and without a shared prefix."""
+decode kernel (no gather) gives the torch path's results, with and without a shared prefix, in float32 and
+bfloat16."""
 
 import random
 
@@ -23,10 +24,10 @@ def test_decode_groups_cut_sorted_lengths_where_it_saves_reading():
     assert all(a[1] == b[0] for a, b in zip(groups, groups[1:], strict=False))
 
 
-def decode_batch(rng: random.Random, shared: int = 0):
+def decode_batch(rng: random.Random, shared: int = 0, dtype: torch.dtype = torch.float32):
     """40 decodes in a pool of one layer; the first `shared` blocks of every table are the same blocks."""
     hkv, hq, d, bs, num_blocks, seqs = 2, 6, 16, 4, 1800, 40
-    k, v = allocate_kv_pool(1, hkv, num_blocks, bs, d, torch.float32, torch.device("cpu"))
+    k, v = allocate_kv_pool(1, hkv, num_blocks, bs, d, dtype, torch.device("cpu"))
     k[0].normal_()
     v[0].normal_()
     lens = sorted(rng.randint(3, 150) for _ in range(seqs))
@@ -40,12 +41,12 @@ def decode_batch(rng: random.Random, shared: int = 0):
     batch = StepBatch(torch.zeros(seqs, dtype=torch.long), torch.tensor([n - 1 for n in lens]), torch.tensor(slots),
                       seqs, torch.tensor(lens), torch.tensor([t + [0] * (width - len(t)) for t in tables]),
                       max(lens), None, torch.tensor([]), shared, lens)
-    q, new_k, new_v = torch.randn(seqs, hq * d), torch.randn(seqs, hkv * d), torch.randn(seqs, hkv * d)
+    q, new_k, new_v = (torch.randn(seqs, width * d).to(dtype) for width in (hq, hkv, hkv))
     return tb.TorchAttention(k, v, hq), batch, (q, new_k, new_v)
 
 
 def test_grouped_decode_attention_equals_one_group(monkeypatch):
-    monkeypatch.setattr(cpu_kernel, "available", lambda: False)
+    monkeypatch.setattr(cpu_kernel, "available", lambda dtype: False)
     attention, batch, (q, new_k, new_v) = decode_batch(random.Random(1))
     attention.begin_step(batch)
     assert len(attention.groups) > 1
@@ -56,15 +57,17 @@ def test_grouped_decode_attention_equals_one_group(monkeypatch):
     torch.testing.assert_close(grouped, attention.forward(0, q, new_k, new_v), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shared", [0, 5])
-def test_the_cpu_decode_kernel_gives_the_torch_paths_results(shared, monkeypatch):
-    assert cpu_kernel.available(), "this machine has a C compiler: the kernel must build"
-    attention, batch, (q, new_k, new_v) = decode_batch(random.Random(2), shared)
+def test_the_cpu_decode_kernel_gives_the_torch_paths_results(shared, dtype, monkeypatch):
+    assert cpu_kernel.available(dtype), "this machine has a C compiler: the kernel must build"
+    attention, batch, (q, new_k, new_v) = decode_batch(random.Random(2), shared, dtype)
     attention.begin_step(batch)
     assert [g.kernel_tables is not None for g in attention.groups] == [True]
     assert (attention.groups[0].prefix_index is not None) == (shared >= tb.MIN_SHARED_BLOCKS)
     fused = attention.forward(0, q, new_k, new_v)
-    monkeypatch.setattr(cpu_kernel, "available", lambda: False)
+    monkeypatch.setattr(cpu_kernel, "available", lambda dtype: False)
     attention.begin_step(batch)
     assert all(g.kernel_tables is None for g in attention.groups)
-    torch.testing.assert_close(fused, attention.forward(0, q, new_k, new_v), rtol=1e-5, atol=1e-5)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2  # bfloat16: one rounding of the output apart
+    torch.testing.assert_close(fused, attention.forward(0, q, new_k, new_v), rtol=tolerance, atol=tolerance)
