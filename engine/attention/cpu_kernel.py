@@ -1,8 +1,12 @@
-"""The CPU paged decode-attention kernel (csrc/paged_decode.c): compiled with the system's C compiler at first
-use into ~/.cache/tokenmill/kernels (keyed by the source's hash and the CPU's flags), loaded with ctypes,
-called on tensors' memory. It reads keys and values straight from the block pool, where the torch path first
-gathers every sequence's blocks into a padded copy. Without a compiler, or with
-`TOKENMILL_CPU_ATTENTION_KERNEL=0`, `paged_decode` is None and the torch path runs."""
+"""The CPU kernels in csrc/, compiled with the system's C compiler at first use into ~/.cache/tokenmill/kernels
+(keyed by the sources' hash and the CPU's flags), loaded with ctypes, called on tensors' memory:
+
+- paged decode attention (paged_decode.c) reads keys and values straight from the block pool, where the torch
+  path first gathers every sequence's blocks into a padded copy (`TOKENMILL_CPU_ATTENTION_KERNEL=0`: torch);
+- a decoder layer's elementwise steps fused (layer_ops.c): RMSNorm with its residual add, RoPE in place,
+  SiLU(gate) * up, one pass each instead of several torch ops (`TOKENMILL_CPU_LAYER_OPS=0`: torch).
+
+Without a compiler the torch paths run."""
 
 from __future__ import annotations
 
@@ -20,7 +24,7 @@ import torch
 
 log = logging.getLogger("tokenmill.attention")
 
-SOURCE = Path(__file__).with_name("csrc") / "paged_decode.c"
+SOURCES = [Path(__file__).with_name("csrc") / name for name in ("paged_decode.c", "layer_ops.c")]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math",
          "-fassociative-math", "-fno-signed-zeros"]  # reassociation lets the compiler vectorize the dot products
 
@@ -31,32 +35,35 @@ def cache_dir() -> Path:
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    if os.environ.get("TOKENMILL_CPU_ATTENTION_KERNEL", "1") == "0":
-        return None
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None or not SOURCE.exists():
-        log.info("no C compiler or no kernel source: paged decode attention runs in torch")
+    if compiler is None or not all(source.exists() for source in SOURCES):
+        log.info("no C compiler or no kernel sources: attention and the layers' elementwise steps run in torch")
         return None
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join(FLAGS).encode() + _cpu_flags().encode()).hexdigest()[:16]
-    target = cache_dir() / f"paged_decode-{key}.so"
+    sources = b"".join(source.read_bytes() for source in SOURCES)
+    key = hashlib.sha256(sources + " ".join(FLAGS).encode() + _cpu_flags().encode()).hexdigest()[:16]
+    target = cache_dir() / f"cpu_kernels-{key}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
             built = Path(scratch) / target.name
-            done = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built), "-lm"], capture_output=True,
-                                  text=True)
+            done = subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", str(built), "-lm"],
+                                  capture_output=True, text=True)
             if done.returncode != 0:
-                log.warning("could not build the CPU attention kernel (%s); using torch", done.stderr[-500:])
+                log.warning("could not build the CPU kernels (%s); using torch", done.stderr[-500:])
                 return None
             os.replace(built, target)  # atomic: another process may build it at the same time
-    log.info("CPU paged decode attention: %s", target)
+    log.info("CPU kernels: %s", target)
     library = ctypes.CDLL(str(target))
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    for function in (library.paged_decode_f32, library.paged_decode_bf16):
-        function.argtypes = [ptr, ptr, ptr, ptr, i64, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64,
-                             ctypes.c_float, ctypes.c_int]
-        function.restype = None
+    i64, ptr, f32, threads = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
+    signatures = {"paged_decode": [ptr, ptr, ptr, ptr, i64, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, f32,
+                                   threads],
+                  "rms_norm": [ptr, ptr, ptr, ptr, i64, i64, f32, threads],
+                  "rope": [ptr, i64, ptr, ptr, ptr, i64, i64, i64, threads],
+                  "silu_mul": [ptr, ptr, i64, i64, threads]}
+    for name, argtypes in signatures.items():
+        for suffix in SUFFIXES.values():
+            function = getattr(library, f"{name}_{suffix}")
+            function.argtypes, function.restype = argtypes, None
     return library
 
 
@@ -67,11 +74,12 @@ def _cpu_flags() -> str:
         return ""
 
 
-DTYPES = (torch.float32, torch.bfloat16)
+SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 
 def available(dtype: torch.dtype = torch.float32) -> bool:
-    return dtype in DTYPES and _library() is not None
+    return dtype in SUFFIXES and os.environ.get("TOKENMILL_CPU_ATTENTION_KERNEL", "1") != "0" \
+        and _library() is not None
 
 
 def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,
@@ -86,8 +94,47 @@ def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, ta
     _, num_blocks, block_size, _ = k_pool.shape
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:3], dtype=torch.float32) if with_lse else None
-    function = library.paged_decode_f32 if q.dtype == torch.float32 else library.paged_decode_bf16
+    function = getattr(library, f"paged_decode_{SUFFIXES[q.dtype]}")
     function(q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), tables.data_ptr(), tables.stride(0), first_block,
              context_lens.data_ptr(), out.data_ptr(), lse.data_ptr() if lse is not None else None, num_seqs,
              num_kv_heads, group, head_dim, num_blocks, block_size, head_dim ** -0.5, torch.get_num_threads())
     return out, lse
+
+
+class LayerOps:
+    """The fused elementwise steps of a decoder layer for one dtype, on contiguous CPU tensors."""
+
+    def __init__(self, library: ctypes.CDLL, dtype: torch.dtype) -> None:
+        suffix = SUFFIXES[dtype]
+        self._rms_norm = getattr(library, f"rms_norm_{suffix}")
+        self._rope = getattr(library, f"rope_{suffix}")
+        self._silu_mul = getattr(library, f"silu_mul_{suffix}")
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None) -> torch.Tensor:
+        """norm(x) * weight; with `residual`, first residual += x (in place), then norm(residual) * weight."""
+        out = torch.empty_like(x)
+        self._rms_norm(x.data_ptr(), residual.data_ptr() if residual is not None else None, weight.data_ptr(),
+                       out.data_ptr(), x.shape[0], x.shape[1], eps, torch.get_num_threads())
+        return out
+
+    def rope_(self, x: torch.Tensor, heads: int, head_dim: int, positions: torch.Tensor, cos: torch.Tensor,
+              sin: torch.Tensor) -> None:
+        """RoPE in place on the first `heads` rows of `head_dim` of each token row of x [tokens, >= heads *
+        head_dim] (unit stride within a row); cos and sin are the float32 tables [max_positions, head_dim]."""
+        self._rope(x.data_ptr(), x.stride(0), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), x.shape[0], heads,
+                   head_dim, torch.get_num_threads())
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
+        out = torch.empty((rows, inter), dtype=gate_up.dtype)
+        self._silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, inter, torch.get_num_threads())
+        return out
+
+
+def layer_ops(dtype: torch.dtype) -> LayerOps | None:
+    """The fused CPU layer ops for `dtype`, or None (no compiler, another dtype, `TOKENMILL_CPU_LAYER_OPS=0`)."""
+    if dtype not in SUFFIXES or os.environ.get("TOKENMILL_CPU_LAYER_OPS", "1") == "0":
+        return None
+    library = _library()
+    return LayerOps(library, dtype) if library is not None else None

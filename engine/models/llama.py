@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.attention import cpu_kernel
 from engine.models.cpu_gemm import Linear, PackedWeight
 
 Attention = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -99,6 +100,19 @@ class DecoderLayer(nn.Module):
         gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).split(self.intermediate_size, dim=-1)
         return x + self.down_proj(F.silu(gate) * up)
 
+    def forward_fused(self, normed: torch.Tensor, residual: torch.Tensor, positions: torch.Tensor,
+                      rope: tuple[torch.Tensor, torch.Tensor], attention: Attention,
+                      ops: cpu_kernel.LayerOps) -> torch.Tensor:
+        """The same layer through the fused CPU ops: `normed` is input_layernorm(residual); adds the attention
+        output to `residual` in place and returns the MLP's output (the next norm adds it)."""
+        q_size, kv_size = self.split[0], self.split[1]
+        qkv = self.qkv_proj(normed)
+        ops.rope_(qkv, self.num_heads + self.num_kv_heads, self.head_dim, positions, *rope)
+        attn = attention(self.index, qkv[:, :q_size], qkv[:, q_size:q_size + kv_size], qkv[:, q_size + kv_size:])
+        norm = self.post_attention_layernorm
+        normed = ops.rms_norm(self.o_proj(attn), norm.weight, norm.eps, residual=residual)
+        return self.down_proj(ops.silu_mul(self.gate_up_proj(normed)))
+
 
 class LlamaForCausalLM(nn.Module):
     def __init__(self, config, max_positions: int) -> None:
@@ -117,6 +131,7 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.packed_head: PackedWeight | None = None
+        self.fused_ops: cpu_kernel.LayerOps | None = None  # set by pack_for_cpu where the C kernels build
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -127,11 +142,24 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states after the final norm, [num_tokens, hidden]; `num_layers` runs only the first
         layers (a self-speculative draft)."""
         x = self.embed_tokens(input_ids)
+        if self.fused_ops is not None and x.dim() == 2:
+            return self._forward_fused(x, positions, attention, num_layers)
         cos = self.rope_cos.index_select(0, positions).to(x.dtype)[:, None, :]
         sin = self.rope_sin.index_select(0, positions).to(x.dtype)[:, None, :]
         for layer in self.layers[:num_layers]:
             x = layer(x, cos, sin, attention)
         return self.norm(x)
+
+    def _forward_fused(self, residual: torch.Tensor, positions: torch.Tensor, attention: Attention,
+                       num_layers: int | None) -> torch.Tensor:
+        ops, layers = self.fused_ops, self.layers[:num_layers]
+        first = layers[0].input_layernorm
+        normed = ops.rms_norm(residual, first.weight, first.eps)
+        for index, layer in enumerate(layers):
+            out = layer.forward_fused(normed, residual, positions, self.rope_tables_f32, attention, ops)
+            norm = layers[index + 1].input_layernorm if index + 1 < len(layers) else self.norm
+            normed = ops.rms_norm(out, norm.weight, norm.eps, residual=residual)
+        return normed
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.packed_head is not None:
@@ -144,6 +172,9 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, Linear):
                 module.pack()
         self.packed_head = PackedWeight(self.lm_head_weight)
+        if self.layers[0].q_norm is None and self.embed_tokens.weight.device.type == "cpu":
+            self.fused_ops = cpu_kernel.layer_ops(self.embed_tokens.weight.dtype)
+            self.rope_tables_f32 = (self.rope_cos.float(), self.rope_sin.float())  # exact: cast from float32
 
     def load_hf_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load Hugging Face parameter names, fusing q/k/v and gate/up as they arrive."""

@@ -1,5 +1,5 @@
 """Fast checks on tiny random models: greedy identity with HF for Llama, Qwen2 and Qwen3 layouts,
-under chunked prefill and preemption."""
+under chunked prefill and preemption, through the fused CPU layer ops and through plain torch ops."""
 
 import pytest
 import torch
@@ -30,12 +30,16 @@ def prompts(tokenizer):
     return [tokenizer.encode(t) for t in texts]
 
 
+@pytest.mark.parametrize("layer_ops", ["fused", "torch"])
 @pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3"])
-def test_tiny_model_greedy_matches_hf(model_type, tmp_path, tokenizer, prompts):
+def test_tiny_model_greedy_matches_hf(model_type, layer_ops, tmp_path, tokenizer, prompts, monkeypatch):
+    monkeypatch.setenv("TOKENMILL_CPU_LAYER_OPS", "1" if layer_ops == "fused" else "0")
     hf = save_tiny(tmp_path, tokenizer, model_type)
     reference = hf_greedy(hf, prompts, 20)
     for config in (dict(), dict(max_num_batched_tokens=8, num_kv_blocks=12, block_size=8)):
         llm = LLM(str(tmp_path), dtype="float32", num_threads=2, **config)
+        fused = llm.engine.runner.model.fused_ops is not None
+        assert fused == (layer_ops == "fused" and model_type != "qwen3"), "qwen3's q/k norms run in torch"
         outs = llm.generate(prompts, SamplingParams(max_tokens=20, temperature=0))
         failures, allowances = compare([o.outputs[0].token_ids for o in outs], reference)
         assert not failures and allowances <= 1, (config, failures)

@@ -13,13 +13,35 @@
 #include <stdint.h>
 #include <string.h>
 
-static inline float f32_load(const float *p) { return *p; }
-static inline void f32_store(float *p, float x) { *p = x; }
-
-static inline float bf16_load(const uint16_t *p) {
-    union { uint32_t u; float f; } v = { .u = (uint32_t)*p << 16 };
-    return v.f;
+/* exp(x) in plain arithmetic, so the compiler vectorizes the loops that call it (libm's expf is a scalar
+ * call): Cody-Waite range reduction and Cephes' degree-6 polynomial, within 2 ulp of expf. x below -87 (and
+ * -inf) gives about 1e-38 instead of 0, which the softmax sums never notice. */
+static inline float exp_fast(float x) {
+    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    const float n = floorf(x * 1.44269504088896341f + 0.5f);
+    const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    union { int32_t i; float f; } scale = { .i = ((int32_t)n + 127) << 23 };
+    return (p * r * r + r + 1.0f) * scale.f;
 }
+
+/* A row of D values as float32: float32 rows are read in place, bfloat16 rows are widened into `tmp`. */
+static inline const float *f32_row(const float *src, float *tmp, int64_t D) { (void)tmp; (void)D; return src; }
+
+static inline const float *bf16_row(const uint16_t *src, float *tmp, int64_t D) {
+    for (int64_t i = 0; i < D; i++) {
+        union { uint32_t u; float f; } v = { .u = (uint32_t)src[i] << 16 };
+        tmp[i] = v.f;
+    }
+    return tmp;
+}
+
+static inline void f32_store(float *p, float x) { *p = x; }
 
 static inline void bf16_store(uint16_t *p, float x) {  /* round to nearest even, as torch does */
     union { float f; uint32_t u; } v = { .f = x };
@@ -27,46 +49,53 @@ static inline void bf16_store(uint16_t *p, float x) {  /* round to nearest even,
     *p = (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
 }
 
-#define PAGED_DECODE(NAME, T, LOAD, STORE)                                                                        \
+/* Per (sequence, KV head): each key and value row is read (and widened) once for the G query heads that share
+ * it; scores of a block first, then one online-softmax rescale per block and query head. */
+#define PAGED_DECODE(NAME, T, ROW, STORE)                                                                         \
 void NAME(const T *q, const T *k, const T *v, const int32_t *tables, int64_t table_stride, int64_t first_block,   \
           const int32_t *ctx, T *out, float *lse, int64_t S, int64_t Hkv, int64_t G, int64_t D, int64_t NB,        \
           int64_t BS, float scale, int threads) {                                                                 \
     _Pragma("omp parallel for collapse(2) schedule(dynamic, 4) num_threads(threads)")                             \
     for (int64_t s = 0; s < S; s++) {                                                                             \
         for (int64_t h = 0; h < Hkv; h++) {                                                                       \
-            float m[G], l[G], acc[G * D], qf[G * D], kf[D], scores[BS];                                           \
+            float m[G], l[G], acc[G * D], qf[G * D], row[D], scores[G * BS];                                      \
             for (int64_t j = 0; j < G; j++) { m[j] = -INFINITY; l[j] = 0.0f; }                                    \
             memset(acc, 0, sizeof(float) * G * D);                                                                \
-            const T *qh = q + (s * Hkv + h) * G * D;                                                              \
-            for (int64_t i = 0; i < G * D; i++) qf[i] = LOAD(qh + i);                                             \
+            for (int64_t j = 0; j < G; j++) {                                                                     \
+                const float *qj = ROW(q + ((s * Hkv + h) * G + j) * D, row, D);                                   \
+                for (int64_t i = 0; i < D; i++) qf[j * D + i] = qj[i] * scale;                                    \
+            }                                                                                                     \
             const int64_t n = ctx[s];                                                                             \
             for (int64_t b = 0; b * BS < n; b++) {                                                                \
                 const int64_t block = tables[s * table_stride + first_block + b];                                 \
                 const T *kb = k + (h * NB + block) * BS * D, *vb = v + (h * NB + block) * BS * D;                 \
                 const int64_t tokens = n - b * BS < BS ? n - b * BS : BS;                                         \
-                for (int64_t j = 0; j < G; j++) {                                                                 \
-                    const float *qj = qf + j * D;                                                                 \
-                    float top = -INFINITY;                                                                        \
-                    for (int64_t t = 0; t < tokens; t++) {                                                        \
-                        const T *kt = kb + t * D;                                                                 \
-                        for (int64_t i = 0; i < D; i++) kf[i] = LOAD(kt + i);                                     \
+                for (int64_t t = 0; t < tokens; t++) {                                                            \
+                    const float *kt = ROW(kb + t * D, row, D);                                                    \
+                    for (int64_t j = 0; j < G; j++) {                                                             \
+                        const float *qj = qf + j * D;                                                             \
                         float dot = 0.0f;                                                                         \
-                        for (int64_t i = 0; i < D; i++) dot += qj[i] * kf[i];                                     \
-                        scores[t] = dot * scale;                                                                  \
-                        top = scores[t] > top ? scores[t] : top;                                                  \
+                        for (int64_t i = 0; i < D; i++) dot += qj[i] * kt[i];                                     \
+                        scores[j * BS + t] = dot;                                                                 \
                     }                                                                                             \
-                    const float new_max = top > m[j] ? top : m[j];                                                \
-                    const float keep = expf(m[j] - new_max);                                                      \
-                    float *aj = acc + j * D;                                                                      \
-                    l[j] *= keep;                                                                                 \
-                    for (int64_t i = 0; i < D; i++) aj[i] *= keep;                                                \
-                    for (int64_t t = 0; t < tokens; t++) {                                                        \
-                        const float p = expf(scores[t] - new_max);                                                \
-                        const T *vt = vb + t * D;                                                                 \
-                        l[j] += p;                                                                                \
-                        for (int64_t i = 0; i < D; i++) aj[i] += p * LOAD(vt + i);                                \
+                }                                                                                                 \
+                for (int64_t j = 0; j < G; j++) {                                                                 \
+                    float *sj = scores + j * BS, top = m[j];                                                      \
+                    for (int64_t t = 0; t < tokens; t++) top = sj[t] > top ? sj[t] : top;                         \
+                    const float keep = exp_fast(m[j] - top);                                                          \
+                    float sum = 0.0f;                                                                             \
+                    for (int64_t t = 0; t < tokens; t++) { sj[t] = exp_fast(sj[t] - top); sum += sj[t]; }             \
+                    l[j] = l[j] * keep + sum;                                                                     \
+                    m[j] = top;                                                                                   \
+                    if (keep != 1.0f) for (int64_t i = 0; i < D; i++) acc[j * D + i] *= keep;                     \
+                }                                                                                                 \
+                for (int64_t t = 0; t < tokens; t++) {                                                            \
+                    const float *vt = ROW(vb + t * D, row, D);                                                    \
+                    for (int64_t j = 0; j < G; j++) {                                                             \
+                        const float p = scores[j * BS + t];                                                       \
+                        float *aj = acc + j * D;                                                                  \
+                        for (int64_t i = 0; i < D; i++) aj[i] += p * vt[i];                                       \
                     }                                                                                             \
-                    m[j] = new_max;                                                                               \
                 }                                                                                                 \
             }                                                                                                     \
             for (int64_t j = 0; j < G; j++) {                                                                     \
@@ -79,5 +108,5 @@ void NAME(const T *q, const T *k, const T *v, const int32_t *tables, int64_t tab
     }                                                                                                             \
 }
 
-PAGED_DECODE(paged_decode_f32, float, f32_load, f32_store)
-PAGED_DECODE(paged_decode_bf16, uint16_t, bf16_load, bf16_store)
+PAGED_DECODE(paged_decode_f32, float, f32_row, f32_store)
+PAGED_DECODE(paged_decode_bf16, uint16_t, bf16_row, bf16_store)

@@ -1,0 +1,72 @@
+"""The fused CPU layer ops (csrc/layer_ops.c) against the torch formulas of Hugging Face's Llama: RMSNorm with
+the residual add, RoPE in place on a strided QKV row, SiLU(gate) * up; float32 within rounding, bfloat16 within
+one bfloat16 rounding."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.attention import cpu_kernel
+from engine.models.llama import rotate_half
+
+TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=1.6e-2, atol=1e-2)}
+
+
+def hf_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+@pytest.fixture(params=[torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def dtype(request):
+    return request.param
+
+
+@pytest.fixture
+def ops(dtype):
+    ops = cpu_kernel.layer_ops(dtype)
+    assert ops is not None, "this machine has a C compiler: the kernels must build"
+    return ops
+
+
+@pytest.mark.parametrize("rows", [1, 3, 40])
+def test_rms_norm_with_and_without_the_residual_add(ops, dtype, rows):
+    generator = torch.Generator().manual_seed(rows)
+    x, residual = (torch.randn(rows, 576, generator=generator).to(dtype) for _ in range(2))
+    weight = (1 + 0.1 * torch.randn(576, generator=generator)).to(dtype)
+    torch.testing.assert_close(ops.rms_norm(x, weight, 1e-5), hf_rms_norm(x, weight, 1e-5), **TOLERANCE[dtype])
+    expected_sum = residual + x
+    out = ops.rms_norm(x, weight, 1e-5, residual=residual)
+    assert torch.equal(residual, expected_sum), "the residual add is one rounding, like torch's"
+    torch.testing.assert_close(out, hf_rms_norm(expected_sum, weight, 1e-5), **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("tokens", [1, 33])
+def test_rope_rotates_queries_and_keys_in_place_and_leaves_values(ops, dtype, tokens):
+    generator = torch.Generator().manual_seed(tokens)
+    heads, kv_heads, d = 9, 3, 64
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * d, generator=generator).to(dtype)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    emb = torch.cat([torch.arange(256).float()[:, None] * inv_freq[None]] * 2, dim=-1)
+    cos, sin = emb.cos(), emb.sin()
+    positions = torch.randint(0, 256, (tokens,), generator=generator)
+    qk = qkv[:, :(heads + kv_heads) * d].reshape(tokens, heads + kv_heads, d)
+    c, s = cos[positions].to(dtype)[:, None], sin[positions].to(dtype)[:, None]
+    expected = (qk * c + rotate_half(qk) * s).reshape(tokens, -1)
+    values = qkv[:, (heads + kv_heads) * d:].clone()
+    ops.rope_(qkv, heads + kv_heads, d, positions, cos, sin)
+    torch.testing.assert_close(qkv[:, :(heads + kv_heads) * d], expected, **TOLERANCE[dtype])
+    assert torch.equal(qkv[:, (heads + kv_heads) * d:], values)
+
+
+@pytest.mark.parametrize("rows", [1, 20])
+def test_silu_mul(ops, dtype, rows):
+    gate_up = (3 * torch.randn(rows, 2 * 1536, generator=torch.Generator().manual_seed(rows))).to(dtype)
+    gate, up = gate_up.split(1536, dim=-1)
+    torch.testing.assert_close(ops.silu_mul(gate_up), F.silu(gate) * up, **TOLERANCE[dtype])
+
+
+def test_switched_off_by_the_environment(monkeypatch):
+    monkeypatch.setenv("TOKENMILL_CPU_LAYER_OPS", "0")
+    assert cpu_kernel.layer_ops(torch.float32) is None
