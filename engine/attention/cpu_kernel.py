@@ -25,6 +25,7 @@ import torch
 log = logging.getLogger("tokenmill.attention")
 
 SOURCES = [Path(__file__).with_name("csrc") / name for name in ("paged_decode.c", "layer_ops.c")]
+HEADERS = [Path(__file__).with_name("csrc") / "fast_math.h"]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math",
          "-fassociative-math", "-fno-signed-zeros"]  # reassociation lets the compiler vectorize the dot products
 
@@ -36,10 +37,10 @@ def cache_dir() -> Path:
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None or not all(source.exists() for source in SOURCES):
+    if compiler is None or not all(source.exists() for source in SOURCES + HEADERS):
         log.info("no C compiler or no kernel sources: attention and the layers' elementwise steps run in torch")
         return None
-    sources = b"".join(source.read_bytes() for source in SOURCES)
+    sources = b"".join(source.read_bytes() for source in SOURCES + HEADERS)
     key = hashlib.sha256(sources + " ".join(FLAGS).encode() + _cpu_flags().encode()).hexdigest()[:16]
     target = cache_dir() / f"cpu_kernels-{key}.so"
     if not target.exists():

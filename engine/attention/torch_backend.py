@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention import cpu_kernel
-from engine.attention.base import AttentionBackend, StepBatch
+from engine.attention.base import AttentionBackend, PrefillGroup, StepBatch, shared_prefix_blocks
 
 MIN_SHARED_BLOCKS = 4  # below this, reading the shared prefix per sequence costs less than a second pass
 
@@ -80,6 +80,33 @@ def decode_groups(context_lens: list[int] | None, block_size: int, max_groups: i
     return groups
 
 
+def prefill_runs(query_lens: list[int], context_lens: list[int], max_runs: int = 4,
+                 min_saving: float = 0.1) -> list[tuple[int, int]]:
+    """Prefills, in batch order, cut into up to `max_runs` consecutive runs [first, end). A run pads every query
+    to its longest and every key row to its longest context, costing seqs x longest query x longest context; a
+    cut is kept where it saves at least `min_saving` of its run's cost (one long prompt among short ones that
+    hit the prefix cache: the short ones no longer pad to the long one)."""
+    def cost(first: int, end: int) -> int:
+        return (end - first) * max(query_lens[first:end]) * max(context_lens[first:end])
+
+    runs = [(0, len(query_lens))]
+    while len(runs) < max_runs:
+        best = None  # (saving, run index, cut)
+        for index, (first, end) in enumerate(runs):
+            if end - first < 2:
+                continue
+            whole = cost(first, end)
+            split, cut = min((cost(first, k) + cost(k, end), k) for k in range(first + 1, end))
+            if split <= (1 - min_saving) * whole and (best is None or whole - split > best[0]):
+                best = (whole - split, index, cut)
+        if best is None:
+            break
+        _, index, cut = best
+        first, end = runs[index]
+        runs[index:index + 1] = [(first, cut), (cut, end)]
+    return runs
+
+
 def additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
 
@@ -100,7 +127,13 @@ class TorchAttention(AttentionBackend):
             runs = decode_groups(batch.decode_context_lens_list, self.block_size) or [(0, batch.num_decodes)]
             self.groups.extend(self._decode_group(batch, heads, first, end) for first, end in runs)
         if batch.prefill is not None:
-            self.groups.append(self._prefill_group(batch, heads))
+            group = batch.prefill
+            runs = prefill_runs(group.query_lens, group.context_lens) if len(group.query_lens) > 1 else [(0, 1)]
+            start = batch.num_decodes
+            for first, end in runs:
+                run = group if len(runs) == 1 else self._prefill_run(group, first, end)
+                self.groups.append(self._prefill_group(run, start, heads))
+                start += sum(run.query_lens)
 
     def _rows(self, block_tables: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
         return (heads[:, None, None] * self.num_blocks + block_tables[None]).reshape(-1)
@@ -136,8 +169,15 @@ class TorchAttention(AttentionBackend):
         return _Group(0, num, num, 1, 0, None, None, None, None, prefix_rows, prefix_len,
                       tables.to(torch.int32).contiguous(), (batch.decode_context_lens - prefix_len).to(torch.int32))
 
-    def _prefill_group(self, batch: StepBatch, heads: torch.Tensor) -> _Group:
-        group = batch.prefill
+    def _prefill_run(self, group: PrefillGroup, first: int, end: int) -> PrefillGroup:
+        """Prefills [first, end) of the group, their tables cut to their longest context, their own shared prefix."""
+        query_lens, context_lens = group.query_lens[first:end], group.context_lens[first:end]
+        tables = group.block_tables[first:end, :-(-max(context_lens) // self.block_size)]
+        shared = shared_prefix_blocks(tables.tolist(), [c - q for c, q in zip(context_lens, query_lens, strict=True)],
+                                      self.block_size)
+        return PrefillGroup(query_lens, context_lens, tables, shared)
+
+    def _prefill_group(self, group: PrefillGroup, start: int, heads: torch.Tensor) -> _Group:
         tables, prefix_rows, prefix_len = self._split_shared(group.block_tables, group.shared_blocks, heads)
         device = tables.device
         num_seqs, max_q = len(group.query_lens), max(group.query_lens)
@@ -156,8 +196,8 @@ class TorchAttention(AttentionBackend):
         mask = key_pos[None, None, :] <= query_pos[:, :, None]  # causal; also bounds the context
         mask = mask[None, :, None].expand(1, num_seqs, self.group, max_q, length)
         mask = additive(mask.reshape(1, num_seqs, self.group * max_q, length), self.dtype)
-        return _Group(batch.num_decodes, int(q_lens.sum()), num_seqs, max_q, length, self._rows(tables, heads), mask,
-                      pad_index, unpad_index, prefix_rows, prefix_len)
+        return _Group(start, int(q_lens.sum()), num_seqs, max_q, length, self._rows(tables, heads), mask, pad_index,
+                      unpad_index, prefix_rows, prefix_len)
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         num_tokens = q.shape[0]

@@ -45,3 +45,28 @@ def test_tiny_model_greedy_matches_hf(model_type, layer_ops, tmp_path, tokenizer
         assert not failures and allowances <= 1, (config, failures)
         if "num_kv_blocks" in config:
             assert llm.engine.get_stats().num_preemptions > 0
+
+
+def test_one_long_prompt_among_cached_short_ones_prefills_in_runs(tmp_path, tokenizer, monkeypatch):
+    """Prompts sharing a long prefix sent together: the first computes it, the rest hit the cache in the same
+    step with a few tokens each; the short ones attend in their own run (no padding to the long one), with
+    HF's greedy output."""
+    import engine.attention.torch_backend as tb
+
+    hf = save_tiny(tmp_path, tokenizer, "llama")
+    prefix = tokenizer.encode("A shared system prompt that every request repeats word for word. " * 6)
+    prompts = [prefix + tokenizer.encode(f" Question {i}: what comes next?") for i in range(6)]
+    runs, real = [], tb.prefill_runs
+
+    def recording(*args, **kwargs):
+        runs.append(real(*args, **kwargs))
+        return runs[-1]
+
+    monkeypatch.setattr(tb, "prefill_runs", recording)
+    llm = LLM(str(tmp_path), dtype="float32", num_threads=2, enable_prefix_caching=True, block_size=8)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0))
+    failures, allowances = compare([o.outputs[0].token_ids for o in outs], hf_greedy(hf, prompts, 12))
+    assert not failures and allowances <= 1, failures
+    assert any(len(r) > 1 for r in runs), f"no step split its prefills: {runs}"
+    assert real([100, 5, 6, 5], [100, 105, 106, 105]) == [(0, 1), (1, 4)]
+    assert real([50, 50], [50, 50]) == [(0, 2)]

@@ -4,6 +4,8 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "fast_math.h"
+
 #define PARALLEL_ROWS 16
 
 static inline float f32_get(const float *p) { return *p; }
@@ -75,7 +77,7 @@ void NAME(const T *gate_up, T *out, int64_t rows, int64_t inter, int threads) { 
         T *o = out + r * inter;                                                                                   \
         for (int64_t i = 0; i < inter; i++) {                                                                     \
             const float v = GET(g + i);                                                                           \
-            PUT(o + i, ROUND(v / (1.0f + expf(-v))) * GET(u + i));                                                \
+            PUT(o + i, ROUND(v / (1.0f + exp_fast(-v))) * GET(u + i));                                                \
         }                                                                                                         \
     }                                                                                                             \
 }

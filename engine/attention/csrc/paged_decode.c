@@ -13,22 +13,7 @@
 #include <stdint.h>
 #include <string.h>
 
-/* exp(x) in plain arithmetic, so the compiler vectorizes the loops that call it (libm's expf is a scalar
- * call): Cody-Waite range reduction and Cephes' degree-6 polynomial, within 2 ulp of expf. x below -87 (and
- * -inf) gives about 1e-38 instead of 0, which the softmax sums never notice. */
-static inline float exp_fast(float x) {
-    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
-    const float n = floorf(x * 1.44269504088896341f + 0.5f);
-    const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    union { int32_t i; float f; } scale = { .i = ((int32_t)n + 127) << 23 };
-    return (p * r * r + r + 1.0f) * scale.f;
-}
+#include "fast_math.h"
 
 /* A row of D values as float32: float32 rows are read in place, bfloat16 rows are widened into `tmp`. */
 static inline const float *f32_row(const float *src, float *tmp, int64_t D) { (void)tmp; (void)D; return src; }
