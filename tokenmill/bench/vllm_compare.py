@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import tempfile
 import time
@@ -58,8 +59,8 @@ def run_vllm(python: Path, model_dir, workload: Workload, dtype: str, threads: i
             "enable_prefix_caching": enable_prefix_caching, "prompts": workload.prompts,
             "output_lens": workload.output_lens, "batch1_prompt": batch1[0] if batch1 else None,
             "batch1_tokens": batch1[1] if batch1 else None}))
-        proc = subprocess.run([str(python), str(WORKER), str(spec_path), str(result_path)], env=vllm_env(threads),
-                              cwd=tmp, capture_output=True, text=True, timeout=timeout)
+        proc = run_in_own_group([str(python), str(WORKER), str(spec_path), str(result_path)], vllm_env(threads),
+                                tmp, timeout)
         if proc.returncode != 0 or not result_path.exists():
             tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-25:])
             raise RuntimeError(f"vLLM run failed (exit {proc.returncode}):\n{tail}")
@@ -67,6 +68,23 @@ def run_vllm(python: Path, model_dir, workload: Workload, dtype: str, threads: i
     note = f"vLLM {result['version']} (its venv; start-up {result['startup_seconds']:.0f} s)"
     return VllmRun(Result(label, dtype, result["seconds"], workload.useful_tokens, note),
                    result["output_token_ids"], result.get("batch1_tpot"))
+
+
+def run_in_own_group(command: list[str], env: dict[str, str], cwd: str, timeout: float
+                     ) -> subprocess.CompletedProcess:
+    """Run vLLM in a process group of its own and kill whatever of it is left when it returns: its engine-core
+    process must not linger and take CPU from the next system measured."""
+    proc = subprocess.Popen(command, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+    return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)
 
 
 def tokenmill_batch1_tpot(model: str, dtype: str, prompt: list[int], tokens: int, repeats: int = 3,
