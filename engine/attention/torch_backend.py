@@ -10,6 +10,7 @@ through the log-sum-exp of both parts.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -54,46 +55,16 @@ def attend_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return torch.matmul(torch.exp(scores - lse), v.float()), lse
 
 
-def decode_groups(context_lens: list[int] | None, block_size: int, max_groups: int = 4,
-                  min_saving: float = 0.1) -> list[tuple[int, int]]:
-    """Decodes sorted by context length, cut into up to `max_groups` runs [first, end), each reading keys up
-    to its own longest context: a cut is kept where it reads at least `min_saving` fewer key blocks."""
-    if not context_lens:
-        return []
-    blocks = [-(-n // block_size) for n in context_lens]
-    groups = [(0, len(blocks))]
-    while len(groups) < max_groups:
-        best = None  # (saving, group index, cut)
-        for index, (first, end) in enumerate(groups):
-            whole = (end - first) * blocks[end - 1]
-            if end - first < 8:
-                continue
-            cost, cut = min(((k - first) * blocks[k - 1] + (end - k) * blocks[end - 1], k)
-                            for k in range(first + 1, end))
-            if cost <= (1 - min_saving) * whole and (best is None or whole - cost > best[0]):
-                best = (whole - cost, index, cut)
-        if best is None:
-            break
-        _, index, cut = best
-        first, end = groups[index]
-        groups[index:index + 1] = [(first, cut), (cut, end)]
-    return groups
-
-
-def prefill_runs(query_lens: list[int], context_lens: list[int], max_runs: int = 4,
-                 min_saving: float = 0.1) -> list[tuple[int, int]]:
-    """Prefills, in batch order, cut into up to `max_runs` consecutive runs [first, end). A run pads every query
-    to its longest and every key row to its longest context, costing seqs x longest query x longest context; a
-    cut is kept where it saves at least `min_saving` of its run's cost (one long prompt among short ones that
-    hit the prefix cache: the short ones no longer pad to the long one)."""
-    def cost(first: int, end: int) -> int:
-        return (end - first) * max(query_lens[first:end]) * max(context_lens[first:end])
-
-    runs = [(0, len(query_lens))]
+def cut_runs(count: int, cost: Callable[[int, int], int], max_runs: int, min_saving: float,
+             min_to_cut: int) -> list[tuple[int, int]]:
+    """[0, count) cut into up to `max_runs` consecutive runs [first, end): greedily, the cut saving the most of
+    `cost(first, end)`, kept where it saves at least `min_saving` of its run's cost; runs shorter than
+    `min_to_cut` are not cut."""
+    runs = [(0, count)]
     while len(runs) < max_runs:
         best = None  # (saving, run index, cut)
         for index, (first, end) in enumerate(runs):
-            if end - first < 2:
+            if end - first < min_to_cut:
                 continue
             whole = cost(first, end)
             split, cut = min((cost(first, k) + cost(k, end), k) for k in range(first + 1, end))
@@ -105,6 +76,28 @@ def prefill_runs(query_lens: list[int], context_lens: list[int], max_runs: int =
         first, end = runs[index]
         runs[index:index + 1] = [(first, cut), (cut, end)]
     return runs
+
+
+def decode_groups(context_lens: list[int] | None, block_size: int, max_groups: int = 4,
+                  min_saving: float = 0.1) -> list[tuple[int, int]]:
+    """Decodes sorted by context length, cut into up to `max_groups` runs [first, end), each reading keys up
+    to its own longest context: a cut is kept where it reads at least `min_saving` fewer key blocks."""
+    if not context_lens:
+        return []
+    blocks = [-(-n // block_size) for n in context_lens]
+    return cut_runs(len(blocks), lambda first, end: (end - first) * blocks[end - 1], max_groups, min_saving, 8)
+
+
+def prefill_runs(query_lens: list[int], context_lens: list[int], max_runs: int = 4,
+                 min_saving: float = 0.1) -> list[tuple[int, int]]:
+    """Prefills, in batch order, cut into up to `max_runs` consecutive runs [first, end). A run pads every query
+    to its longest and every key row to its longest context, costing seqs x longest query x longest context; a
+    cut is kept where it saves at least `min_saving` of its run's cost (one long prompt among short ones that
+    hit the prefix cache: the short ones no longer pad to the long one)."""
+    def cost(first: int, end: int) -> int:
+        return (end - first) * max(query_lens[first:end]) * max(context_lens[first:end])
+
+    return cut_runs(len(query_lens), cost, max_runs, min_saving, 2)
 
 
 def additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
