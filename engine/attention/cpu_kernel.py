@@ -88,8 +88,8 @@ def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, ta
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """q [S, Hkv, G, D] float32 or bfloat16 (the pools' dtype), contiguous; pools [Hkv, NB, BS, D]; tables
     [S, B] int32 contiguous (blocks from `first_block` on are attended); context_lens [S] int32, tokens from that
-    block on. Returns the
-    attention output [S, Hkv, G, D] and, with `with_lse`, each row's log-sum-exp [S, Hkv, G]."""
+    block on. Returns the attention output [S, Hkv, G, D] and, with `with_lse`, each row's log-sum-exp
+    [S, Hkv, G]."""
     library = _library()
     num_seqs, num_kv_heads, group, head_dim = q.shape
     _, num_blocks, block_size, _ = k_pool.shape

@@ -121,7 +121,7 @@ class TorchAttention(AttentionBackend):
             self.groups.extend(self._decode_group(batch, heads, first, end) for first, end in runs)
         if batch.prefill is not None:
             group = batch.prefill
-            runs = prefill_runs(group.query_lens, group.context_lens) if len(group.query_lens) > 1 else [(0, 1)]
+            runs = prefill_runs(group.query_lens, group.context_lens)
             start = batch.num_decodes
             for first, end in runs:
                 run = group if len(runs) == 1 else self._prefill_run(group, first, end)

@@ -142,7 +142,7 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states after the final norm, [num_tokens, hidden]; `num_layers` runs only the first
         layers (a self-speculative draft)."""
         x = self.embed_tokens(input_ids)
-        if self.fused_ops is not None and x.dim() == 2:
+        if self.fused_ops is not None:
             return self._forward_fused(x, positions, attention, num_layers)
         cos = self.rope_cos.index_select(0, positions).to(x.dtype)[:, None, :]
         sin = self.rope_sin.index_select(0, positions).to(x.dtype)[:, None, :]

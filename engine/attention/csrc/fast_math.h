@@ -1,4 +1,4 @@
-/* Shared by the CPU kernels. */
+/* Shared by the CPU kernels: float32 and bfloat16 element access, and a vectorizable exp. */
 #ifndef TOKENMILL_FAST_MATH_H
 #define TOKENMILL_FAST_MATH_H
 #include <math.h>
@@ -19,6 +19,19 @@ static inline float exp_fast(float x) {
     p = p * r + 5.0000001201e-1f;
     union { int32_t i; float f; } scale = { .i = ((int32_t)n + 127) << 23 };
     return (p * r * r + r + 1.0f) * scale.f;
+}
+
+static inline float f32_get(const float *p) { return *p; }
+static inline void f32_put(float *p, float x) { *p = x; }
+
+static inline float bf16_get(const uint16_t *p) {
+    union { uint32_t u; float f; } v = { .u = (uint32_t)*p << 16 };
+    return v.f;
+}
+
+static inline void bf16_put(uint16_t *p, float x) {  /* round to nearest even, as torch does */
+    union { float f; uint32_t u; } v = { .f = x };
+    *p = x != x ? 0x7fc0 : (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
 }
 
 #endif

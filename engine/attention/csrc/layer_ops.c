@@ -8,18 +8,7 @@
 
 #define PARALLEL_ROWS 16
 
-static inline float f32_get(const float *p) { return *p; }
-static inline void f32_put(float *p, float x) { *p = x; }
 static inline float f32_round(float x) { return x; }
-
-static inline float bf16_get(const uint16_t *p) {
-    union { uint32_t u; float f; } v = { .u = (uint32_t)*p << 16 };
-    return v.f;
-}
-static inline void bf16_put(uint16_t *p, float x) {  /* round to nearest even, as torch does */
-    union { float f; uint32_t u; } v = { .f = x };
-    *p = x != x ? 0x7fc0 : (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
-}
 static inline float bf16_round(float x) {
     uint16_t b;
     bf16_put(&b, x);

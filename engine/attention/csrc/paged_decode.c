@@ -19,19 +19,8 @@
 static inline const float *f32_row(const float *src, float *tmp, int64_t D) { (void)tmp; (void)D; return src; }
 
 static inline const float *bf16_row(const uint16_t *src, float *tmp, int64_t D) {
-    for (int64_t i = 0; i < D; i++) {
-        union { uint32_t u; float f; } v = { .u = (uint32_t)src[i] << 16 };
-        tmp[i] = v.f;
-    }
+    for (int64_t i = 0; i < D; i++) tmp[i] = bf16_get(src + i);
     return tmp;
-}
-
-static inline void f32_store(float *p, float x) { *p = x; }
-
-static inline void bf16_store(uint16_t *p, float x) {  /* round to nearest even, as torch does */
-    union { float f; uint32_t u; } v = { .f = x };
-    if (x != x) { *p = 0x7fc0; return; }
-    *p = (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
 }
 
 /* Per (sequence, KV head): each key and value row is read (and widened) once for the G query heads that share
@@ -93,5 +82,5 @@ void NAME(const T *q, const T *k, const T *v, const int32_t *tables, int64_t tab
     }                                                                                                             \
 }
 
-PAGED_DECODE(paged_decode_f32, float, f32_row, f32_store)
-PAGED_DECODE(paged_decode_bf16, uint16_t, bf16_row, bf16_store)
+PAGED_DECODE(paged_decode_f32, float, f32_row, f32_put)
+PAGED_DECODE(paged_decode_bf16, uint16_t, bf16_row, bf16_put)
