@@ -70,7 +70,8 @@ def test_cancel_command_stops_a_running_job(tmp_path: Path, capsys: pytest.Captu
     database = tmp_path / "jobs.db"
     url = f"sqlite:///{database}"
     command = [sys.executable, "-m", "tokenmill", "run", str(source), "--output", str(tmp_path / "out"),
-               "--database-url", url, "--shard-size", "2", "--max-num-seqs", "2", *FAST]  # ~2 shards in flight
+               "--database-url", url, "--shard-size", "2", "--max-num-seqs", "2", *FAST,
+               "--max-tokens", "32"]  # ~2 shards in flight; rows long enough that the cancel lands mid-job
     with open(tmp_path / "run.log", "w") as log:
         running = subprocess.Popen(command, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT)
         try:
