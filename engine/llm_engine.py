@@ -83,11 +83,20 @@ class LLMEngine:
         self._rejected: list[_Request] = []
         self.set_speculative_config(None)
 
+    def _speculation_key(self, settings: dict[str, Any] | None) -> str | None:
+        settings = settings if settings is not None else self.config.speculative_config
+        return json.dumps(settings, sort_keys=True) if settings else None
+
+    def speculation_matches(self, settings: dict[str, Any] | None) -> bool:
+        """Is `settings` (None: the engine's own) the speculative setting the engine runs now? Requests of
+        another setting wait until the engine is idle, since `set_speculative_config` switches only then."""
+        return self._speculation_key(settings) == self._spec_key
+
     def set_speculative_config(self, settings: dict[str, Any] | None) -> None:
         """Speculative decoding for the requests that follow (a job's own setting); None restores the
         engine's `speculative_config`. Decoders are kept, so switching back reloads no draft model."""
+        key = self._speculation_key(settings)
         settings = settings if settings is not None else self.config.speculative_config
-        key = json.dumps(settings, sort_keys=True) if settings else None
         if key == self._spec_key:
             return
         if self.has_unfinished_requests():

@@ -145,10 +145,7 @@ class EngineLoop:
                 self._fail(ticket, error)
 
     def _same_speculation(self, ticket: Ticket) -> bool:
-        import json
-
-        wanted = ticket.speculative if ticket.speculative is not None else self.engine.config.speculative_config
-        return (json.dumps(wanted, sort_keys=True) if wanted else None) == self.engine._spec_key
+        return self.engine.speculation_matches(ticket.speculative)
 
     def _feed(self, ticket: Ticket) -> None:
         work, execution = ticket.work, ticket.execution
