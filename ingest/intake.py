@@ -23,8 +23,9 @@ from sqlalchemy.orm import Session, object_session, sessionmaker
 from ingest.policy import OPEN, FrontDoorPolicy
 from ingest.spec import JobRequest, NewJob, SpecError
 from storage import repository as repo
+from storage.claims import mark_cancelled
 from storage.job_settings import CELERY, JobSettings, window_seconds
-from storage.liveness import runner_alive
+from storage.liveness import db_now, runner_alive
 from storage.models import Job, JobStatus, utcnow
 from storage.objectstore import S3Options, normalize_uri, open_store
 from storage.states import is_terminal, output_claim, transition
@@ -105,8 +106,8 @@ def _reopen(job: Job, new: NewJob) -> str:
     if job.status == S.COMPLETED:
         return "finished"
     _update_settings(job, new)
-    if job.status == S.CANCELLING and not runner_alive(job):
-        transition(job, S.CANCELLED)
+    if job.status == S.CANCELLING and not runner_alive(job, db_now(object_session(job))):
+        mark_cancelled(job)
     if is_terminal(job.status):
         if owner := claim_owner(object_session(job), job.output_uri, but=job.id):
             raise OutputClaimed(job.output_uri, owner)
@@ -140,14 +141,17 @@ class Intake:
     policy: FrontDoorPolicy = OPEN  # allowed prefixes and cache isolation (ingest.policy)
 
     def accept(self, request: JobRequest, *, source: str, source_ref: str, default_key: str,
-               tenant: str = "") -> Submission:
+               tenant: str = "", input_pin: dict | None = None) -> Submission:
         """The job for this request, created or found again; raises SpecError for a spec that cannot run.
-        `tenant` names who sent it (the inbox folder, the message key), for its cache salt."""
+        `tenant` names who sent it (the inbox folder, the message key), for its cache salt; `input_pin` is the
+        version of the input the front door saw (the inbox's listed ETag), the only one the job may read."""
         request, key = self.admit(request, source=source, default_key=default_key, tenant=tenant)
         if request.rows is not None:
             request = request.model_copy(update={"input_uri": self._store_rows(request.rows, key), "rows": None})
         try:
             new = request.to_job(executor=CELERY, source=source, source_ref=source_ref, default_key=key, s3=self.s3)
+            if input_pin is not None:
+                new.settings = new.settings.model_copy(update={"inbox_pin": input_pin})
             submission = submit(self.sessions, new, reopen=False)
         except ValueError as error:  # e.g. an unsafe output URI, a job id already taken
             raise SpecError(str(error)) from None

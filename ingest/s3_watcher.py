@@ -141,7 +141,8 @@ class InboxWatcher:
             raise SpecError(f"{entry.sidecar_key}: a sidecar cannot name another input_uri or give rows")
         return self.intake.accept(request, source=JobSource.S3.value, source_ref=f"{uri}@{entry.etag}",
                                   default_key=f"s3-{self.store.bucket}/{entry.key}@{entry.etag}",
-                                  tenant=f"{self.store.bucket}/{posixpath.dirname(entry.key)}")
+                                  tenant=f"{self.store.bucket}/{posixpath.dirname(entry.key)}",
+                                  input_pin={"etag": entry.etag})
 
     def _sidecar(self, entry: InboxEntry) -> bytes:
         key = entry.sidecar_key

@@ -47,6 +47,7 @@ class JobSettings(BaseModel):
     cache_salt: str | None = None  # rows share prefix-cache blocks only with rows of the same salt
     completion_window: CompletionWindow = DEFAULT_COMPLETION_WINDOW  # past it the sweep ends the job `expired`
     input_fingerprint: dict[str, Any] | None = None  # set when the input is validated
+    inbox_pin: dict[str, Any] | None = None  # the version the inbox listed (its ETag): validation reads only it
     input_format: str | None = None
 
     @field_serializer("s3")

@@ -1,28 +1,47 @@
-"""Who is running a job: a worker is `host:pid`; a dead worker's job or shard may be taken over."""
+"""Who holds a job step or a shard: a claim is a lease, stamped and checked on the database's clock (hosts'
+clocks disagree; SQLite is one host, so its clock is the process's). Liveness is the lease alone: a worker is
+`host:pid`, and a PID seen dead on this host ends a lease early, but never keeps one alive."""
 
 from __future__ import annotations
 
 import os
 import socket
-from datetime import datetime
+from datetime import UTC, datetime, timedelta
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
 
 from storage.models import Job, Shard, ShardStatus, utcnow
+
+LEASE = timedelta(seconds=float(os.environ.get("TOKENMILL_LEASE_S") or 120))  # renewed every quarter
 
 
 def worker_id() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
 
 
-def worker_alive(worker: str | None, lease_expires_at: datetime | None = None) -> bool:
-    """On this host: is the process there (zombies count as dead)? Elsewhere: is the lease still running?"""
-    if not worker:
+def db_now(session: Session) -> datetime:
+    """The database's clock (UTC): PostgreSQL's `now()`, the transaction's start; SQLite: this host's."""
+    if session.get_bind().dialect.name == "sqlite":
+        return utcnow()
+    now = session.scalar(select(func.now()))
+    return now.replace(tzinfo=UTC) if now.tzinfo is None else now.astimezone(UTC)
+
+
+def lease_until(session: Session) -> datetime:
+    """When a lease taken or renewed now lapses, on the database's clock."""
+    return db_now(session) + LEASE
+
+
+def holder_alive(worker: str | None, lease_expires_at: datetime | None, now: datetime) -> bool:
+    """Does `worker` still hold a lease that runs until `lease_expires_at` (`now` on the database's clock)?
+    A dead process on this host lets go at once."""
+    if not worker or lease_expires_at is None or lease_expires_at <= now:
         return False
-    if worker == worker_id():
-        return True
     host, _, pid = worker.rpartition(":")
-    if host == socket.gethostname() and pid.isdigit():
+    if host == socket.gethostname() and pid.isdigit() and int(pid) != os.getpid():
         return _process_alive(int(pid))
-    return lease_expires_at is not None and lease_expires_at > utcnow()
+    return True
 
 
 def _process_alive(pid: int) -> bool:
@@ -40,13 +59,15 @@ def _process_alive(pid: int) -> bool:
         return True
 
 
-def runner_alive(job: Job) -> bool:
-    """Is some process still running this job: its runner (`tokenmill run`), or a worker running one of its
-    shards (its process on this host, its unexpired lease elsewhere)?"""
-    running = [s for s in job.shards if s.status == ShardStatus.RUNNING]
-    leases = [s.lease_expires_at for s in running if s.lease_expires_at]
-    return worker_alive(job.worker, max(leases, default=None)) or any(shard_runner_alive(s) for s in running)
+def step_holder_alive(job: Job, now: datetime) -> bool:
+    """Is a process holding the job itself (its plan or finalize step, or `tokenmill run`)?"""
+    return holder_alive(job.worker, job.lease_expires_at, now)
 
 
-def shard_runner_alive(shard: Shard) -> bool:
-    return worker_alive(shard.worker, shard.lease_expires_at)
+def shard_runner_alive(shard: Shard, now: datetime) -> bool:
+    return shard.status == ShardStatus.RUNNING and holder_alive(shard.worker, shard.lease_expires_at, now)
+
+
+def runner_alive(job: Job, now: datetime) -> bool:
+    """Is some process still working on this job: a step holder, or a worker running one of its shards?"""
+    return step_holder_alive(job, now) or any(shard_runner_alive(s, now) for s in job.shards)

@@ -131,6 +131,8 @@ class Job(Base):
     # the normalized output prefix while the job is live (NULL once terminal): one live job per prefix
     output_claim: Mapped[str | None] = mapped_column(String(2048), unique=True, index=True)
     claim_token: Mapped[int] = mapped_column(Integer, default=0, server_default="0")  # bumped per step claim
+    # the step holder's lease (database clock); with no holder, when the sweep last resent the step
+    lease_expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
 
     requests_total: Mapped[int] = mapped_column(BigInteger, default=0)
     requests_completed: Mapped[int] = mapped_column(BigInteger, default=0)
@@ -280,3 +282,12 @@ class InboxObject(Base):
     job_id: Mapped[str | None] = mapped_column(ForeignKey("jobs.id", ondelete="SET NULL"))
     error: Mapped[str | None] = mapped_column(Text)
     seen_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class ServiceMarker(Base):
+    """A named value the service keeps, e.g. the broker marker (`workers.broker_marker`)."""
+
+    __tablename__ = "service_markers"
+
+    name: Mapped[str] = mapped_column(String(255), primary_key=True)
+    value: Mapped[str] = mapped_column(String(255))

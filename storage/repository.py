@@ -107,6 +107,21 @@ def renew_lease(session: Session, shard_id: int, claim_token: int, lease_until: 
     return result.rowcount == 1
 
 
+def renew_job_lease(session: Session, job_id: str, claim_token: int, lease_until: datetime) -> bool:
+    """Extend the lease of the job's step holder if its claim is still this token's; False when it was lost."""
+    result = session.execute(update(Job).where(Job.id == job_id, Job.claim_token == claim_token)
+                             .values(lease_expires_at=lease_until))
+    return result.rowcount == 1
+
+
+def fence(job: Job, shards: Iterable[Shard] = ()) -> None:
+    """Move the claim tokens on (job row locked): whoever held the job's step or these shards writes nothing
+    more. Cancel, give-up and expiry fence as a claim does."""
+    job.claim_token = (job.claim_token or 0) + 1
+    for shard in shards:
+        shard.claim_token = (shard.claim_token or 0) + 1
+
+
 def complete_shard(session: Session, shard: Shard, totals: dict[str, int], output_key: str,
                    errors: Iterable[FailedRow]) -> None:
     """Mark shard completed with its counts and its failed rows, then refresh the job's totals."""

@@ -10,6 +10,7 @@ takes it again.
 
 from __future__ import annotations
 
+import os
 from datetime import datetime
 
 from storage.models import Job, JobStatus, utcnow
@@ -63,7 +64,10 @@ def transition(job: Job, new_status: str, *, error: str | None = None, at: datet
 
 def output_claim(output_uri: str) -> str:
     """The key a live job holds its output prefix by: the normalized URI without a trailing slash."""
-    return normalize_uri(output_uri).rstrip("/")
+    normalized = normalize_uri(output_uri).rstrip("/")
+    if normalized.startswith("file://"):  # the local store writes through symlinks: so does the claim
+        return "file://" + os.path.realpath(normalized[len("file://"):])
+    return normalized
 
 
 def is_terminal(status: str) -> bool:

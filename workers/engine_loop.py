@@ -1,37 +1,42 @@
-"""Several shards in flight in one engine, for the Celery worker: one engine thread per worker process (and
-model) owns the `LLMEngine` and steps it; each `run_shard` task, in its own thread of the worker's thread pool,
-hands its shard's rows to that thread and waits for its own rows. So the next shard's rows are admitted while
-the previous shard's tail decodes, and shards of several jobs share the engine (ordered by their request
-priority when the engine's `scheduling_policy` is `priority`).
+"""The one shard executor: every shard, of the Celery worker and of `tokenmill run` alike, runs through the
+engine thread of its process (one per engine). That thread alone owns the `LLMEngine` and steps it; each shard is
+handed over from its own thread (a `run_shard` task, or one of `tokenmill run`'s), which waits for its rows. So
+the next shard's rows are admitted while the previous shard's tail decodes, and shards of several jobs share the
+engine (ordered by their request priority when the engine's `scheduling_policy` is `priority`).
 
-The waiting task thread asks the database once a second whether the job still runs (`StatusWatch`) and
-reports progress; the shard's lease is renewed by its `LeaseHeartbeat` thread, independently of engine steps,
-and a lost claim stops the shard like a cancel. A cancel aborts only that shard's requests. The engine thread
-survives any one shard's error: a row that cannot be prepared or collected fails its shard alone; an engine
-step that raises fails the shards then in the engine (their tasks retry them)."""
+The waiting thread asks the database once a second whether the job still runs (`StatusWatch`) and reports
+progress; the shard's lease is renewed by a `LeaseHeartbeat` thread. A cancel aborts only that shard's requests.
+The engine thread survives any one shard's error: a row that cannot be prepared or collected fails its shard
+alone. An engine step that raises is pinned on a shard by running the shards that were in the engine again one
+at a time: the one that raises alone fails; the others finish as if nothing happened. A watchdog ends the
+process when the engine makes no progress for `TOKENMILL_ENGINE_WATCHDOG_S` (its leases then lapse and other
+workers take its shards over)."""
 
 from __future__ import annotations
 
 import logging
 import math
+import os
 import queue
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from storage.formats import Request, RowError
-from workers.runner import JobSteps, LeaseHeartbeat, Progress, StatusWatch, engine_priority
-from workers.shards import ShardOutcome, ShardsExecution, ShardWork
+from workers.shards import ShardOutcome, collect_row, prepare_row
 
 if TYPE_CHECKING:
     from engine import LLMEngine, RequestOutput
-    from storage.models import Job, Shard
+    from workers.job_steps import Progress
 
 log = logging.getLogger("tokenmill.engine_loop")
 
 POLL_S = 1.0  # how often a waiting shard asks whether its job still runs and reports progress
+CANCEL_WAIT_S = 10.0  # a cancelled shard's wait for the engine thread to drop its rows (it may be stuck)
+WATCHDOG_S = float(os.environ.get("TOKENMILL_ENGINE_WATCHDOG_S") or 600)
 
 
 def shards_in_flight(max_num_seqs: int, rows_per_shard: int, kv_rows: int | None = None) -> int:
@@ -41,57 +46,81 @@ def shards_in_flight(max_num_seqs: int, rows_per_shard: int, kv_rows: int | None
     return math.ceil(max(1, rows) / max(1, rows_per_shard)) + 1
 
 
+@dataclass
+class RowSettings:
+    """How a job's rows run: its sampling defaults, engine request priority, prefix-cache salt and speculative
+    decoding setting (None: the engine's own)."""
+
+    defaults: dict[str, Any]
+    priority: int = 0
+    cache_salt: str | None = None
+    speculative: dict[str, Any] | None = None
+
+
 @dataclass(eq=False)
 class Ticket:
     """One shard handed to the engine thread; `done` is set when all its rows finished, or it was cancelled or
-    failed (`error`)."""
+    failed (`error`). Its request ids are `prefix` + row index, unique in the engine."""
 
-    work: ShardWork
-    execution: ShardsExecution  # the job's sampling defaults, priority and cache salt; prepares and collects rows
-    speculative: dict[str, Any] | None
+    rows: list[Request | RowError]
+    prefix: str
+    settings: RowSettings
+    outcome: ShardOutcome = field(default_factory=ShardOutcome)
     done: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
-    rows_done: int = 0  # finished rows and generated tokens, read by the waiting task thread
+    rows_done: int = 0  # finished rows and generated tokens, read by the waiting thread
     tokens: int = 0
+    fed: bool = False
+    suspect: bool = False  # it was in the engine when a step raised: it runs again alone
     request_ids: set[str] = field(default_factory=set)  # its requests still in the engine
+
+    def restart(self) -> None:
+        self.outcome, self.rows_done, self.tokens, self.fed, self.suspect = ShardOutcome(), 0, 0, False, True
 
 
 class EngineLoop:
-    """The engine thread of one engine. `run` is called from task threads; everything else runs on the engine
-    thread, which alone touches the engine."""
+    """The engine thread of one engine. `run` is called from the shards' threads; everything else runs on the
+    engine thread, which alone touches the engine."""
 
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, watchdog_s: float = WATCHDOG_S,
+                 on_stuck: Callable[[], None] | None = None) -> None:
         self.engine = engine
         self.inbox: queue.Queue[tuple[str, Ticket]] = queue.Queue()
-        self.waiting: deque[Ticket] = deque()  # submitted, not yet admitted (another speculative setting runs)
+        self.waiting: deque[Ticket] = deque()  # submitted, not yet admitted
         self.active: list[Ticket] = []  # admitted, oldest first
         self.pending: dict[str, tuple[Ticket, Request, int | None]] = {}
         self._spec_seen = (0, 0)
+        self.progressed = time.monotonic()  # the last engine step that returned, or the last idle moment
+        self.watchdog_s, self.on_stuck = watchdog_s, on_stuck or _exit_stuck
         self.thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self.thread.start()
+        threading.Thread(target=self._watch, name="engine-watchdog", daemon=True).start()
 
-    # -- task threads -------------------------------------------------------------------------------
+    # -- shard threads ------------------------------------------------------------------------------
 
-    def run(self, execution: ShardsExecution, rows: list[Request | RowError], prefix: str,
-            speculative: dict[str, Any] | None = None, should_stop: Callable[[], bool] = lambda: False,
-            progress: Progress | None = None) -> ShardOutcome:
+    def run(self, settings: RowSettings, rows: list[Request | RowError], prefix: str,
+            should_stop: Callable[[], bool] = lambda: False, progress: Progress | None = None) -> ShardOutcome:
         """Run one shard's rows in the shared engine and wait for them; a stop request (asked every POLL_S)
         aborts its rows and returns the outcome with `cancelled` set. An error of this shard is raised."""
-        ticket = Ticket(ShardWork(None, rows, prefix), execution, speculative)
+        ticket = Ticket(rows, prefix, settings)
         self.inbox.put(("run", ticket))
         reported = (0, 0)
-        cancelled = False
+        cancel_deadline = None
         while not ticket.done.wait(POLL_S):
             reported = _report(progress, ticket, reported)
-            if not cancelled and should_stop():
-                cancelled = True
+            if cancel_deadline is None and should_stop():
+                cancel_deadline = time.monotonic() + CANCEL_WAIT_S
                 self.inbox.put(("cancel", ticket))
+            elif cancel_deadline is not None and time.monotonic() > cancel_deadline:
+                log.warning("shard %s: the engine thread did not drop its rows within %.0f s of the cancel; "
+                            "the shard ends cancelled without it", prefix, CANCEL_WAIT_S)
+                return ShardOutcome(cancelled=True)
         _report(progress, ticket, reported)
         if flush := getattr(progress, "flush", None):
             flush()  # the final counts, even when the shard ended within one throttle window
         if ticket.error is not None:
             raise ticket.error
-        return ticket.work.outcome
+        return ticket.outcome
 
     # -- the engine thread --------------------------------------------------------------------------
 
@@ -102,8 +131,21 @@ class EngineLoop:
                 self._admit()
                 if self.active:  # only its own shards: the engine is not stepped for anyone else's requests
                     self._step()
+                else:
+                    self.progressed = time.monotonic()
             except Exception:  # never let the loop die: it serves every shard of this process
                 log.exception("engine loop")
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(min(5.0, self.watchdog_s / 4))
+            stuck_s = time.monotonic() - self.progressed
+            if self.active and stuck_s > self.watchdog_s:
+                log.critical("the engine made no progress for %.0f s with %d shard(s) in it; ending this process "
+                             "so that their leases lapse and other workers take them over", stuck_s,
+                             len(self.active))
+                self.on_stuck()
+                return
 
     def _receive(self, block: bool) -> None:
         while True:
@@ -120,56 +162,56 @@ class EngineLoop:
     def _cancel(self, ticket: Ticket) -> None:
         if ticket.done.is_set():
             return
+        self._abort(ticket)
+        if ticket in self.waiting:
+            self.waiting.remove(ticket)
+        ticket.outcome.cancelled = True
+        self._end(ticket)
+
+    def _abort(self, ticket: Ticket) -> None:
         for request_id in ticket.request_ids:
             self.engine.abort(request_id)
             self.pending.pop(request_id, None)
         ticket.request_ids.clear()
-        if ticket in self.waiting:
-            self.waiting.remove(ticket)
-        ticket.work.outcome.cancelled = True
-        self._end(ticket)
 
     def _admit(self) -> None:
-        """Admit waiting shards in order; one with another speculative setting waits until the engine drained
-        (the engine switches it only while idle)."""
+        """Admit waiting shards in order. One with another speculative setting waits until the engine drained
+        (the engine switches it only while idle); a suspect shard runs alone."""
         while self.waiting:
             ticket = self.waiting[0]
             try:
-                if self.active and not self._same_speculation(ticket):
+                if self.active and (ticket.suspect or any(t.suspect for t in self.active)
+                                    or not self.engine.speculation_matches(ticket.settings.speculative)):
                     return
                 self.waiting.popleft()
-                self.engine.set_speculative_config(ticket.speculative)
+                self.engine.set_speculative_config(ticket.settings.speculative)
                 self.active.append(ticket)
                 self._feed(ticket)
             except Exception as error:  # this shard alone fails
                 self._fail(ticket, error)
 
-    def _same_speculation(self, ticket: Ticket) -> bool:
-        return self.engine.speculation_matches(ticket.speculative)
-
     def _feed(self, ticket: Ticket) -> None:
-        work, execution = ticket.work, ticket.execution
-        for item in work.rows:
-            prepared = item if isinstance(item, RowError) else execution._prepare(item)
+        settings = ticket.settings
+        for item in ticket.rows:
+            prepared = item if isinstance(item, RowError) else prepare_row(self.engine, settings.defaults, item)
             if isinstance(prepared, RowError):
-                work.outcome.errors.append(prepared)
+                ticket.outcome.errors.append(prepared)
                 ticket.rows_done += 1
                 continue
-            request_id = f"{work.prefix}{item.row}"
-            self.engine.add_request(request_id, *prepared, execution.priority, execution.cache_salt)
+            request_id = f"{ticket.prefix}{item.row}"
+            self.engine.add_request(request_id, *prepared, settings.priority, settings.cache_salt)
             self.pending[request_id] = (ticket, item, prepared[1].logprobs)
             ticket.request_ids.add(request_id)
-        work.fed = True
+        ticket.fed = True
         self._finish_if_done(ticket)
 
     def _step(self) -> None:
         try:
             outputs = self.engine.step()
-        except Exception as error:  # the batch's state is unknown: its shards fail, their tasks retry them
-            log.exception("engine step failed; failing the %d shard(s) in the engine", len(self.active))
-            for ticket in list(self.active):
-                self._fail(ticket, error)
+        except Exception as error:
+            self._step_failed(error)
             return
+        self.progressed = time.monotonic()
         self._credit_speculation()
         for output in outputs:
             entry = self.pending.pop(output.request_id, None)
@@ -178,32 +220,44 @@ class EngineLoop:
             ticket, request, top_k = entry
             ticket.request_ids.discard(output.request_id)
             try:
-                ShardsExecution._collect(ticket.work.outcome, request, output, top_k)
+                collect_row(ticket.outcome, request, output, top_k)
                 ticket.rows_done += 1
                 ticket.tokens += _tokens(output)
                 self._finish_if_done(ticket)
             except Exception as error:
                 self._fail(ticket, error)
 
+    def _step_failed(self, error: BaseException) -> None:
+        """A step raised. Alone in the engine, the shard fails (its task counts the attempt). With others, no one
+        can tell whose row did it: every shard in the engine starts over, one at a time, without an attempt."""
+        if len(self.active) == 1:
+            log.exception("engine step failed; failing the one shard in the engine", exc_info=error)
+            self._fail(self.active[0], error)
+            return
+        log.warning("engine step failed with %d shards in the engine (%s: %s); running them again one at a time "
+                    "to find the one that fails", len(self.active), type(error).__name__, error)
+        for ticket in reversed(self.active):
+            self._abort(ticket)
+            ticket.restart()
+            self.waiting.appendleft(ticket)
+        self.active.clear()
+
     def _credit_speculation(self) -> None:
         """Speculation counts go to the oldest shard in the engine (the engine counts them per step)."""
         spec = self.engine.spec.stats if self.engine.spec else None
         seen = (spec.draft_tokens, spec.accepted_tokens) if spec else (0, 0)
         if self.active and seen >= self._spec_seen:
-            outcome = self.active[0].work.outcome
+            outcome = self.active[0].outcome
             outcome.spec_draft_tokens += seen[0] - self._spec_seen[0]
             outcome.spec_accepted_tokens += seen[1] - self._spec_seen[1]
         self._spec_seen = seen
 
     def _finish_if_done(self, ticket: Ticket) -> None:
-        if ticket.work.fed and not ticket.request_ids:
+        if ticket.fed and not ticket.request_ids:
             self._end(ticket)
 
     def _fail(self, ticket: Ticket, error: BaseException) -> None:
-        for request_id in ticket.request_ids:
-            self.engine.abort(request_id)
-            self.pending.pop(request_id, None)
-        ticket.request_ids.clear()
+        self._abort(ticket)
         ticket.error = error
         self._end(ticket)
 
@@ -213,15 +267,20 @@ class EngineLoop:
         ticket.done.set()
 
 
+def _exit_stuck() -> None:
+    logging.shutdown()
+    os._exit(75)
+
+
 def _tokens(output: RequestOutput) -> int:
     return sum(len(c.token_ids) for c in output.outputs or ())
 
 
 def _report(progress: Progress | None, ticket: Ticket, reported: tuple[int, int]) -> tuple[int, int]:
     now = (ticket.rows_done, ticket.tokens)
-    if progress is not None and now != reported:
-        progress.advance(now[0] - reported[0], now[1] - reported[1])
-    return now
+    if progress is not None and now > reported:  # a shard run again from the start reports nothing until it passes
+        progress.advance(now[0] - reported[0], max(0, now[1] - reported[1]))
+    return max(now, reported)
 
 
 _loops: dict[int, EngineLoop] = {}
@@ -234,18 +293,3 @@ def loop_for(engine: LLMEngine) -> EngineLoop:
         if id(engine) not in _loops:
             _loops[id(engine)] = EngineLoop(engine)
         return _loops[id(engine)]
-
-
-class SharedEngineSteps(JobSteps):
-    """`JobSteps` whose shards run in the process's shared engine loop, next to other shards (of any job),
-    instead of alone in the engine."""
-
-    def _execute(self, job: Job, shard: Shard, engine: LLMEngine, heartbeat: LeaseHeartbeat) -> ShardOutcome:
-        watch = StatusWatch(self.sessions, job.id, heartbeat)
-        if watch.should_stop():  # a shard never starts on a job that stopped
-            return ShardOutcome(cancelled=True)
-        execution = ShardsExecution(engine, job.settings.sampling, priority=engine_priority(job),
-                                    cache_salt=job.settings.cache_salt)
-        rows = list(self._reader_for(job).read(shard.row_start, shard.row_end))  # read here, not on the engine thread
-        return loop_for(engine).run(execution, rows, f"{job.id[:8]}-{shard.index}-", job.settings.speculative_config,
-                                    watch.should_stop, self.progress)

@@ -14,12 +14,12 @@ from storage import repository as repo
 from storage.formats import (
     BATCH_OUTPUT_KEY,
     ERRORS_KEY,
+    MANIFEST_KEY,
     batch_output_line,
     read_part,
     write_jsonl,
-    write_manifest,
 )
-from storage.models import Job, Shard
+from storage.models import Job, Shard, ShardStatus
 from storage.objectstore import ObjectStore
 
 
@@ -84,7 +84,8 @@ def manifest(job: Job, shards: list[Shard], files: dict[str, Any], finished_at: 
 
 def finalize_outputs(sessions: sessionmaker[Session], job: Job, shards: list[Shard], store: ObjectStore,
                      finished_at: datetime) -> dict[str, Any]:
-    """Write the error file, the optional batch output and, last, the manifest. Returns the manifest."""
+    """Write the error file and the optional batch output, and delete uncommitted parts. Returns the manifest,
+    which the caller writes once it has checked that it still holds the finalize step."""
     check_row_counts(job, shards)
     files: dict[str, Any] = {
         "parts": [{"key": s.output_key, "shard": s.index, "row_start": s.row_start, "row_end": s.row_end,
@@ -95,10 +96,25 @@ def finalize_outputs(sessions: sessionmaker[Session], job: Job, shards: list[Sha
     if job.settings.openai_output:
         lines = write_jsonl(store, BATCH_OUTPUT_KEY, batch_output_lines(sessions, job, shards, store))
         files["batch_output"] = {"key": BATCH_OUTPUT_KEY, "rows": lines}
-    committed = {s.output_key for s in shards}
-    for key in store.list("part-"):  # parts of claims that were taken over: the database never committed them
-        if key not in committed:
+    delete_uncommitted_parts(store, job, shards)
+    return manifest(job, shards, files, finished_at)
+
+
+def delete_uncommitted_parts(store: ObjectStore, job: Job, shards: list[Shard]) -> None:
+    """The job's parts of claims that were taken over or stopped: the database never committed them. Only this
+    job's own keys are touched (they carry its id)."""
+    committed = {s.output_key for s in shards if s.status == ShardStatus.COMPLETED}
+    for key in store.list("part-"):
+        if f"-{job.id}-c" in key and key not in committed:
             store.delete(key)
-    document = manifest(job, shards, files, finished_at)
-    write_manifest(store, document)
-    return document
+
+
+def discard_outputs(store: ObjectStore, job: Job, shards: list[Shard]) -> None:
+    """A job that ended without completing (failed, cancelled, expired) keeps only its committed parts: no
+    manifest, error file or batch output, and no part that nothing committed. A job that never passed
+    validation owned no file in the prefix: it touches none."""
+    if job.queued_at is None:
+        return
+    for key in (MANIFEST_KEY, ERRORS_KEY, BATCH_OUTPUT_KEY):
+        store.delete(key)
+    delete_uncommitted_parts(store, job, shards)

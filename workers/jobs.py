@@ -11,10 +11,12 @@ from __future__ import annotations
 from sqlalchemy.orm import Session, sessionmaker
 
 from storage import repository as repo
-from storage.liveness import runner_alive
+from storage.claims import mark_cancelled
+from storage.liveness import db_now, runner_alive
 from storage.models import Job, JobStatus
 from storage.states import CANCELLABLE, transition
-from workers.runner import EngineProvider, JobBusy, JobRunner, NoProgress, Progress, mark_cancelled
+from workers.job_steps import JobSteps, NoProgress, Progress
+from workers.runner import EngineProvider, JobBusy, JobRunner
 
 __all__ = ["JobBusy", "NoProgress", "Progress", "cancel_job", "run_job"]
 
@@ -31,12 +33,13 @@ def cancel_job(sessions: sessionmaker[Session], ref: str) -> Job:
         if JobStatus(job.status) not in CANCELLABLE:
             raise ValueError(f"job {job.id} is {job.status}; only validating, queued or in_progress jobs can be "
                              f"cancelled")
-        alive = runner_alive(job)
+        alive = runner_alive(job, db_now(session))
         if job.status == S.IN_PROGRESS or alive:
             transition(job, S.CANCELLING)
         if not alive:
             mark_cancelled(job)
-        return job
+    JobSteps(sessions, job.id).discard_if_ended(job)
+    return job
 
 
 def run_job(sessions: sessionmaker[Session], job_id: str, engine_provider: EngineProvider,

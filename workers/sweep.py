@@ -1,15 +1,18 @@
-"""The periodic sweep over the service's jobs (those the Celery workers run, not `tokenmill run`'s):
+"""The periodic sweep over the service's jobs (those the Celery workers run, not `tokenmill run`'s), on the
+database's clock:
 
-- a running shard whose worker died (its process is gone on this host, or its lease expired elsewhere) goes
+- a running shard whose lease lapsed (its worker stopped renewing it: dead, paused, cut off) is fenced, goes
   back to pending and is queued again; the attempt limit is applied when a worker claims it;
-- a cancel request whose shards all stopped ends the job `cancelled`;
+- a plan or finalize step whose holder's lease lapsed is fenced and sent again;
+- a cancel request whose shards' leases all ended finishes the job `cancelled`;
 - the reconciler: the database is the record, the broker only a hint. A shard `pending` or `failed` (to be
-  retried) for longer than the grace period while its model's queue is empty lost its task (e.g. a Redis
-  FLUSHALL or restart) and is sent again; so is a job left in `validating` or `finalizing` with no live process
-  on it while the control queue is empty. Tasks are idempotent, so a duplicate costs a claim, never data.
-  A resent shard's `lease_expires_at` records when it was resent: it is not resent again within the grace.
+  retried) for longer than the grace period while its model's queue is empty lost its task and is sent again;
+  so is a step that no one ever took. When the broker lost its state (a Redis FLUSHALL or restart, seen by the
+  broker marker, `workers.broker_marker`), there is no grace: everything waiting for a task is sent at once.
+  Tasks are idempotent, so a duplicate costs a claim, never data. A resend is stamped in `lease_expires_at`
+  (with no holder): it is not resent again within the grace.
 - a job past its deadline (`expires_at`, from the spec's `completion_window`) ends `expired`: its completed
-  shards and their parts are kept, the others end cancelled (their running workers see it and stop).
+  shards and their parts are kept, the others end cancelled and fenced.
 """
 
 from __future__ import annotations
@@ -23,11 +26,10 @@ from datetime import datetime, timedelta
 from sqlalchemy.orm import Session, sessionmaker
 
 from storage import repository as repo
+from storage.claims import expire, mark_cancelled
 from storage.job_settings import CELERY
-from storage.liveness import runner_alive, shard_runner_alive, worker_alive
-from storage.models import Job, JobStatus, Shard, ShardStatus, utcnow
-from storage.states import transition
-from workers.runner import mark_cancelled
+from storage.liveness import db_now, holder_alive, runner_alive, shard_runner_alive
+from storage.models import Job, JobStatus, Shard, ShardStatus
 
 log = logging.getLogger("tokenmill.sweep")
 
@@ -45,37 +47,57 @@ class SweepResult:
 
 
 def sweep(sessions: sessionmaker[Session], now: datetime | None = None, stale: timedelta = STALE,
-          queued: Callable[[str | None], int] | None = None) -> SweepResult:
+          queued: Callable[[str | None], int] | None = None, broker_lost: bool = False) -> SweepResult:
     """Find the work that was lost; the caller sends the tasks (after this commits). `queued(model)` is how
-    many tasks wait in that model's queue (`queued(None)`: the control queue); unknown counts as none."""
-    now, result = now or utcnow(), SweepResult()
+    many tasks wait in that model's queue (`queued(None)`: the control queue); unknown counts as none.
+    `now` defaults to the database's clock."""
+    result = SweepResult()
     waiting = functools.cache(queued or (lambda model: 0))
+    grace = timedelta(0) if broker_lost else stale
     with sessions.begin() as session:
+        now = now or db_now(session)
         for job in _service_jobs(session, (S.VALIDATING, S.QUEUED, S.IN_PROGRESS)):
             if job.expires_at is not None and job.expires_at <= now:
                 expire(job)
                 result.expired.append(job.id)
         for job in _service_jobs(session, (S.QUEUED, S.IN_PROGRESS, S.CANCELLING)):
-            _requeue_dead_shards(job, result)
-            if job.status == S.CANCELLING and not runner_alive(job):
+            _requeue_lapsed_shards(job, now, result)
+            if job.status == S.CANCELLING and not runner_alive(job, now):
                 mark_cancelled(job)
                 result.cancelled.append(job.id)
             elif job.status != S.CANCELLING:
-                _resend_lost_shards(job, now, stale, waiting, result)
+                _resend_lost_shards(job, now, grace, waiting, result)
         for job in _service_jobs(session, (S.VALIDATING, S.FINALIZING)):
-            since = job.validating_at if job.status == S.VALIDATING else job.finalizing_at
-            if since and now - since > stale and not worker_alive(job.worker) and not waiting(None):
+            if _step_lost(job, now, grace, waiting):
                 (result.plan if job.status == S.VALIDATING else result.finalize).append(job.id)
     if any((result.requeue, result.plan, result.finalize, result.cancelled, result.expired)):
-        log.info("sweep: requeued shards %s, validating again %s, finalizing again %s, cancelled %s, expired %s",
+        log.info("sweep: requeued shards %s, validating again %s, finalizing again %s, cancelled %s, expired %s%s",
                  [shard for _, shard, _ in result.requeue], result.plan, result.finalize, result.cancelled,
-                 result.expired)
+                 result.expired, " (the broker lost its state)" if broker_lost else "")
     return result
 
 
 def _service_jobs(session: Session, statuses) -> list[Job]:
     return [job for job in repo.jobs_in(session, statuses, for_update=True)
             if job.settings.executor == CELERY]
+
+
+def _step_lost(job: Job, now: datetime, grace: timedelta, waiting: Callable[[str | None], int]) -> bool:
+    """(job row locked) Is the job's plan or finalize step lost: its holder's lease lapsed, or no one took it
+    within the grace while the control queue is empty? Marks it resent (and fences a lapsed holder)."""
+    if holder_alive(job.worker, job.lease_expires_at, now):
+        return False
+    if job.worker is not None:
+        log.warning("job %s: its %s step's holder %s let its lease lapse (%s); sending the step again", job.id,
+                    job.status, job.worker, job.lease_expires_at)
+        repo.fence(job)
+    else:
+        since = max(t for t in (job.validating_at, job.finalizing_at, job.lease_expires_at, job.created_at)
+                    if t is not None)
+        if now - since <= grace or waiting(None):
+            return False
+    job.worker, job.lease_expires_at = None, now  # resent now: not again before another grace period
+    return True
 
 
 def _resend_lost_shards(job: Job, now: datetime, grace: timedelta, waiting: Callable[[str | None], int],
@@ -101,25 +123,14 @@ def _waiting_since(job: Job, shard: Shard) -> datetime:
     return max(t for t in times if t is not None)
 
 
-def expire(job: Job) -> None:
-    """(job row locked) The deadline passed: completed shards are kept, the rest end cancelled."""
+def _requeue_lapsed_shards(job: Job, now: datetime, result: SweepResult) -> None:
     for shard in job.shards:
-        if shard.status in (ShardStatus.PENDING, ShardStatus.RUNNING, ShardStatus.FAILED):
-            shard.status, shard.lease_expires_at = ShardStatus.CANCELLED.value, None
-            shard.claim_token += 1  # a worker still on it writes nothing
-    done = sum(1 for s in job.shards if s.status == ShardStatus.COMPLETED)
-    log.warning("job %s: past its deadline %s; expired with %d of %d shard(s) completed", job.id,
-                job.expires_at, done, len(job.shards))
-    transition(job, S.EXPIRED)
-
-
-def _requeue_dead_shards(job: Job, result: SweepResult) -> None:
-    for shard in job.shards:
-        if shard.status != ShardStatus.RUNNING or shard_runner_alive(shard):
+        if shard.status != ShardStatus.RUNNING or shard_runner_alive(shard, now):
             continue
-        log.warning("job %s: shard %d was running on %s, which is gone", job.id, shard.index, shard.worker)
+        log.warning("job %s: shard %d was running on %s, whose lease lapsed at %s", job.id, shard.index,
+                    shard.worker, shard.lease_expires_at)
         shard.lease_expires_at = None
-        shard.claim_token += 1  # fenced: should that worker live on (elsewhere), it writes nothing
+        shard.claim_token += 1  # fenced: should that worker live on, it writes nothing
         if job.status == S.CANCELLING:
             shard.status = ShardStatus.CANCELLED.value
             continue

@@ -28,8 +28,7 @@ from storage import repository as repo
 from storage.faults import is_transient
 from storage.models import Job, JobStatus, ShardStatus
 from workers.celery_app import app, config
-from workers.engine_loop import SharedEngineSteps
-from workers.runner import JobSteps
+from workers.job_steps import JobSteps
 from workers.worker_engine import engine_for
 
 log = logging.getLogger("tokenmill.tasks")
@@ -151,8 +150,8 @@ def plan_job(self: Task, job_id: str) -> dict[str, Any]:
         job = steps.validate()
         finished = True
     except Exception as error:
-        if transient := is_transient(error):  # S3 or the database down while validating: try again later
-            raise self.retry(exc=error, countdown=TRANSIENT_RETRY_DELAY_S, max_retries=None) from error
+        if transient := is_transient(error):  # S3 down, timing out or throttling: try again later
+            raise self.retry(exc=error, countdown=backoff(self), max_retries=None) from error
         job = steps.fail(f"{type(error).__name__}: {error}")
         raise
     finally:
@@ -174,7 +173,7 @@ def _unfinished_shards(job_id: str) -> list[int]:
 
 @app.task(name="tokenmill.run_shard", bind=True)
 def run_shard(self: Task, job_id: str, shard_id: int) -> dict[str, Any]:
-    steps = SharedEngineSteps(sessions(), job_id, TaskProgress(self, job_id, shard_id))  # workers.engine_loop
+    steps = JobSteps(sessions(), job_id, TaskProgress(self, job_id, shard_id))
     claim = _or_retry(self, lambda: steps.claim_shard(shard_id, config.max_shard_attempts))
     if claim.decision != "run":
         log.info("job %s: shard %d not run: %s", job_id, claim.shard.index, claim.decision)
@@ -221,6 +220,11 @@ def finalize_job(self: Task, job_id: str) -> dict[str, Any]:
         _release(steps, finished, transient)
 
 
+def backoff(task: Task) -> float:
+    """Seconds before a transient fault's next try: doubling from 1 s up to TOKENMILL_TRANSIENT_RETRY_S."""
+    return min(TRANSIENT_RETRY_DELAY_S, 2.0 ** task.request.retries)
+
+
 def _or_retry(task: Task, claim):
     """A claim; the database down makes the task retry later instead of being lost (acknowledged as failed)."""
     try:
@@ -241,16 +245,22 @@ def _release(steps: JobSteps, finished: bool, transient: bool) -> None:
 
 @app.task(name="tokenmill.sweep")
 def sweep() -> dict[str, Any]:
+    from workers.broker_marker import broker_lost
     from workers.sweep import sweep as find_lost_work
 
-    found = find_lost_work(sessions(), stale=timedelta(seconds=config.sweep_grace_s), queued=queued_tasks)
+    lost = broker_lost(sessions(), config.broker_url)
+    found = find_lost_work(sessions(), stale=timedelta(seconds=config.sweep_grace_s), queued=queued_tasks,
+                           broker_lost=lost)
+    for job_id in found.cancelled + found.expired:
+        steps = JobSteps(sessions(), job_id)
+        steps.discard_if_ended(steps.load())
     for job_id, shard_id, model in found.requeue:
         enqueue_shards(job_id, model, [shard_id], head=True)
     for job_id in found.plan:
         dispatch_job(job_id)
     for job_id in found.finalize:
         finalize_later(job_id)
-    return {"requeued": [shard for _, shard, _ in found.requeue], "validating": found.plan,
+    return {"requeued": [shard for _, shard, _ in found.requeue], "validating": found.plan, "broker_lost": lost,
             "finalizing": found.finalize, "cancelled": found.cancelled, "expired": found.expired}
 
 

@@ -38,19 +38,20 @@ PART_SCHEMA = pa.schema([
 ])
 
 
-def part_key(index: int, claim: int = 1) -> str:
-    """A shard's part file; a later claim of the shard writes its own key, so a stale worker cannot replace
-    the part the database committed (the shard row's `output_key`)."""
-    return f"part-{index:05d}.parquet" if claim <= 1 else f"part-{index:05d}-{claim}.parquet"
+def part_key(index: int, job_id: str, claim: int) -> str:
+    """A shard's part file, unique to the job and the claim: a stale worker (of this job, or of an earlier job on
+    the same prefix) can neither replace the part the database committed (the shard row's `output_key`) nor
+    delete it when it cleans up after itself."""
+    return f"part-{index:05d}-{job_id}-c{claim}.parquet"
 
 
-def write_part(store: ObjectStore, index: int, records: list[dict[str, Any]], claim: int = 1) -> str:
+def write_part(store: ObjectStore, index: int, records: list[dict[str, Any]], job_id: str, claim: int) -> str:
     """One shard's results, in input order, written once (atomically) under its claim's key. Returns the key."""
     records = sorted(records, key=lambda r: (r["row_index"], r["choice_index"]))
     table = pa.Table.from_pylist(records, schema=PART_SCHEMA)
     sink = pa.BufferOutputStream()
     pq.write_table(table, sink, compression="zstd")
-    key = part_key(index, claim)
+    key = part_key(index, job_id, claim)
     store.put_bytes(key, sink.getvalue().to_pybytes())
     return key
 

@@ -13,6 +13,7 @@ from typing import IO
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from storage.faults import is_transient
 from storage.formats.rows import (
     CHAT,
     COMPLETIONS,
@@ -42,6 +43,8 @@ class ParquetInput:
         try:
             self.parquet = pq.ParquetFile(file)
         except (pa.ArrowException, OSError) as error:
+            if is_transient(error):  # the object store timed out or throttled: not the file's fault
+                raise
             raise InputError(f"{name} is not a readable Parquet file (corrupt footer: {error})") from None
         self._check_footer_limits()
         self.prompt_column = self._check_schema()
@@ -139,6 +142,8 @@ class ParquetInput:
         try:
             yield from self.parquet.iter_batches(batch_size=BATCH_ROWS, row_groups=list(row_groups), columns=columns)
         except (pa.ArrowException, OSError) as error:
+            if is_transient(error):
+                raise
             raise InputError(f"{self.name}: corrupt Parquet data in row groups "
                              f"{row_groups.start}..{row_groups.stop - 1}: {error}") from None
 

@@ -17,7 +17,8 @@ from storage.job_settings import CELERY, JobSettings
 from storage.models import Job, Shard, ShardStatus, utcnow
 from storage.objectstore import S3Options, open_store
 from storage.states import transition
-from workers.runner import JobSteps, LeaseHeartbeat, StaleClaim
+from workers.job_steps import JobSteps
+from workers.leases import LeaseHeartbeat, StaleClaim, shard_claim
 from workers.shards import ShardOutcome
 from workers.sweep import sweep
 
@@ -78,12 +79,12 @@ def test_a_worker_whose_claim_was_taken_writes_nothing(sqlite_sessions, tmp_path
     new = thief.claim_shard(shard_id, max_attempts=3)
     assert new.decision == "run" and new.shard.claim_token == 2
 
-    heartbeat = LeaseHeartbeat(sqlite_sessions, {shard_id: old.shard.claim_token})
+    heartbeat = LeaseHeartbeat(sqlite_sessions, {shard_claim(shard_id): old.shard.claim_token})
     heartbeat.beat()
     assert heartbeat.lost  # the stale worker's heartbeat tells it to stop
     job = stale.load()
     with pytest.raises(StaleClaim):
-        stale._write_part(job, old.shard, ShardOutcome(records=[record("a", 0)]))
+        stale._write_part(job, old.shard, ShardOutcome(records=[record("a", 0)]), shard_claim(shard_id))
     with pytest.raises(StaleClaim):
         stale._complete_shard(old.shard, ShardOutcome(records=[record("a", 0)]), "part-00000.parquet")
     stale._end_shard(old.shard, ShardStatus.FAILED, "boom")  # no effect
@@ -92,8 +93,8 @@ def test_a_worker_whose_claim_was_taken_writes_nothing(sqlite_sessions, tmp_path
         assert (row.status, row.worker, row.error, row.claim_token) == ("running", "thief-host:2", None, 2)
 
     outcome = ShardOutcome(records=[record("a", 0)])
-    key = thief._write_part(job, new.shard, outcome)
-    assert key == "part-00000-2.parquet"  # the newer claim's own key: no stale writer can replace it
+    key = thief._write_part(job, new.shard, outcome, shard_claim(shard_id))
+    assert key == f"part-00000-{job_id}-c2.parquet"  # the newer claim's own key: no stale writer can replace it
     assert thief._complete_shard(new.shard, outcome, key)  # the last shard: the job is finalizing
     with sqlite_sessions() as session:
         row = session.get(Shard, shard_id)
@@ -111,7 +112,7 @@ def test_the_heartbeat_renews_leases_on_its_own_thread(sqlite_sessions, tmp_path
     with sqlite_sessions.begin() as session:
         session.get(Shard, shard_id).lease_expires_at = utcnow()
     renewed = threading.Event()
-    with LeaseHeartbeat(sqlite_sessions, {shard_id: claim.shard.claim_token}, every_s=0.05) as heartbeat:
+    with LeaseHeartbeat(sqlite_sessions, {shard_claim(shard_id): claim.shard.claim_token}, every_s=0.05) as heartbeat:
         for _ in range(100):
             with sqlite_sessions() as session:
                 if session.get(Shard, shard_id).lease_expires_at > utcnow() + timedelta(seconds=60):
@@ -125,13 +126,15 @@ def test_control_steps_have_an_attempt_limit_and_a_fencing_token(sqlite_sessions
     job_id = make_job(sqlite_sessions, str(tmp_path / "out"), shards=0, status="validating")
     first = JobSteps(sqlite_sessions, job_id)
     assert first.claim_step("validating", max_attempts=2) and first.step_token == 1
-    with sqlite_sessions.begin() as session:  # its worker died (killed by the OOM killer, say)
-        repo.get_job(session, job_id).worker = "gone-host:1"
+    with sqlite_sessions.begin() as session:  # its worker died (killed by the OOM killer, say): its lease lapsed
+        job = repo.get_job(session, job_id)
+        job.worker, job.lease_expires_at = "gone-host:1", utcnow() - timedelta(seconds=1)
     second = JobSteps(sqlite_sessions, job_id)
     assert second.claim_step("validating", max_attempts=2) and second.step_token == 2
     assert first._plan(0, "jsonl", {}, started=False).status == "validating"  # the stale step writes nothing
     with sqlite_sessions.begin() as session:
-        repo.get_job(session, job_id).worker = "gone-host:2"
+        job = repo.get_job(session, job_id)
+        job.worker, job.lease_expires_at = "gone-host:2", utcnow() - timedelta(seconds=1)
     assert not JobSteps(sqlite_sessions, job_id).claim_step("validating", max_attempts=2)
     job = first.load()
     assert job.status == "failed" and "validating was started 2 time(s) without finishing" in job.error

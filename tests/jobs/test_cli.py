@@ -89,7 +89,7 @@ def test_cancel_command_stops_a_running_job(tmp_path: Path, capsys: pytest.Captu
     kept = [i for i, (status, *_) in shards.items() if status == "completed"]
     assert kept and len(kept) < len(shards)
     assert all(status in ("completed", "cancelled") for status, *_ in shards.values())
-    assert all((tmp_path / "out" / f"part-{i:05d}.parquet").exists() for i in kept)
+    assert all(list((tmp_path / "out").glob(f"part-{i:05d}-{job_id}-c*.parquet")) for i in kept)
     assert not (tmp_path / "out" / "manifest.json").exists()
 
 

@@ -47,7 +47,7 @@ def test_sigkill_with_shards_in_flight_then_the_same_command_resumes(tmp_path: P
     assert 0 < len(completed) < len(before) == ROWS // SHARD_SIZE, "the kill must land mid-job"
     assert len(interrupted) >= 2, f"several shards must be in flight at the kill: {before}"
     assert not (output / "manifest.json").exists()
-    part_mtimes = {i: (output / f"part-{i:05d}.parquet").stat().st_mtime_ns for i in completed}
+    part_mtimes = {i: part_of(output, i).stat().st_mtime_ns for i in completed}
 
     second = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert second.returncode == 0, second.stderr[-3000:]
@@ -58,7 +58,13 @@ def test_sigkill_with_shards_in_flight_then_the_same_command_resumes(tmp_path: P
     assert all(row[0] == "completed" for row in after.values())
     for index, row in completed.items():
         assert after[index] == row, f"shard {index} was recomputed"
-        assert (output / f"part-{index:05d}.parquet").stat().st_mtime_ns == part_mtimes[index]
+        assert part_of(output, index).stat().st_mtime_ns == part_mtimes[index]
     for index in interrupted:
         assert after[index][1] == 2, f"interrupted shard {index} should have been redone once"
     assert_each_id_once(LocalStore(output), columns["custom_id"])
+
+
+def part_of(output, index: int):
+    """The one part file of shard `index` under output (its key carries the job id and the claim)."""
+    (part,) = output.glob(f"part-{index:05d}-*.parquet")
+    return part

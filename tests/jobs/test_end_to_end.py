@@ -58,8 +58,8 @@ def test_sqlite_and_local_folder_with_row_level_problems(sessions, engine_provid
     results, errors, manifest = assert_each_id_once(store, ids)
 
     assert {e["custom_id"]: f"{e['code']}: {e['message']}" for e in errors} == expected_errors
-    assert sorted(store.list()) == ["batch_output.jsonl", "errors.jsonl", "manifest.json", "part-00000.parquet",
-                                    "part-00001.parquet", "part-00002.parquet"]
+    assert sorted(store.list()) == ["batch_output.jsonl", "errors.jsonl", "manifest.json",
+                                    *(f"part-{i:05d}-{job.id}-c1.parquet" for i in range(3))]
     by_id = {r["custom_id"]: r for r in results}
     assert by_id["ok-1"]["completion_tokens"] <= 2  # the per-row max_tokens override
     assert all(r["finish_reason"] in ("stop", "length") and r["text"] for r in results)
@@ -122,7 +122,7 @@ def test_postgres_and_seaweedfs_s3(pg_url: str, seaweedfs: S3Options, s3_prefix:
     results, errors, manifest = assert_each_id_once(store, [f"c-{i:02d}" for i in range(rows)])
     assert [(e["custom_id"], e["code"]) for e in errors] == [("c-06", "missing_messages")]
     assert [r["custom_id"] for r in results] == [f"c-{i:02d}" for i in range(rows) if i != 6]
-    assert manifest["files"]["parts"][2] == {"key": "part-00002.parquet", "shard": 2, "row_start": 10,
+    assert manifest["files"]["parts"][2] == {"key": f"part-00002-{job.id}-c1.parquet", "shard": 2, "row_start": 10,
                                              "row_end": 13, "rows": 3}
     status = job_status_row(sessions, job.id)
     assert (status.status, status.requests_total, status.requests_completed, status.requests_failed) == (
@@ -162,7 +162,8 @@ def test_cancel_aborts_the_shards_in_flight_keeps_finished_ones_and_a_rerun_fini
         before = {s.index: (s.status, s.attempts, s.finished_at) for s in repo.shards(session, job.id)}
     assert before[0][:2] == ("completed", 1)
     assert [before[i][:2] for i in (1, 2)] == [("cancelled", 1), ("cancelled", 1)]
-    assert [k for k in open_store(str(tmp_path / "out")).list() if k.startswith("part-")] == ["part-00000.parquet"]
+    assert [k for k in open_store(str(tmp_path / "out")).list() if k.startswith("part-")] == [
+        f"part-00000-{job.id}-c1.parquet"]
     assert not (tmp_path / "out" / "manifest.json").exists()
 
     again = submit(sessions, spec)

@@ -10,8 +10,7 @@ import time
 import pytest
 
 from storage.formats import COMPLETIONS, Request
-from workers.engine_loop import EngineLoop, loop_for, shards_in_flight
-from workers.shards import ShardsExecution
+from workers.engine_loop import EngineLoop, RowSettings, loop_for, shards_in_flight
 
 pytestmark = pytest.mark.real_model
 
@@ -43,9 +42,9 @@ def run_together(loop: EngineLoop, shards: dict[str, tuple], **kwargs) -> dict[s
     """Run each shard (execution, rows, should_stop) from its own thread; name -> outcome or the error raised."""
     results: dict[str, object] = {}
 
-    def run(name: str, execution, shard_rows, should_stop) -> None:
+    def run(name: str, settings, shard_rows, should_stop) -> None:
         try:
-            results[name] = loop.run(execution, shard_rows, f"{name}-", should_stop=should_stop, **kwargs)
+            results[name] = loop.run(settings, shard_rows, f"{name}-", should_stop=should_stop, **kwargs)
         except Exception as error:
             results[name] = error
 
@@ -64,7 +63,7 @@ def loop(llm_engine) -> EngineLoop:
 
 def test_two_jobs_shards_share_the_engine_with_their_solo_outputs(loop, llm_engine) -> None:
     a, b = rows("a", 5, 6), rows("b", 4, 3)
-    execution = ShardsExecution(llm_engine, GREEDY)
+    execution = RowSettings(GREEDY)
     solo = {name: texts(loop.run(execution, shard_rows, f"solo-{name}-")) for name, shard_rows in (("a", a), ("b", b))}
     steps = []
     llm_engine.step_observers.append(lambda finished: steps.append(llm_engine.num_unfinished_requests))
@@ -79,7 +78,7 @@ def test_two_jobs_shards_share_the_engine_with_their_solo_outputs(loop, llm_engi
 
 def test_cancelling_one_shard_aborts_its_rows_and_the_other_completes(loop, llm_engine) -> None:
     stop_at = time.monotonic() + 0.5
-    execution = ShardsExecution(llm_engine, GREEDY)
+    execution = RowSettings(GREEDY)
     results = run_together(loop, {"cancelled": (execution, rows("c", 4, 200), lambda: time.monotonic() > stop_at),
                                   "kept": (execution, rows("k", 4, 12), lambda: False)})
     cancelled, kept = results["cancelled"], results["kept"]
@@ -88,23 +87,19 @@ def test_cancelling_one_shard_aborts_its_rows_and_the_other_completes(loop, llm_
     assert not llm_engine.has_unfinished_requests(), "the cancelled shard's rows must be aborted in the engine"
 
 
-class Broken(ShardsExecution):
-    def _prepare(self, request):
-        raise RuntimeError("this shard cannot be prepared")
-
-
 def test_one_shards_error_fails_it_alone_and_the_loop_goes_on(loop, llm_engine) -> None:
-    results = run_together(loop, {"broken": (Broken(llm_engine, GREEDY), rows("x", 2, 4), lambda: False),
-                                  "fine": (ShardsExecution(llm_engine, GREEDY), rows("f", 3, 4), lambda: False)})
-    assert isinstance(results["broken"], RuntimeError)
+    broken = RowSettings(GREEDY, speculative={"method": "no-such-method"})  # the shard's error, not a row's
+    results = run_together(loop, {"broken": (broken, rows("x", 2, 4), lambda: False),
+                                  "fine": (RowSettings(GREEDY), rows("f", 3, 4), lambda: False)})
+    assert isinstance(results["broken"], Exception), results["broken"]
     assert sorted(texts(results["fine"])) == ["f-0", "f-1", "f-2"]
-    again = loop.run(ShardsExecution(llm_engine, GREEDY), rows("g", 2, 4), "after-")
+    again = loop.run(RowSettings(GREEDY), rows("g", 2, 4), "after-")
     assert sorted(texts(again)) == ["g-0", "g-1"] and loop.thread.is_alive()
 
 
 def test_a_short_shard_reports_all_its_rows_and_flushes(loop, llm_engine) -> None:
     counts = Counts()
-    outcome = loop.run(ShardsExecution(llm_engine, GREEDY), rows("p", 3, 2), "p-", progress=counts)
+    outcome = loop.run(RowSettings(GREEDY), rows("p", 3, 2), "p-", progress=counts)
     assert (counts.rows, counts.tokens, counts.flushed) == (3, 6, 1)
     assert outcome.totals()["completion_tokens"] == 6
 
@@ -113,3 +108,66 @@ def test_shards_in_flight_fill_a_batch_and_one_more() -> None:
     assert shards_in_flight(256, 500) == 2
     assert shards_in_flight(256, 16) == 17
     assert shards_in_flight(256, 16, kv_rows=64) == 5
+
+
+class PoisonedEngine:
+    """The real engine, except that a step raises while a request whose id holds "poison" is in it (as a row
+    that crashes the model would), or blocks while `stuck` is set."""
+
+    def __init__(self, engine) -> None:
+        self._engine, self.poisoned, self.stuck, self.released = engine, set(), False, threading.Event()
+
+    def __getattr__(self, name: str):
+        return getattr(self._engine, name)
+
+    def add_request(self, request_id: str, *args):
+        if "poison" in request_id:
+            self.poisoned.add(request_id)
+        return self._engine.add_request(request_id, *args)
+
+    def abort(self, request_id: str) -> None:
+        self.poisoned.discard(request_id)
+        self._engine.abort(request_id)
+
+    def step(self):
+        if self.stuck:
+            self.released.wait(60)
+        if self.poisoned:
+            raise RuntimeError("the model crashed on this batch")
+        return self._engine.step()
+
+
+def test_a_step_that_raises_fails_only_the_shard_whose_row_did_it(llm_engine) -> None:
+    """Two shards share the engine and a step raises: no one can tell whose row did it, so both run again, one
+    at a time; the poisoned one fails alone, the other completes with its solo outputs, no attempt lost."""
+    loop = EngineLoop(PoisonedEngine(llm_engine))
+    fine = rows("f", 3, 5)
+    solo = texts(loop.run(RowSettings(GREEDY), fine, "solo-"))
+    results = run_together(loop, {"poison": (RowSettings(GREEDY), rows("p", 2, 5), lambda: False),
+                                  "fine": (RowSettings(GREEDY), fine, lambda: False)})
+    assert isinstance(results["poison"], RuntimeError), results["poison"]
+    assert texts(results["fine"]) == {k.replace("solo-", ""): v for k, v in solo.items()}
+    assert not llm_engine.has_unfinished_requests()
+
+
+def test_a_stuck_engine_trips_the_watchdog_and_a_cancel_still_returns(llm_engine, monkeypatch) -> None:
+    from workers import engine_loop
+
+    monkeypatch.setattr(engine_loop, "CANCEL_WAIT_S", 1.0)
+    stuck_engine = PoisonedEngine(llm_engine)
+    stuck_engine.stuck = True
+    tripped = threading.Event()
+    loop = EngineLoop(stuck_engine, watchdog_s=1.0, on_stuck=tripped.set)
+    started = time.monotonic()
+    try:
+        outcome = loop.run(RowSettings(GREEDY), rows("s", 2, 4), "stuck-",
+                           should_stop=lambda: time.monotonic() - started > 1)
+        assert outcome.cancelled and not outcome.records  # the cancel returned though the engine never stepped
+        assert tripped.wait(10), "the watchdog must fire when the engine makes no progress"
+    finally:
+        stuck_engine.stuck = False
+        stuck_engine.released.set()
+        deadline = time.monotonic() + 30
+        while llm_engine.has_unfinished_requests() and time.monotonic() < deadline:
+            time.sleep(0.1)  # the loop drops the cancelled rows once its step returns
+    assert not llm_engine.has_unfinished_requests()

@@ -7,6 +7,7 @@ import json
 import socket
 import subprocess
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import pyarrow as pa
@@ -18,7 +19,7 @@ from ingest.spec import NewJob
 from storage import repository as repo
 from storage.formats import Limits
 from storage.job_settings import JobSettings
-from storage.models import Job, Shard
+from storage.models import Job, Shard, utcnow
 from tests.jobs.jobhelpers import new_job, no_engine, prompt_rows, write_parquet
 from workers.jobs import JobBusy, cancel_job, run_job
 
@@ -142,7 +143,8 @@ def test_a_job_held_by_a_live_process_is_not_taken_over(sessions, tmp_path: Path
     holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         with sessions.begin() as session:
-            repo.get_job(session, job.id).worker = f"{socket.gethostname()}:{holder.pid}"
+            held = repo.get_job(session, job.id)  # a live process with a running lease
+            held.worker, held.lease_expires_at = f"{socket.gethostname()}:{holder.pid}", utcnow() + timedelta(minutes=1)
         with pytest.raises(JobBusy, match=f"being run by .*:{holder.pid}"):
             run_job(sessions, job.id, no_engine)
         assert cancel_job(sessions, job.id).status == "cancelling"  # the live runner will finish the cancel

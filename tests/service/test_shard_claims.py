@@ -14,7 +14,7 @@ from storage import repository as repo
 from storage.job_settings import CELERY, LOCAL, JobSettings
 from storage.liveness import worker_id
 from storage.models import Job, Shard, utcnow
-from workers.runner import RUNNING_HERE, JobSteps
+from workers.job_steps import RUNNING_HERE, JobSteps
 from workers.shards import ShardOutcome
 from workers.sweep import sweep
 
@@ -88,8 +88,9 @@ def test_sweep_requeues_shards_of_dead_workers_and_finishes_cancels(sqlite_sessi
     now = utcnow()
     dead_here, alive_here, expired_elsewhere, leased_elsewhere = shard_ids(sqlite_sessions, service)
     running = {"status": "running", "attempts": 1}
-    set_shard(sqlite_sessions, dead_here, **running, worker=dead_worker())
-    set_shard(sqlite_sessions, alive_here, **running, worker=worker_id())
+    leased = now + timedelta(hours=2)  # liveness is the lease; a dead process on this host ends it early
+    set_shard(sqlite_sessions, dead_here, **running, worker=dead_worker(), lease_expires_at=leased)
+    set_shard(sqlite_sessions, alive_here, **running, worker=worker_id(), lease_expires_at=leased)
     set_shard(sqlite_sessions, expired_elsewhere, **running, worker="other-host:1", lease_expires_at=now)
     set_shard(sqlite_sessions, leased_elsewhere, **running, worker="other-host:2",
               lease_expires_at=now + timedelta(hours=2))
@@ -115,9 +116,10 @@ def test_the_reconciler_resends_shards_whose_task_was_lost_once_per_grace_period
     job_id = make_job(sqlite_sessions, shards=4)
     pending, failed, running, done = shard_ids(sqlite_sessions, job_id)
     set_shard(sqlite_sessions, failed, status="failed", attempts=1, finished_at=utcnow())
-    set_shard(sqlite_sessions, running, status="running", attempts=1, worker=worker_id())
-    set_shard(sqlite_sessions, done, status="completed", attempts=1)
     grace, now = timedelta(minutes=5), utcnow()
+    set_shard(sqlite_sessions, running, status="running", attempts=1, worker=worker_id(),
+              lease_expires_at=now + timedelta(hours=1))
+    set_shard(sqlite_sessions, done, status="completed", attempts=1)
     assert sweep(sqlite_sessions, now=now + timedelta(minutes=1), stale=grace).requeue == []  # within the grace
     later = now + timedelta(minutes=6)
     assert sweep(sqlite_sessions, now=later, stale=grace, queued=lambda model: 3).requeue == []  # tasks wait

@@ -1,0 +1,70 @@
+"""State changes that end claims (job row locked by the caller): each one fences, moving the claim tokens on,
+so a worker still running the job's step or shards writes nothing more."""
+
+from __future__ import annotations
+
+import logging
+
+from storage.models import Job, JobStatus, Shard, ShardStatus, utcnow
+from storage.repository import fence
+from storage.states import is_terminal, transition
+
+log = logging.getLogger("tokenmill.jobs")
+
+S = JobStatus
+UNFINISHED = (ShardStatus.PENDING, ShardStatus.RUNNING, ShardStatus.FAILED)
+
+
+def mark_cancelled(job: Job) -> None:
+    """End the job `cancelled`: shards caught running or not yet started are marked cancelled, completed ones
+    are kept (a retry of the job runs the cancelled ones again)."""
+    _stop_unfinished(job, (ShardStatus.RUNNING, ShardStatus.PENDING))
+    transition(job, S.CANCELLED)
+
+
+def expire(job: Job) -> None:
+    """The deadline passed: completed shards are kept, the rest end cancelled."""
+    _stop_unfinished(job, UNFINISHED)
+    done = sum(1 for s in job.shards if s.status == ShardStatus.COMPLETED)
+    log.warning("job %s: past its deadline %s; expired with %d of %d shard(s) completed", job.id,
+                job.expires_at, done, len(job.shards))
+    transition(job, S.EXPIRED)
+
+
+def _stop_unfinished(job: Job, statuses) -> None:
+    stopped = [s for s in job.shards if s.status in statuses]
+    for shard in stopped:
+        shard.status, shard.lease_expires_at = ShardStatus.CANCELLED.value, None
+    fence(job, stopped)
+
+
+def give_up(job: Job, shard: Shard) -> None:
+    """The shard used all its attempts: it fails, and the job with it."""
+    cause = shard.error or f"its worker ({shard.worker}) died while running it"
+    message = (f"shard {shard.index} (rows {shard.row_start}-{shard.row_end - 1}) failed {shard.attempts} "
+               f"attempt(s), the limit; last: {cause}")
+    shard.status, shard.error, shard.lease_expires_at, shard.finished_at = (
+        ShardStatus.FAILED.value, message, None, utcnow())
+    log.error("job %s: %s", job.id, message)
+    fail(job, message, [shard])
+
+
+def fail(job: Job, error: str, shards: list[Shard] | None = None) -> bool:
+    """End the job `failed` unless it already ended; every shard still running is fenced. True if it failed."""
+    if is_terminal(job.status):
+        return False
+    fence(job, [s for s in job.shards if s.status == ShardStatus.RUNNING] + list(shards or ()))
+    transition(job, S.FAILED, error=error)
+    return True
+
+
+def settle(job: Job) -> JobStatus | None:
+    """After a shard changed: the last completed shard moves the job to `finalizing`; a cancel request whose
+    last running shard stopped ends `cancelled`. Returns the new status, if any."""
+    if job.status == S.IN_PROGRESS and job.shards and all(s.status == ShardStatus.COMPLETED for s in job.shards):
+        transition(job, S.FINALIZING)
+        return S.FINALIZING
+    if job.status == S.CANCELLING and not any(s.status == ShardStatus.RUNNING for s in job.shards):
+        mark_cancelled(job)
+        return S.CANCELLED
+    return None

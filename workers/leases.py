@@ -1,0 +1,135 @@
+"""Holding claims: a `LeaseHeartbeat` renews the leases a process holds (shards, and job steps) on the
+database's clock, from claim to commit; `StatusWatch` tells a running shard when to stop."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import NamedTuple
+
+from sqlalchemy.orm import Session, sessionmaker
+
+from storage import repository as repo
+from storage.faults import is_transient
+from storage.liveness import LEASE, lease_until
+from storage.models import JobStatus
+
+log = logging.getLogger("tokenmill.leases")
+
+STATUS_POLL_SECONDS = 1.0
+
+
+class StaleClaim(RuntimeError):
+    """The claim was taken over (its token moved on): this worker must stop and write nothing."""
+
+
+class Claim(NamedTuple):
+    kind: str  # "shard" or "job" (a job's plan or finalize step, or `tokenmill run`)
+    id: int | str
+
+
+def shard_claim(shard_id: int) -> Claim:
+    return Claim("shard", shard_id)
+
+
+def job_claim(job_id: str) -> Claim:
+    return Claim("job", job_id)
+
+
+class LeaseHeartbeat:
+    """Renews the leases of the claims it holds ({claim: token}) on its own thread, every quarter lease,
+    whatever the engine or a write is doing. A renewal that finds a claim gone (another claim or a cancel moved
+    the token on) records it in `lost`: that work must stop and write nothing. `outage` is set when a renewal
+    failed because the database was unreachable: a claim lost after one was lost to the outage."""
+
+    def __init__(self, sessions: sessionmaker[Session], claims: dict[Claim, int] | None = None,
+                 every_s: float | None = None) -> None:
+        self.sessions, self.claims = sessions, dict(claims or {})
+        self.every_s = every_s if every_s is not None else LEASE.total_seconds() / 4
+        self.lost: set[Claim] = set()
+        self.outage = False
+        self._lock, self._stop = threading.Lock(), threading.Event()
+        self._thread: threading.Thread | None = None
+        self._users = 0
+
+    def add(self, claim: Claim, token: int) -> None:
+        with self._lock:
+            self.claims[claim] = token
+
+    def discard(self, claim: Claim) -> None:
+        with self._lock:
+            self.claims.pop(claim, None)
+
+    def holds(self, claim: Claim) -> bool:
+        return claim not in self.lost
+
+    def __enter__(self) -> LeaseHeartbeat:
+        """Beat while any user is inside (several shards of one `tokenmill run` share its heartbeat)."""
+        with self._lock:
+            self._users += 1
+            if self._users == 1:
+                self._stop = threading.Event()
+                self._thread = threading.Thread(target=self._run, args=(self._stop,), name="lease-heartbeat",
+                                                daemon=True)
+                self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        with self._lock:
+            self._users -= 1
+            if self._users:
+                return
+            self._stop.set()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+
+    def _run(self, stop: threading.Event) -> None:
+        while not stop.wait(self.every_s):
+            self.beat()
+
+    def beat(self) -> None:
+        with self._lock:
+            claims = {c: t for c, t in self.claims.items() if c not in self.lost}
+        if not claims:
+            return
+        try:
+            with self.sessions.begin() as session:
+                until = lease_until(session)
+                for claim, token in claims.items():
+                    renew = repo.renew_lease if claim.kind == "shard" else repo.renew_job_lease
+                    if not renew(session, claim.id, token, until):
+                        log.warning("%s %s: its claim (token %d) was taken over; stopping it", claim.kind,
+                                    claim.id, token)
+                        self.lost.add(claim)
+        except Exception as error:  # the database is down: try again next beat (the lease has 4 beats)
+            self.outage = self.outage or is_transient(error)
+            log.warning("could not renew the leases: %s", error)
+
+
+class StatusWatch:
+    """Between engine steps: is the job still in progress, and does this worker still hold its shard? Asks
+    the database at most once a second (the lease is renewed by a `LeaseHeartbeat`)."""
+
+    def __init__(self, sessions: sessionmaker[Session], job_id: str, heartbeat: LeaseHeartbeat,
+                 claim: Claim | None = None) -> None:
+        self.sessions, self.job_id, self.heartbeat, self.claim = sessions, job_id, heartbeat, claim
+        self.checked = float("-inf")  # the first call always asks: a shard never starts on a cancelled job
+
+    def should_stop(self) -> bool:
+        if self.claim is not None and not self.heartbeat.holds(self.claim):
+            return True
+        now = time.monotonic()
+        if now - self.checked < STATUS_POLL_SECONDS:
+            return False
+        self.checked = now
+        try:
+            with self.sessions() as session:
+                status = repo.job_status(session, self.job_id)
+        except Exception as error:
+            if not is_transient(error):
+                raise
+            log.warning("job %s: cannot read its status (%s); running on", self.job_id, error)
+            return False  # the database is down: keep generating (the leases outlast a short outage)
+        return status != JobStatus.IN_PROGRESS
