@@ -49,8 +49,11 @@ def read_outputs(store: ObjectStore) -> tuple[list[dict], list[dict], dict]:
 
 
 def assert_each_id_once(store: ObjectStore, expected_ids: list[str]) -> tuple[list[dict], list[dict], dict]:
-    """Every input custom_id appears exactly once across the part files and the error file."""
+    """Every input custom_id appears exactly once across the part files and the error file, and the part files
+    are exactly those the manifest lists (no part that nothing committed)."""
     results, errors, manifest = read_outputs(store)
+    listed = sorted(part["key"] for part in manifest["files"]["parts"])
+    assert sorted(k for k in store.list() if k.startswith("part-")) == listed, "a part file outside the manifest"
     seen = Counter([r["custom_id"] for r in results] + [e["custom_id"] for e in errors])
     duplicated = sorted(k for k, n in seen.items() if n > 1)
     missing = sorted(set(expected_ids) - set(seen))

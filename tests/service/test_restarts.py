@@ -153,8 +153,8 @@ def test_a_live_worker_whose_claim_is_stolen_writes_nothing(stack, sessions, tmp
     assert_completed_once(stack, sessions, job_id, ids)
     shard = next(s for s in shard_rows(sessions, job_id) if s["id"] == stolen["id"])
     assert shard["claim_token"] >= stolen["claim_token"] + 2 and shard["output_key"].endswith(
-        f"-{shard['claim_token']}.parquet"), shard
-    pattern = rf"(shard id {stolen['id']}: its claim \(token {stolen['claim_token']}\) was taken over|" \
+        f"-c{shard['claim_token']}.parquet"), shard
+    pattern = rf"(shard {stolen['id']}: its claim \(token {stolen['claim_token']}\) was taken over|" \
               rf"job {job_id}: shard {stolen['index']} was claimed by another worker)"
     assert re.search(pattern, logs_of(stack, "worker*.log")), "the first worker did not notice"
 
