@@ -1,12 +1,14 @@
 """Soak run of the service under faults: N small jobs on a running stack (`tokenmill stack up`), faults injected at
 random times while they run, then every job's outputs checked row by row.
 
-    python ops/soak_faults.py [--state-dir DIR] [--jobs 8] [--rows 12] [--faults 6] [--seed 1]
+    python ops/soak_faults.py [--state-dir DIR] [--jobs 8] [--rows 12] [--faults 6] [--seed 1] [--hosts 1 --skew 60]
 
 Faults (picked at random): redis-restart, redis-flushall, tansu-restart, seaweedfs-outage (15 s), and SIGKILL of
-the consumer, the watcher, beat or a worker (each started again the way `stack up` started it). Prints the faults
-injected, jobs completed, rows lost and rows duplicated (the goal: 0 and 0). Exit status 1 when a row was lost or
-duplicated or a job did not end."""
+the consumer, the watcher, beat or a worker (each started again the way `stack up` started it). With `--hosts N`,
+N more workers run as simulated hosts (`tokenmill.stack.hosts`: their own hostname, clocks `--skew` seconds
+off, alternately slow and fast), and pause-host stops one with SIGSTOP past its lease, then resumes it. Prints
+the faults injected, jobs completed, rows lost, rows duplicated and part files outside a manifest (the goal: 0, 0
+and 0). Exit status 1 when a row was lost or duplicated, a part was left over or a job did not end."""
 
 from __future__ import annotations
 
@@ -38,6 +40,8 @@ def main() -> int:
     parser.add_argument("--faults", type=int, default=6, help="faults to inject")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=900, help="seconds to wait for the jobs to end")
+    parser.add_argument("--hosts", type=int, default=0, help="extra workers, each a simulated host")
+    parser.add_argument("--skew", type=float, default=60, help="their clock offsets, in seconds")
     args = parser.parse_args()
 
     from storage.db import data_dir
@@ -66,6 +70,8 @@ def main() -> int:
                           shard_size=2, sampling={"max_tokens": args.max_tokens})
         expected[done.job_id] = ids
 
+    hosts = start_hosts(state_dir, state, args.hosts, args.skew, work)
+    faults = FAULTS + (("pause-host",) if hosts else ())
     injected: list[str] = []
     started = time.monotonic()
     fault_times = sorted(rng.uniform(2, 20 + 6 * args.jobs) for _ in range(args.faults))
@@ -73,8 +79,8 @@ def main() -> int:
         submit(index)
     for at in fault_times:
         time.sleep(max(0.0, started + at - time.monotonic()))
-        fault = rng.choice(FAULTS)
-        inject(fault, state_dir, stack_module)
+        fault = rng.choice(faults)
+        inject(fault, state_dir, stack_module, rng.choice(hosts) if hosts else None)
         injected.append(fault)
         print(f"{time.monotonic() - started:6.1f} s  {fault}", flush=True)
 
@@ -85,13 +91,18 @@ def main() -> int:
         if all(s in TERMINAL for s in statuses.values()):
             break
         time.sleep(2)
-    lost = duplicated = 0
+    for host in hosts:
+        os.killpg(host.pid, signal.SIGCONT)
+        os.killpg(host.pid, signal.SIGTERM)
+    lost = duplicated = left_over = 0
     for job_id, ids in expected.items():
         if statuses.get(job_id) != "completed":
             continue
-        seen = collections.Counter(output_ids(sessions, job_id))
+        committed, found, parts = output_ids(sessions, job_id)
+        seen = collections.Counter(committed)
         lost += sum(1 for cid in ids if seen[cid] == 0)
         duplicated += sum(count - 1 for count in seen.values() if count > 1)
+        left_over += len(set(found) - set(parts))
     counts = collections.Counter(statuses.values())
     kinds = ", ".join(f"{kind} x{n}" for kind, n in collections.Counter(injected).items())
     print(f"faults injected: {len(injected)} ({kinds})")
@@ -99,13 +110,32 @@ def main() -> int:
           + "".join(f", {status}: {n}" for status, n in counts.items() if status != "completed"))
     print(f"rows lost: {lost}")
     print(f"rows duplicated: {duplicated}")
+    print(f"part files outside a manifest: {left_over}")
+    print(f"hosts: {args.hosts} extra (clocks {args.skew:+.0f}/-{args.skew:.0f} s)" if hosts else "hosts: 1")
     print(f"wall time: {time.monotonic() - started:.0f} s")
-    return 0 if lost == duplicated == 0 and all(s in TERMINAL for s in statuses.values()) else 1
+    return 0 if lost == duplicated == left_over == 0 and all(s in TERMINAL for s in statuses.values()) else 1
 
 
-def inject(fault: str, state_dir: Path, stack_module) -> None:
+def start_hosts(state_dir: Path, state: dict, count: int, skew: float, work: Path) -> list:
+    from tokenmill.stack.hosts import start_host_worker
+
+    hosts = [start_host_worker(state_dir, state["model"], f"host{i + 1}", work / f"host{i + 1}.log",
+                               f"{'-' if i % 2 == 0 else '+'}{skew:.0f}s", state["env"],
+                               ("--threads", "1", "--kv-cache-memory", "0.25", "--shards-in-flight", "1"))
+             for i in range(count)]
+    if hosts:
+        time.sleep(30)  # their models load
+    return hosts
+
+
+def inject(fault: str, state_dir: Path, stack_module, host=None) -> None:
     stack = stack_module.Stack(state_dir)
-    if fault == "redis-restart":
+    if fault == "pause-host":
+        lease = float(stack.state["env"].get("TOKENMILL_LEASE_S") or 120)
+        os.killpg(host.pid, signal.SIGSTOP)
+        time.sleep(lease + 5)
+        os.killpg(host.pid, signal.SIGCONT)
+    elif fault == "redis-restart":
         stack_module.restart(state_dir, "redis")
     elif fault == "redis-flushall":
         import redis
@@ -144,8 +174,9 @@ def job_statuses(sessions, job_ids: list[str]) -> dict[str, str]:
         return {}
 
 
-def output_ids(sessions, job_id: str) -> list[str]:
-    """The custom_ids in a completed job's committed outputs: its manifest's parts and its error file."""
+def output_ids(sessions, job_id: str) -> tuple[list[str], list[str], list[str]]:
+    """The custom_ids in a completed job's committed outputs (its manifest's parts and its error file), the
+    part files under its prefix and those its manifest lists."""
     from storage import repository as repo
     from storage.formats import ERRORS_KEY, MANIFEST_KEY, read_part
     from storage.objectstore import open_store
@@ -157,7 +188,9 @@ def output_ids(sessions, job_id: str) -> list[str]:
     ids = [row["custom_id"] for part in manifest["files"]["parts"]
            for row in read_part(store, part["key"]).to_pylist() if row["choice_index"] == 0]
     errors = store.get_bytes(ERRORS_KEY).decode().splitlines() if store.exists(ERRORS_KEY) else []
-    return ids + [json.loads(line)["custom_id"] for line in errors if line.strip()]
+    found = [key for key in store.list("part-")]
+    return (ids + [json.loads(line)["custom_id"] for line in errors if line.strip()], found,
+            [part["key"] for part in manifest["files"]["parts"]])
 
 
 if __name__ == "__main__":

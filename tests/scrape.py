@@ -6,13 +6,17 @@ import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
 
+SUFFIXES = ("_total", "_count", "_sum", "_bucket", "_created")
+
 
 class Scrape:
-    """One scrape: `value(name, **labels)` is the sample with exactly those labels (0 when absent)."""
+    """One scrape: `value(name, **labels)` is the sample with exactly those labels; a metric not exported at all
+    is an error (a check of "== 0" must not pass because nothing is exported)."""
 
     def __init__(self, text: str) -> None:
-        self.samples = {(s.name, frozenset(s.labels.items())): s.value
-                        for family in text_string_to_metric_families(text) for s in family.samples}
+        families = list(text_string_to_metric_families(text))
+        self.samples = {(s.name, frozenset(s.labels.items())): s.value for family in families for s in family.samples}
+        self.families = {family.name for family in families}
 
     @classmethod
     def from_url(cls, url: str) -> Scrape:
@@ -21,6 +25,10 @@ class Scrape:
             return cls(response.read().decode())
 
     def value(self, name: str, **labels: str) -> float:
+        """The sample; 0 when the metric is exported but not with these labels (a counter not yet incremented)."""
+        family = next((name.removesuffix(suffix) for suffix in SUFFIXES if name.endswith(suffix)), name)
+        if name not in self.names() and family not in self.families:
+            raise AssertionError(f"metric {name} is not exported (exported: {sorted(self.names())[:20]}...)")
         return self.samples.get((name, frozenset(labels.items())), 0.0)
 
     def names(self) -> set[str]:

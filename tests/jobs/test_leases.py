@@ -28,6 +28,7 @@ from storage.models import Job, Shard, utcnow
 from storage.objectstore import open_store
 from storage.states import output_claim
 from tests.jobs.test_claims import make_job, record
+from tokenmill.stack.hosts import faketime_env as clock_offset_env
 from workers.broker_marker import broker_lost
 from workers.job_steps import JobSteps, request_prefix
 from workers.leases import StaleClaim, shard_claim
@@ -38,11 +39,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def faketime_env(offset: str) -> dict[str, str]:
-    """This environment with the process clock moved by `offset` (libfaketime, e.g. "-60s")."""
-    import libfaketime
-
-    library = next(Path(libfaketime.__file__).parent.glob("vendor/**/libfaketime.so.1"))
-    return {**os.environ, "LD_PRELOAD": str(library), "FAKETIME": offset, "PYTHONPATH": str(REPO)}
+    """This environment with the process clock moved by `offset`."""
+    return {**os.environ, **clock_offset_env(offset), "PYTHONPATH": str(REPO)}
 
 
 SKEWED_CLAIM = """

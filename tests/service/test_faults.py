@@ -98,8 +98,8 @@ def test_a_seed_out_of_range_fails_its_row_only(stack, sessions, tmp_path) -> No
 
 
 def test_a_redis_flushall_mid_job_loses_no_shard(stack, sessions, tmp_path) -> None:
-    """Redis (broker and result backend) loses every queued task; the sweep's reconciler finds the shards that
-    wait with no task in the database and sends them again."""
+    """Redis (broker and result backend) loses every queued task; the next sweep finds the broker marker gone and
+    sends the shards that wait with no task again at once, well within the grace period (10 s here)."""
     import redis
 
     from tests.jobs.jobhelpers import write_parquet
@@ -112,8 +112,13 @@ def test_a_redis_flushall_mid_job_loses_no_shard(stack, sessions, tmp_path) -> N
                "a first shard to complete", timeout=180)
     client = redis.Redis(port=stack.state["ports"]["redis"])
     client.flushall()
+    flushed = time.monotonic()
     waiting = [s for s in shard_rows(sessions, job_id) if s["status"] == "pending"]
     assert waiting, "every shard had started before the flush: nothing was lost"
+    worker_logs = lambda: "".join(p.read_text(errors="replace") for p in (stack.dir / "logs").glob("worker*.log"))
+    wait_until(lambda: "the broker lost its state" in worker_logs(), "the sweep to notice the lost broker",
+               timeout=8, every=0.2)
+    assert time.monotonic() - flushed < 10, "noticed only after the grace period"
     job = wait_for_job(sessions, job_id, timeout=300)
     assert job["status"] == "completed", job["error"]
     assert_each_id_once(stack.store(job["output_uri"]), rows["custom_id"])
@@ -150,6 +155,8 @@ def test_seaweedfs_down_mid_job_is_waited_out_without_using_up_attempts(stack, s
     job = wait_for_job(sessions, job_id, timeout=300)
     assert job["status"] == "completed", job["error"]
     assert_each_id_once(stack.store(job["output_uri"]), rows["custom_id"])
+    charged = {s["index"]: s["attempts"] for s in shard_rows(sessions, job_id) if s["attempts"] != 1}
+    assert not charged, f"shards that met the outage used attempts: {charged}"
     assert_all_ended(sessions, [job_id])
 
 
