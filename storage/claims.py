@@ -50,10 +50,13 @@ def give_up(job: Job, shard: Shard) -> None:
 
 
 def fail(job: Job, error: str, shards: list[Shard] | None = None) -> bool:
-    """End the job `failed` unless it already ended; every shard still running is fenced. True if it failed."""
+    """End the job `failed` unless it already ended: shards still running end cancelled and, with `shards`, are
+    fenced (their workers write nothing more). True if it failed."""
     if is_terminal(job.status):
         return False
-    fence(job, [s for s in job.shards if s.status == ShardStatus.RUNNING] + list(shards or ()))
+    _stop_unfinished(job, (ShardStatus.RUNNING,))  # fences the job and them
+    for shard in shards or ():
+        shard.claim_token = (shard.claim_token or 0) + 1
     transition(job, S.FAILED, error=error)
     return True
 

@@ -232,7 +232,12 @@ class JobSteps:
 
     def validate(self) -> Job:
         """validating -> queued with the shards planned, or -> failed with a message naming the problem. A
-        transient fault of the store (a timeout, throttling) is raised: the caller retries with backoff."""
+        transient fault of the store (a timeout, throttling) is raised: the caller retries with backoff. The
+        step's lease is renewed while it reads."""
+        with self.heartbeat:
+            return self._validate()
+
+    def _validate(self) -> Job:
         self.progress.phase("validating input")
         with self.sessions() as session:
             job = self._job(session, lock=False)
