@@ -25,8 +25,7 @@ def broker_lost(sessions: sessionmaker[Session], broker_url: str) -> bool:
     import redis
 
     try:
-        client = redis.Redis.from_url(broker_url, socket_timeout=5)
-        with sessions.begin() as session:
+        with redis.Redis.from_url(broker_url, socket_timeout=5) as client, sessions.begin() as session:
             marker = session.get(ServiceMarker, "broker")
             first = marker is None
             if first:  # the first sweep of this database

@@ -386,7 +386,7 @@ class JobSteps:
             with self.sessions.begin() as session:
                 self._job(session)
                 row = repo.get_shard_by_id(session, shard.id, for_update=True)
-                if row.status != ShardStatus.COMPLETED and row.attempts > 0:
+                if row.attempts > 0:  # counted by the claim that took over (perhaps completed since) too
                     row.attempts -= 1
         except Exception as error:
             log.warning("job %s: shard %d: could not clean up after its lost claim: %s", job.id, shard.index, error)

@@ -24,6 +24,7 @@ from sqlalchemy import text
 
 from ingest.intake import Intake
 from storage import db
+from storage.faults import is_transient
 from storage.objectstore import S3Options, open_store
 from tests.fixtures_services import REPO, free_port_block, pg_databases  # noqa: F401 - fixtures
 from tokenmill.commands.jobs import sample_input
@@ -202,8 +203,17 @@ def wait_for_workers(stack: RunningStack, count: int = 2, timeout: float = 120) 
     from celery import Celery
 
     app = Celery(broker=stack.state["env"]["TOKENMILL_BROKER_URL"])
+
+    def answered() -> bool:
+        try:
+            return len(app.control.ping(timeout=1.0)) >= count
+        except Exception as error:  # Redis closed this client's connection (it just restarted): ask again
+            if not is_transient(error):
+                raise
+            return False
+
     try:
-        wait_until(lambda: len(app.control.ping(timeout=1.0)) >= count, f"{count} workers", timeout, every=0.5)
+        wait_until(answered, f"{count} workers", timeout, every=0.5)
     finally:
         app.close()
 
