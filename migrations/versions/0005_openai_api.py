@@ -87,8 +87,8 @@ def downgrade() -> None:
 
 def _replace_source_check(old: str, new: str) -> None:
     if op.get_bind().dialect.name != "sqlite":
-        op.drop_constraint("ck_jobs_source", "jobs", type_="check")
-        op.create_check_constraint("ck_jobs_source", "jobs", new)
+        op.drop_constraint(op.f("ck_jobs_source"), "jobs", type_="check")
+        op.create_check_constraint(op.f("ck_jobs_source"), "jobs", new)
         return
     version = op.get_bind().exec_driver_sql("PRAGMA schema_version").scalar()
     op.execute("PRAGMA writable_schema=ON")
