@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from storage.formats import Request, RowError
-from workers.runner import JobSteps, LeaseHeartbeat, Progress, StatusWatch, engine_priority
+from workers.runner import JobSteps, LeaseHeartbeat, Progress, StatusWatch
 from workers.shards import ShardOutcome, ShardsExecution, ShardWork
 
 if TYPE_CHECKING:
@@ -244,8 +244,7 @@ class SharedEngineSteps(JobSteps):
         watch = StatusWatch(self.sessions, job.id, heartbeat)
         if watch.should_stop():  # a shard never starts on a job that stopped
             return ShardOutcome(cancelled=True)
-        execution = ShardsExecution(engine, job.settings.sampling, priority=engine_priority(job),
-                                    cache_salt=job.settings.cache_salt)
+        execution = ShardsExecution.for_job(engine, job)
         rows = list(self._reader_for(job).read(shard.row_start, shard.row_end))  # read here, not on the engine thread
         return loop_for(engine).run(execution, rows, f"{job.id[:8]}-{shard.index}-", job.settings.speculative_config,
                                     watch.should_stop, self.progress)

@@ -26,7 +26,9 @@ from storage.models import FailedRow, Job, JobStatus, Shard, ShardStatus, utcnow
 from storage.objectstore import InputChanged, ObjectStore, open_file_store, open_store
 from storage.states import is_terminal, transition
 from workers.finalize import finalize_outputs
-from workers.shards import ShardExecution, ShardOutcome, ShardsExecution, ShardWork
+from workers.shards import ShardExecution, ShardOutcome, ShardsExecution, ShardWork, engine_priority
+
+__all__ = ["engine_priority"]  # where callers have found it
 
 if TYPE_CHECKING:
     from engine import LLMEngine
@@ -314,16 +316,16 @@ class JobSteps:
     def _record_shard(self, job: Job, shard: Shard, outcome: ShardOutcome, key: str, started: float) -> None:
         outcome.completed_job = self._complete_shard(shard, outcome, key)
         log.info("job %s: shard %d (rows %d-%d) completed in %.1f s: %d ok, %d failed", job.id, shard.index,
-                 shard.row_start, shard.row_end - 1, time.perf_counter() - started, len(outcome.records),
-                 len(outcome.errors))
+                 shard.row_start, shard.row_end - 1, time.perf_counter() - started,
+                 outcome.totals()["rows_completed"], len(outcome.errors))
 
     def _execute(self, job: Job, shard: Shard, engine: LLMEngine, heartbeat: LeaseHeartbeat) -> ShardOutcome:
         engine.set_speculative_config(job.settings.speculative_config)
         watch = StatusWatch(self.sessions, job.id, heartbeat)
-        execution = ShardExecution(engine, job.settings.sampling, f"{job.id[:8]}-{shard.index}-",
-                                   should_stop=watch.should_stop, on_progress=self.progress.advance,
-                                   priority=engine_priority(job), cache_salt=job.settings.cache_salt)
-        return execution.run(self._reader_for(job).read(shard.row_start, shard.row_end))
+        execution = ShardsExecution.for_job(engine, job, should_stop=watch.should_stop,
+                                            on_progress=self.progress.advance)
+        rows = self._reader_for(job).read(shard.row_start, shard.row_end)
+        return ShardExecution(execution, f"{job.id[:8]}-{shard.index}-").run(rows)
 
     def _complete_shard(self, shard: Shard, outcome: ShardOutcome, key: str) -> bool:
         """Mark the shard completed; True when it was the job's last (the job went to finalizing)."""
@@ -478,9 +480,8 @@ class JobRunner(JobSteps):
         engine.set_speculative_config(job.settings.speculative_config)
         heartbeat = LeaseHeartbeat(self.sessions, {})
         watch = StatusWatch(self.sessions, job.id, heartbeat)
-        execution = ShardsExecution(engine, job.settings.sampling, should_stop=watch.should_stop,
-                                    on_progress=self.progress.advance, priority=engine_priority(job),
-                                    cache_salt=job.settings.cache_salt)
+        execution = ShardsExecution.for_job(engine, job, should_stop=watch.should_stop,
+                                            on_progress=self.progress.advance)
         reader = self._reader_for(job)
         started: dict[int, float] = {}
 
@@ -510,12 +511,6 @@ class JobRunner(JobSteps):
         if cancelled:
             for work in execution.in_flight:
                 self._end_shard(work.key, ShardStatus.CANCELLED)
-
-
-def engine_priority(job: Job) -> int:
-    """The engine request priority of a job's rows: a higher job priority is admitted first, and the engine
-    admits the lowest value first."""
-    return -(job.priority or 0)
 
 
 class LeaseHeartbeat:

@@ -3,12 +3,13 @@ let the engine run them (asking between steps whether to stop), and collect one 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ingest.sampling import ResponseFormatError, check_for_model, sampling_params
 from storage.formats import CHAT, Request, RowError
+from storage.models import Job
 
 if TYPE_CHECKING:
     from engine import LLMEngine, RequestOutput, SamplingParams
@@ -56,19 +57,27 @@ class ShardsExecution:
     finished (`on_done` with its outcome) as soon as its last row finishes. `should_stop` is asked between
     engine steps; `on_progress(rows, tokens)` reports finished rows and newly generated tokens. `priority` is
     the engine request priority of every row (it orders admission under `scheduling_policy="priority"`);
-    rows share prefix-cache blocks only with rows of the same `cache_salt`."""
+    rows share prefix-cache blocks only with rows of the same `cache_salt`. A row naming a model outside
+    `models` (when given) fails with `model_not_found`."""
 
     def __init__(self, engine: LLMEngine, defaults: dict[str, Any],
                  should_stop: Callable[[], bool] = lambda: False,
                  on_progress: Callable[[int, int], None] = lambda rows, tokens: None, priority: int = 0,
-                 cache_salt: str | None = None) -> None:
+                 cache_salt: str | None = None, models: Collection[str] = ()) -> None:
         self.engine, self.defaults, self.priority, self.cache_salt = engine, defaults, priority, cache_salt
+        self.models = frozenset(models)
         self.should_stop, self.on_progress = should_stop, on_progress
         self.cancelled = False
         self.in_flight: list[ShardWork] = []  # started, not done (oldest first)
         self.pending: dict[str, tuple[ShardWork, Request, int | None]] = {}  # and the row's logprobs top-k
         self._on_start: Callable[[ShardWork], None] = lambda work: None
         self._on_done: Callable[[ShardWork], None] = lambda work: None
+
+    @classmethod
+    def for_job(cls, engine: LLMEngine, job: Job, **callbacks: Any) -> ShardsExecution:
+        """The execution of a job's rows: its sampling defaults, priority, cache salt and model names."""
+        return cls(engine, job.settings.sampling, priority=engine_priority(job), cache_salt=job.settings.cache_salt,
+                   models=served_models(job), **callbacks)
 
     def run(self, works: Iterable[ShardWork], on_start: Callable[[ShardWork], None] = lambda work: None,
             on_done: Callable[[ShardWork], None] = lambda work: None) -> bool:
@@ -139,6 +148,9 @@ class ShardsExecution:
         def error(code: str, message: str) -> RowError:
             return RowError(request.row, request.custom_id, code, message)
 
+        if self.models and request.model is not None and request.model not in self.models:
+            return error("model_not_found", f"The model {request.model!r} does not exist here; this job serves "
+                                            f"{', '.join(map(repr, sorted(self.models)))}")
         try:
             params = sampling_params(self.defaults, request.params)
             check_for_model(params, self.engine.runner.vocab_size)
@@ -193,20 +205,27 @@ class ShardsExecution:
 
 
 class ShardExecution:
-    """One shard on its own (a Celery task): `ShardsExecution` with a single shard."""
+    """One shard on its own: `ShardsExecution` with a single shard."""
 
-    def __init__(self, engine: LLMEngine, defaults: dict[str, Any], request_prefix: str,
-                 should_stop: Callable[[], bool] = lambda: False,
-                 on_progress: Callable[[int, int], None] = lambda rows, tokens: None, priority: int = 0,
-                 cache_salt: str | None = None) -> None:
-        self.execution = ShardsExecution(engine, defaults, should_stop, on_progress, priority, cache_salt)
-        self.prefix = request_prefix
+    def __init__(self, execution: ShardsExecution, request_prefix: str) -> None:
+        self.execution, self.prefix = execution, request_prefix
 
     def run(self, rows: Iterable[Request | RowError]) -> ShardOutcome:
         """Feed the rows through `LLMEngine.stream`; a stop request ends it with `cancelled` set."""
         work = ShardWork(None, rows, self.prefix)
         work.outcome.cancelled = self.execution.run([work])
         return work.outcome
+
+
+def engine_priority(job: Job) -> int:
+    """The engine request priority of a job's rows: a higher job priority is admitted first, and the engine
+    admits the lowest value first."""
+    return -(job.priority or 0)
+
+
+def served_models(job: Job) -> frozenset[str]:
+    """The names an OpenAI row's `model` may give: the job's model and its served names (aliases)."""
+    return frozenset([job.model, *job.settings.served_model_names])
 
 
 def openai_logprobs(completion, endpoint: str, top_k: int) -> str:
