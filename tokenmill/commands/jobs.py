@@ -6,7 +6,13 @@ import argparse
 from importlib import resources
 from pathlib import Path
 
-from tokenmill.options import add_engine_options, add_sampling_options, engine_kwargs, sampling_kwargs
+from tokenmill.options import (
+    add_engine_options,
+    add_sampling_options,
+    add_served_model_name_option,
+    engine_kwargs,
+    sampling_kwargs,
+)
 
 DATABASE_HELP = ("SQLAlchemy database URL, e.g. postgresql+psycopg://user@host/db (default: $TOKENMILL_DATABASE_URL, "
                  "else SQLite at $TOKENMILL_DATA/tokenmill.db, $TOKENMILL_DATA defaulting to ~/.local/share/tokenmill)")
@@ -83,6 +89,7 @@ def _register_run(commands: argparse._SubParsersAction) -> None:
     s3.add_argument("--s3-profile", metavar="NAME", help="AWS profile whose credentials to use")
     add_sampling_options(parser, max_tokens=64)
     add_engine_options(parser)
+    add_served_model_name_option(parser)
     parser.set_defaults(handler=_friendly(run))
 
 
@@ -161,7 +168,8 @@ def _new_job(args: argparse.Namespace):
                                     sampling=sampling_kwargs(args), engine=engine,
                                     speculative_config=engine.get("speculative_config"),
                                     shard_size=args.shard_size or DEFAULT_SHARD_SIZE,
-                                    openai_output=args.openai_output))
+                                    openai_output=args.openai_output,
+                                    served_model_names=args.served_model_name))
     return request.to_job(executor=LOCAL, limits=limits,
                           s3=S3Options(args.s3_endpoint_url, args.s3_region, args.s3_profile))
 
