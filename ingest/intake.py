@@ -140,14 +140,15 @@ class Intake:
     policy: FrontDoorPolicy = OPEN  # allowed prefixes and cache isolation (ingest.policy)
 
     def accept(self, request: JobRequest, *, source: str, source_ref: str, default_key: str,
-               tenant: str = "") -> Submission:
+               tenant: str = "", executor: str = CELERY) -> Submission:
         """The job for this request, created or found again; raises SpecError for a spec that cannot run.
-        `tenant` names who sent it (the inbox folder, the message key), for its cache salt."""
+        `tenant` names who sent it (the inbox folder, the message key, the API key's tenant), for its cache
+        salt; `executor` is who runs it (the Celery workers, or this process: `tokenmill api` alone)."""
         request, key = self.admit(request, source=source, default_key=default_key, tenant=tenant)
         if request.rows is not None:
             request = request.model_copy(update={"input_uri": self._store_rows(request.rows, key), "rows": None})
         try:
-            new = request.to_job(executor=CELERY, source=source, source_ref=source_ref, default_key=key, s3=self.s3)
+            new = request.to_job(executor=executor, source=source, source_ref=source_ref, default_key=key, s3=self.s3)
             submission = submit(self.sessions, new, reopen=False)
         except ValueError as error:  # e.g. an unsafe output URI, a job id already taken
             raise SpecError(str(error)) from None
