@@ -35,7 +35,7 @@ from storage.api_keys import tenant_of
 from storage.formats import BATCH_OUTPUT_KEY, ENDPOINTS
 from storage.job_settings import CELERY, DEFAULT_COMPLETION_WINDOW, DEFAULT_SHARD_SIZE
 from storage.models import ApiBatch, ApiFile, Job, JobSource, utcnow
-from storage.objectstore import open_file_store
+from storage.objectstore import S3Options, open_file_store
 from storage.states import is_terminal
 
 log = logging.getLogger("tokenmill.api")
@@ -129,7 +129,7 @@ def create_file(service: Service, owner: Tenant, file: Annotated[UploadFile, Fil
     if purpose != "batch":
         raise ApiError(400, f"purpose must be 'batch' here, got {purpose!r}", code="invalid_value", param="purpose")
     file_id = f"file-{uuid.uuid4().hex}"
-    store, key = open_file_store(f"{service.bucket_uri}/files/{file_id}.jsonl")
+    store, key = open_file_store(f"{service.bucket_uri}/files/{file_id}.jsonl", service.intake.s3)
     size = _upload(file, store, key, service.max_upload_bytes)
     row = ApiFile(id=file_id, tenant=owner, purpose=purpose, kind=UPLOAD, bytes=size, created_at=utcnow(),
                   filename=os.path.basename(file.filename or "input.jsonl")[:1024], uri=store.uri_of(key))
@@ -145,7 +145,8 @@ def retrieve_file(service: Service, owner: Tenant, file_id: str) -> FileObject:
 
 @router.get("/files/{file_id}/content")
 def file_content(service: Service, owner: Tenant, file_id: str) -> StreamingResponse:
-    return StreamingResponse(_content(_file(service, owner, file_id)), media_type="application/jsonl")
+    return StreamingResponse(_content(_file(service, owner, file_id), service.intake.s3),
+                             media_type="application/jsonl")
 
 
 @router.delete("/files/{file_id}")
@@ -157,7 +158,7 @@ def delete_file(service: Service, owner: Tenant, file_id: str) -> Deleted:
             raise ApiError(409, f"file {file_id} is the input of a batch still running", code="file_in_use")
         row.deleted_at = utcnow()
         if row.kind == UPLOAD:
-            store, key = open_file_store(row.uri)
+            store, key = open_file_store(row.uri, service.intake.s3)
             store.delete(key)
     return Deleted(id=file_id)
 
@@ -264,11 +265,11 @@ def _batch(service: ApiService, owner: str, batch_id: str) -> dict[str, Any]:
         batch = _owned_batch(db, owner, batch_id)
         job = batch.job
     if job.status == "completed" and batch.output_file_id is None and batch.error_file_id is None:
-        batch = _add_result_files(service.sessions, batch, job)
+        batch = _add_result_files(service, batch, job)
     return batch_object(batch, job)
 
 
-def _add_result_files(sessions: sessionmaker[Session], batch: ApiBatch, job: Job) -> ApiBatch:
+def _add_result_files(service: ApiService, batch: ApiBatch, job: Job) -> ApiBatch:
     uri = f"{job.output_uri.rstrip('/')}/{BATCH_OUTPUT_KEY}"
     files = {}
     for kind, errors in OUTPUT_KINDS.items():
@@ -277,22 +278,22 @@ def _add_result_files(sessions: sessionmaker[Session], batch: ApiBatch, job: Job
         file_id = f"file-{uuid.uuid5(uuid.NAMESPACE_URL, f'{job.id}/{kind}').hex}"
         files[kind] = ApiFile(id=file_id, tenant=batch.tenant, purpose="batch_output", kind=kind, uri=uri,
                               filename=f"{batch.job_id}_{'error' if errors else 'output'}.jsonl", created_at=utcnow())
-        files[kind].bytes = sum(len(chunk) for chunk in _content(files[kind]))
+        files[kind].bytes = sum(len(chunk) for chunk in _content(files[kind], service.intake.s3))
     try:
-        with sessions.begin() as db:
+        with service.sessions.begin() as db:
             db.add_all(files.values())
             batch = db.get(ApiBatch, batch.job_id)
             batch.output_file_id = files["batch_output"].id if "batch_output" in files else None
             batch.error_file_id = files["batch_error"].id if "batch_error" in files else None
     except IntegrityError:  # another request added them first
-        with sessions() as db:
+        with service.sessions() as db:
             batch = db.get(ApiBatch, batch.job_id)
     return batch
 
 
-def _content(row: ApiFile) -> Iterator[bytes]:
+def _content(row: ApiFile, s3: S3Options) -> Iterator[bytes]:
     """An uploaded file's bytes; for a batch's output or error file, its lines of batch_output.jsonl."""
-    store, key = open_file_store(row.uri)
+    store, key = open_file_store(row.uri, s3)
     with store.open(key) as source:
         if row.kind == UPLOAD:
             while chunk := source.read(CHUNK):

@@ -126,7 +126,8 @@ def _register_stack(commands: argparse._SubParsersAction) -> None:
     start = actions.add_parser("up", help="start every component and print their addresses")
     start.add_argument("--workers", type=int, default=1, metavar="N", help="Celery workers (default: 1)")
     start.add_argument("--port-base", type=int, metavar="PORT",
-                       help="Kafka on PORT, Redis +1, Flower +2, S3 +10..+17 (default: 9092, 6380, 5555, 8333)")
+                       help="Kafka on PORT, Redis +1, Flower +2, the OpenAI Batch API +3, S3 +10..+17 (default: 9092, "
+                            "6380, 5555, 8000, 8333)")
     start.add_argument("--database-url", metavar="URL",
                        help="job database, as an administrator who creates it (if missing) and the service's own "
                             "role <database>_service, which the stack then uses (default: PostgreSQL on 127.0.0.1 "
