@@ -23,3 +23,26 @@ def test_stack_env_exports_the_openai_variables_and_names_what_lacks_credentials
 
     shown = env_script(tmp_path, show_secrets=True)
     assert "export OPENAI_API_KEY=tm-secret" in shown and "not shown" not in shown
+
+
+def test_job_commands_read_a_running_stacks_database_and_say_which(tmp_path, monkeypatch, capsys) -> None:
+    import json
+
+    from tokenmill.cli import main
+    from tokenmill.commands.jobs import database_option
+
+    monkeypatch.setenv("TOKENMILL_DATABASE_URL", "unset-after-the-test")
+    monkeypatch.delenv("TOKENMILL_DATABASE_URL")
+    monkeypatch.setenv("TOKENMILL_DATA", str(tmp_path / "data"))
+    (tmp_path / "data" / "stack").mkdir(parents=True)
+    stack_db = tmp_path / "stack.db"
+    (tmp_path / "data" / "stack" / "stack.json").write_text(
+        json.dumps({"env": {"TOKENMILL_DATABASE_URL": f"sqlite:///{stack_db}"}}))
+
+    assert main(["status", "nope"]) == 2
+    assert f"no job matches 'nope' in database {stack_db}" in capsys.readouterr().err
+    assert main(["jobs"]) == 0 and f"no jobs yet in {stack_db}" in " ".join(capsys.readouterr().out.split())
+
+    assert database_option(None) == ""
+    assert database_option(f"sqlite:///{stack_db}") == f" --database-url sqlite:///{stack_db}"
+    assert database_option("postgresql+psycopg://u:pw@h/db") == " --database-url 'postgresql+psycopg://u:***@h/db'"
