@@ -11,7 +11,6 @@ lines of the job's batch_output.jsonl without and with an error.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import tempfile
 import uuid
@@ -37,8 +36,6 @@ from storage.job_settings import CELERY, DEFAULT_COMPLETION_WINDOW, DEFAULT_SHAR
 from storage.models import ApiBatch, ApiFile, Job, JobSource, utcnow
 from storage.objectstore import S3Options, open_file_store
 from storage.states import is_terminal
-
-log = logging.getLogger("tokenmill.api")
 
 MAX_UPLOAD_BYTES = 200 << 20  # OpenAI's limit for a batch input file
 CHUNK = 1 << 20
