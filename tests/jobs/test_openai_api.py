@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import threading
 import time
+import urllib.error
+import urllib.request
 
 import openai
 import pytest
@@ -14,7 +16,7 @@ from openai.types import Batch, FileObject
 from openai.types.chat import ChatCompletion
 
 from ingest.openai_api import create_app
-from storage.api_keys import create_key
+from storage.api_keys import create_key, list_keys, revoke_key
 from storage.job_settings import LOCAL
 from tests.fixtures_services import free_port_block
 from tokenmill.commands.api import api_service
@@ -126,12 +128,24 @@ def test_list_pages_with_after(api) -> None:
         wait_for(sdk, batch_id, TERMINAL)
 
 
+def test_a_revoked_key_is_401(api, sessions) -> None:
+    base_url, key, _ = api
+    with sessions.begin() as session:
+        [acme] = list_keys(session, "acme")
+        assert revoke_key(session, acme.id)
+    with pytest.raises(openai.AuthenticationError):
+        client(base_url, key).batches.list()
+
+
 def test_a_wrong_key_is_401_and_another_tenants_batch_404(api) -> None:
     base_url, key, other_key = api
     sdk, other = client(base_url, key), client(base_url, other_key)
     batch = submit(sdk, [chat_line("only", max_tokens=1)])
     with pytest.raises(openai.AuthenticationError):
         client(base_url, "tm-not-a-key").batches.list()
+    with pytest.raises(urllib.error.HTTPError) as no_key:  # the SDK will not send a request without one
+        urllib.request.urlopen(f"{base_url}/batches", timeout=10)
+    assert no_key.value.code == 401 and json.load(no_key.value)["error"]["code"] == "invalid_api_key"
     with pytest.raises(openai.NotFoundError):
         other.batches.retrieve(batch.id)
     with pytest.raises(openai.NotFoundError):
