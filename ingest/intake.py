@@ -141,15 +141,17 @@ class Intake:
     policy: FrontDoorPolicy = OPEN  # allowed prefixes and cache isolation (ingest.policy)
 
     def accept(self, request: JobRequest, *, source: str, source_ref: str, default_key: str,
-               tenant: str = "", input_pin: dict | None = None) -> Submission:
+               tenant: str = "", executor: str = CELERY, input_pin: dict | None = None) -> Submission:
         """The job for this request, created or found again; raises SpecError for a spec that cannot run.
-        `tenant` names who sent it (the inbox folder, the message key), for its cache salt; `input_pin` is the
-        version of the input the front door saw (the inbox's listed ETag), the only one the job may read."""
+        `tenant` names who sent it (the inbox folder, the message key, the API key's tenant), for its cache
+        salt; `executor` is who runs it (the Celery workers, or this process: `tokenmill api` alone);
+        `input_pin` is the version of the input the front door saw (the inbox's listed ETag), the only one the
+        job may read."""
         request, key = self.admit(request, source=source, default_key=default_key, tenant=tenant)
         if request.rows is not None:
             request = request.model_copy(update={"input_uri": self._store_rows(request.rows, key), "rows": None})
         try:
-            new = request.to_job(executor=CELERY, source=source, source_ref=source_ref, default_key=key, s3=self.s3)
+            new = request.to_job(executor=executor, source=source, source_ref=source_ref, default_key=key, s3=self.s3)
             if input_pin is not None:
                 new.settings = new.settings.model_copy(update={"inbox_pin": input_pin})
             submission = submit(self.sessions, new, reopen=False)

@@ -5,7 +5,8 @@
      "model": "smollm2-135m", "sampling": {"max_tokens": 64, "temperature": 0},
      "shard_size": 500, "priority": 0, "openai_output": false,
      "idempotency_key": "...", "job_id": "<uuid>",                  # both optional
-     "completion_window": "24h"}                                      # the deadline (s, m, h or d; <= 30 days)
+     "completion_window": "24h",                                      # the deadline (s, m, h or d; <= 30 days)
+     "served_model_names": ["gpt-4o-mini"]}                           # aliases an OpenAI row's model may name
 
 Only `output_uri` and one of `input_uri` / `rows` are required (the S3 inbox supplies both). Unknown fields
 are refused, so a typo does not silently run with defaults.
@@ -23,7 +24,7 @@ import math
 import re
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -90,6 +91,9 @@ class JobRequest(BaseModel):
     job_id: uuid.UUID | None = None
     cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT)  # see ingest.policy
     completion_window: CompletionWindow = DEFAULT_COMPLETION_WINDOW  # the job's deadline (OpenAI Batch's)
+    # other names an OpenAI row's `model` may give for this job's model (vLLM's --served-model-name)
+    served_model_names: list[Annotated[str, Field(min_length=1, max_length=256)]] = Field(default_factory=list,
+                                                                                         max_length=16)
 
     @field_validator("completion_window")
     @classmethod
@@ -162,7 +166,8 @@ class JobRequest(BaseModel):
         settings = JobSettings(sampling=self.sampling, engine=self.engine, speculative_config=self.speculative_config,
                                shard_size=self.shard_size, limits=limits or Limits.from_env(), s3=s3 or S3Options(),
                                openai_output=self.openai_output, executor=executor, cache_salt=self.cache_salt,
-                               completion_window=self.completion_window)
+                               completion_window=self.completion_window,
+                               served_model_names=self.served_model_names)
         return NewJob(input_uri=self.input_uri, output_uri=self.output_uri, model=self.model, settings=settings,
                       source=source, source_ref=source_ref, priority=self.priority,
                       idempotency_key=self.idempotency_key or default_key,

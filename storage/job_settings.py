@@ -45,6 +45,7 @@ class JobSettings(BaseModel):
     openai_output: bool = False
     executor: Literal["local", "celery"] = LOCAL
     cache_salt: str | None = None  # rows share prefix-cache blocks only with rows of the same salt
+    served_model_names: list[str] = Field(default_factory=list)  # aliases an OpenAI row's `model` may name
     completion_window: CompletionWindow = DEFAULT_COMPLETION_WINDOW  # past it the sweep ends the job `expired`
     input_fingerprint: dict[str, Any] | None = None  # set when the input is validated
     inbox_pin: dict[str, Any] | None = None  # the version the inbox listed (its ETag): validation reads only it

@@ -1,5 +1,6 @@
 """SQLAlchemy models for job state: jobs, their shards (row ranges) and the rows that failed; and for the
-service around them: nightly schedules and their runs, rejected Kafka messages, objects seen in the S3 inbox.
+service around them: nightly schedules and their runs, rejected Kafka messages, objects seen in the S3 inbox,
+and the OpenAI Batch API's keys, files and batches.
 
 Alembic owns the schema (see `migrations/`); these classes are what autogenerate compares against.
 """
@@ -72,6 +73,7 @@ class JobSource(enum.StrEnum):
     S3 = "s3"
     CLI = "cli"
     SCHEDULE = "schedule"
+    API = "api"  # the OpenAI Batch REST API
 
 
 def utcnow() -> datetime:
@@ -291,3 +293,52 @@ class ServiceMarker(Base):
 
     name: Mapped[str] = mapped_column(String(255), primary_key=True)
     value: Mapped[str] = mapped_column(String(255))
+
+
+class ApiKey(Base):
+    """A bearer token of the OpenAI Batch API, stored as its SHA-256 only, and the tenant it acts for."""
+
+    __tablename__ = "api_keys"
+
+    id: Mapped[int] = mapped_column(BigIntId, primary_key=True, autoincrement=True)
+    tenant: Mapped[str] = mapped_column(String(255), index=True)
+    name: Mapped[str | None] = mapped_column(String(255))
+    key_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    key_prefix: Mapped[str] = mapped_column(String(16))  # the token's first characters, to tell keys apart
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+
+
+class ApiFile(Base):
+    """A file of the API: an uploaded batch input (its object in the bucket), or a batch's output or error file
+    (`batch_output` / `batch_error`: the lines of the job's batch_output.jsonl with or without an error)."""
+
+    __tablename__ = "api_files"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    tenant: Mapped[str] = mapped_column(String(255), index=True)
+    purpose: Mapped[str] = mapped_column(String(32))  # batch | batch_output
+    kind: Mapped[str] = mapped_column(String(16), default="upload")  # upload | batch_output | batch_error
+    filename: Mapped[str] = mapped_column(String(1024))
+    bytes: Mapped[int] = mapped_column(BigInteger, default=0)
+    uri: Mapped[str] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    deleted_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+
+
+class ApiBatch(Base):
+    """A job made through the API: who owns it and what OpenAI's batch object carries beyond the job row."""
+
+    __tablename__ = "api_batches"
+
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
+    tenant: Mapped[str] = mapped_column(String(255), index=True)
+    endpoint: Mapped[str] = mapped_column(String(64))
+    completion_window: Mapped[str] = mapped_column(String(8))
+    input_file_id: Mapped[str] = mapped_column(String(64))
+    metadata_: Mapped[dict[str, Any] | None] = mapped_column("metadata", JSON)
+    output_file_id: Mapped[str | None] = mapped_column(String(64))
+    error_file_id: Mapped[str | None] = mapped_column(String(64))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, index=True)
+
+    job: Mapped[Job] = relationship()

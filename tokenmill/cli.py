@@ -17,6 +17,7 @@ COMMAND_MODULES = [
     "tokenmill.commands.bench",
     "tokenmill.commands.jobs",
     "tokenmill.commands.service",
+    "tokenmill.commands.api",
 ]
 
 DESCRIPTION = """\

@@ -67,11 +67,16 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return kwargs
 
 
-def add_sampling_options(parser: argparse.ArgumentParser, max_tokens: int = 128) -> None:
+def add_sampling_options(parser: argparse.ArgumentParser, max_tokens: int = 128,
+                         temperature: float | None = None) -> None:
+    """Job defaults; a row's own value wins. Unset `--temperature` leaves rows at OpenAI's 1.0 (`temperature`
+    given here, e.g. 0 for `generate`, is the default instead)."""
     group = parser.add_argument_group("sampling defaults")
     group.add_argument("--max-tokens", type=int, default=max_tokens,
                        help=f"tokens to generate per prompt at most (default: {max_tokens})")
-    group.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: 0)")
+    group.add_argument("--temperature", type=float, default=temperature,
+                       help=f"0 is greedy (default: {temperature:g})" if temperature is not None else
+                       "0 is greedy (default: a row's own, else OpenAI's 1.0)")
     group.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1, off)")
     group.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (default: 0, off)")
     group.add_argument("--seed", type=int, help="per-request seed for reproducible sampling")
@@ -82,11 +87,18 @@ def add_sampling_options(parser: argparse.ArgumentParser, max_tokens: int = 128)
 
 
 def sampling_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    kwargs = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                  seed=args.seed, stop=list(args.stop))
+    kwargs = dict(max_tokens=args.max_tokens, top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=list(args.stop))
+    if args.temperature is not None:
+        kwargs["temperature"] = args.temperature
     if getattr(args, "json_schema", None):
         schema = json.loads(Path(args.json_schema).read_text())
         kwargs["response_format"] = {"type": "json_schema",
                                      "json_schema": {"name": Path(args.json_schema).stem, "schema": schema,
                                                      "strict": True}}
     return kwargs
+
+
+def add_served_model_name_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--served-model-name", action="append", default=[], metavar="NAME",
+                        help="another name OpenAI-format rows may give as their `model` (repeatable, as vLLM's); a "
+                             "row naming neither it nor --model fails with model_not_found")

@@ -49,12 +49,13 @@ def shards_in_flight(max_num_seqs: int, rows_per_shard: int, kv_rows: int | None
 @dataclass
 class RowSettings:
     """How a job's rows run: its sampling defaults, engine request priority, prefix-cache salt and speculative
-    decoding setting (None: the engine's own)."""
+    decoding setting (None: the engine's own), and the model names its OpenAI rows may give (none: any)."""
 
     defaults: dict[str, Any]
     priority: int = 0
     cache_salt: str | None = None
     speculative: dict[str, Any] | None = None
+    models: frozenset[str] = frozenset()
 
 
 @dataclass(eq=False)
@@ -193,7 +194,8 @@ class EngineLoop:
     def _feed(self, ticket: Ticket) -> None:
         settings = ticket.settings
         for item in ticket.rows:
-            prepared = item if isinstance(item, RowError) else prepare_row(self.engine, settings.defaults, item)
+            prepared = item if isinstance(item, RowError) else prepare_row(self.engine, settings.defaults, item,
+                                                                           settings.models)
             if isinstance(prepared, RowError):
                 ticket.outcome.errors.append(prepared)
                 ticket.rows_done += 1

@@ -29,7 +29,7 @@ from storage.states import TERMINAL, transition
 from workers.engine_loop import RowSettings, loop_for
 from workers.finalize import discard_outputs, finalize_outputs
 from workers.leases import Claim, LeaseHeartbeat, StaleClaim, StatusWatch, job_claim, shard_claim
-from workers.shards import ShardOutcome
+from workers.shards import ShardOutcome, served_models
 
 if TYPE_CHECKING:
     from engine import LLMEngine
@@ -369,7 +369,7 @@ class JobSteps:
         if watch.should_stop():  # a shard never starts on a job that stopped
             return ShardOutcome(cancelled=True)
         settings = RowSettings(job.settings.sampling, engine_priority(job), job.settings.cache_salt,
-                               job.settings.speculative_config)
+                               job.settings.speculative_config, served_models(job))
         rows = self._read_rows(job, shard)  # read here, not on the engine thread
         return loop_for(engine).run(settings, rows, request_prefix(job, shard), watch.should_stop, self.progress)
 

@@ -4,6 +4,7 @@ records; `ShardOutcome` gathers a shard's records and errors. The engine loop (`
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -12,6 +13,7 @@ from storage.formats import CHAT, Request, RowError
 
 if TYPE_CHECKING:
     from engine import LLMEngine, RequestOutput, SamplingParams
+    from storage.models import Job
 
 
 @dataclass
@@ -36,13 +38,17 @@ class ShardOutcome:
         }
 
 
-def prepare_row(engine: LLMEngine, defaults: dict[str, Any], request: Request
+def prepare_row(engine: LLMEngine, defaults: dict[str, Any], request: Request, models: Collection[str] = ()
                 ) -> tuple[list[int], SamplingParams] | RowError:
     """A row as the engine runs it (token ids and sampling parameters, the job's `defaults` under the row's
-    own), or the row's error when it cannot run."""
+    own), or the row's error when it cannot run. A row naming a model outside `models` (when given) fails
+    with `model_not_found`."""
     def error(code: str, message: str) -> RowError:
         return RowError(request.row, request.custom_id, code, message)
 
+    if models and request.model is not None and request.model not in models:
+        return error("model_not_found", f"The model {request.model!r} does not exist here; this job serves "
+                                        f"{', '.join(map(repr, sorted(models)))}")
     try:
         params = sampling_params(defaults, request.params)
         check_for_model(params, engine.runner.vocab_size)
@@ -96,6 +102,11 @@ def collect_row(outcome: ShardOutcome, request: Request, output: RequestOutput, 
         "logprobs": None if top_k is None else openai_logprobs(completion, request.endpoint, top_k),
         "choice_index": completion.index,
     } for completion in output.outputs)
+
+
+def served_models(job: Job) -> frozenset[str]:
+    """The names an OpenAI row's `model` may give: the job's model and its served names (aliases)."""
+    return frozenset([job.model, *job.settings.served_model_names])
 
 
 def openai_logprobs(completion, endpoint: str, top_k: int) -> str:

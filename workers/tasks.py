@@ -197,7 +197,8 @@ def run_shard(self: Task, job_id: str, shard_id: int) -> dict[str, Any]:
     if outcome.completed_job:
         finalize_later(job_id)
     decision = "lost" if outcome.lost else "cancelled" if outcome.cancelled else "completed"
-    return _summary(steps.load(), shard=shard.index, decision=decision, rows=len(outcome.records) + len(outcome.errors))
+    rows = outcome.totals()["rows_completed"] + len(outcome.errors)  # a row of n choices is one row
+    return _summary(steps.load(), shard=shard.index, decision=decision, rows=rows)
 
 
 @app.task(name="tokenmill.finalize_job", bind=True, soft_time_limit=1800)

@@ -111,10 +111,11 @@ def parse_line(row: int, line: bytes) -> Request | RowError:
         return RowError(row, custom_id, "invalid_request", "body must be a JSON object")
     if unsupported := check_unsupported(row, custom_id, body):
         return unsupported
-    params = pick_params(body)
+    params, model = pick_params(body), body.get("model")
     if url == CHAT:
         messages = parse_messages(row, custom_id, body.get("messages"))
         return messages if isinstance(messages, RowError) else Request(row, custom_id, url, messages=messages,
-                                                                        params=params)
+                                                                        params=params, model=model)
     prompt = parse_prompt(row, custom_id, body.get("prompt"))
-    return prompt if isinstance(prompt, RowError) else Request(row, custom_id, url, prompt=prompt, params=params)
+    return prompt if isinstance(prompt, RowError) else Request(row, custom_id, url, prompt=prompt, params=params,
+                                                               model=model)

@@ -72,6 +72,7 @@ class Request:
     prompt: str | list[int] | None = None
     messages: list[dict[str, str]] | None = None
     params: dict[str, Any] = field(default_factory=dict)  # per-row overrides of the job's sampling defaults
+    model: str | None = None  # an OpenAI body's `model`: the job's model or one of its served names
 
 
 @dataclass(slots=True)

@@ -24,8 +24,9 @@ from tests.jobs.jobhelpers import (
 )
 from tokenmill.cli import main
 
-# The README command with settings that keep it quick on 2 cores: 4 tokens per prompt, a small KV pool.
-FAST = ["--max-tokens", "4", "--threads", "2", "--kv-cache-memory", "0.25"]
+# The README command with settings that keep it quick on 2 cores: 4 tokens per prompt, a small KV pool; greedy,
+# so answers run to the lengths the tests time their cancels by.
+FAST = ["--max-tokens", "4", "--threads", "2", "--kv-cache-memory", "0.25", "--temperature", "0"]
 
 
 def tokenmill(*args: str, cwd: Path, data: Path, timeout: int = 300) -> subprocess.CompletedProcess:

@@ -32,7 +32,7 @@ def test_sigkill_with_shards_in_flight_then_the_same_command_resumes(tmp_path: P
     output, database = tmp_path / "out", tmp_path / "jobs.db"
     command = [sys.executable, "-m", "tokenmill", "run", str(source), "--output", str(output),
                "--database-url", f"sqlite:///{database}", "--shard-size", str(SHARD_SIZE), "--max-tokens", "4",
-               "--threads", "2", "--kv-cache-memory", "0.25"]
+               "--threads", "2", "--kv-cache-memory", "0.25", "--temperature", "0"]  # greedy: lengths as planned
     with open(tmp_path / "first.log", "w") as log:
         first = subprocess.Popen(command, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT)
         try:

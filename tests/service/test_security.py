@@ -193,7 +193,8 @@ def secrets_of(stack) -> dict[str, str]:
 
     env = stack.state["env"]
     return {"database password": make_url(env["TOKENMILL_DATABASE_URL"]).password,
-            "S3 secret key": env["AWS_SECRET_ACCESS_KEY"], "Flower password": stack.state["flower"]["password"]}
+            "S3 secret key": env["AWS_SECRET_ACCESS_KEY"], "Flower password": stack.state["flower"]["password"],
+            "API key": env["OPENAI_API_KEY"]}
 
 
 def test_the_stack_runs_with_its_own_credentials_and_never_shows_them(stack, sessions, kafka_job) -> None:

@@ -19,7 +19,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--raw", action="store_true", help="send prompts as plain text, without the chat template")
     parser.add_argument("--cache-salt", metavar="TEXT",
                         help="share prefix-cache blocks only with requests of this salt (default: none)")
-    add_sampling_options(parser, max_tokens=64)
+    add_sampling_options(parser, max_tokens=64, temperature=0.0)
     add_engine_options(parser)
     parser.set_defaults(handler=run)
 

@@ -6,10 +6,18 @@ import argparse
 from importlib import resources
 from pathlib import Path
 
-from tokenmill.options import add_engine_options, add_sampling_options, engine_kwargs, sampling_kwargs
+from tokenmill.options import (
+    add_engine_options,
+    add_sampling_options,
+    add_served_model_name_option,
+    engine_kwargs,
+    sampling_kwargs,
+)
 
 DATABASE_HELP = ("SQLAlchemy database URL, e.g. postgresql+psycopg://user@host/db (default: $TOKENMILL_DATABASE_URL, "
                  "else SQLite at $TOKENMILL_DATA/tokenmill.db, $TOKENMILL_DATA defaulting to ~/.local/share/tokenmill)")
+STACK_DATABASE_HELP = ("SQLAlchemy database URL (default: $TOKENMILL_DATABASE_URL, else the database of the stack "
+                       "running from --state-dir, else SQLite at $TOKENMILL_DATA/tokenmill.db)")
 RUN_DESCRIPTION = """\
 Run a batch job in this process: validate the input, split it into shards of rows, generate a completion
 for every row and write the results under --output as part-NNNNN.parquet files, errors.jsonl and, last,
@@ -47,7 +55,10 @@ def _friendly(handler):
 
         try:
             return handler(args)
-        except (JobNotFound, JobBusy, SchemaOutOfDate, SpecError) as error:
+        except JobNotFound as error:
+            print(f"error: {error} in {_database(args)}", file=sys.stderr)
+            return 2
+        except (JobBusy, SchemaOutOfDate, SpecError) as error:
             print(f"error: {error}", file=sys.stderr)
             return 2
 
@@ -56,6 +67,30 @@ def _friendly(handler):
 
 def _add_database_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--database-url", metavar="URL", help=DATABASE_HELP)
+
+
+def _add_stack_database_options(parser: argparse.ArgumentParser) -> None:
+    """For commands on existing jobs: like the service's commands, they find a running stack's database."""
+    from tokenmill.commands.service import stack_dir_option
+
+    parser.add_argument("--database-url", metavar="URL", help=STACK_DATABASE_HELP)
+    stack_dir_option(parser)
+
+
+def _url(args: argparse.Namespace) -> str:
+    """The database a command on existing jobs reads: --database-url, $TOKENMILL_DATABASE_URL, the running
+    stack's (from its state directory), else the embedded SQLite file."""
+    from storage import db
+    from tokenmill.commands.service import use_stack
+
+    use_stack(args)
+    return db.resolve_url(getattr(args, "database_url", None))
+
+
+def _database(args: argparse.Namespace) -> str:
+    from storage import db
+
+    return f"database {db.describe(_url(args))}"
 
 
 def _register_run(commands: argparse._SubParsersAction) -> None:
@@ -83,6 +118,7 @@ def _register_run(commands: argparse._SubParsersAction) -> None:
     s3.add_argument("--s3-profile", metavar="NAME", help="AWS profile whose credentials to use")
     add_sampling_options(parser, max_tokens=64)
     add_engine_options(parser)
+    add_served_model_name_option(parser)
     parser.set_defaults(handler=_friendly(run))
 
 
@@ -91,7 +127,7 @@ def _register_jobs(commands: argparse._SubParsersAction) -> None:
                                  description="List jobs with their status, progress and tokens, newest first.")
     parser.add_argument("--status", help="only jobs with this status (e.g. in_progress, failed)")
     parser.add_argument("--limit", type=int, default=50, help="how many jobs to show (default: 50)")
-    _add_database_option(parser)
+    _add_stack_database_options(parser)
     parser.set_defaults(handler=_friendly(list_jobs))
 
 
@@ -100,7 +136,7 @@ def _register_status(commands: argparse._SubParsersAction) -> None:
                                  description="Show a job's state, counts, tokens and timings, and its shards.")
     parser.add_argument("job", metavar="JOB", help="job id (a unique prefix is enough)")
     parser.add_argument("--json", action="store_true", help="print the job row and its shards as JSON")
-    _add_database_option(parser)
+    _add_stack_database_options(parser)
     parser.set_defaults(handler=_friendly(show_status))
 
 
@@ -110,7 +146,7 @@ def _register_cancel(commands: argparse._SubParsersAction) -> None:
                                              "stops at its next engine step and ends the job `cancelled`, keeping "
                                              "the shards it finished; running the same command again resumes it.")
     parser.add_argument("job", metavar="JOB", help="job id (a unique prefix is enough)")
-    _add_database_option(parser)
+    _add_stack_database_options(parser)
     parser.set_defaults(handler=_friendly(cancel))
 
 
@@ -125,7 +161,7 @@ def _register_db(commands: argparse._SubParsersAction) -> None:
     downgrade.add_argument("revision", help="target revision, e.g. -1 or base")
     current = actions.add_parser("current", help="show the database's revision")
     for action, handler in ((upgrade, db_upgrade), (downgrade, db_downgrade), (current, db_current)):
-        _add_database_option(action)
+        _add_stack_database_options(action)
         action.set_defaults(handler=_friendly(handler))
 
 
@@ -161,7 +197,8 @@ def _new_job(args: argparse.Namespace):
                                     sampling=sampling_kwargs(args), engine=engine,
                                     speculative_config=engine.get("speculative_config"),
                                     shard_size=args.shard_size or DEFAULT_SHARD_SIZE,
-                                    openai_output=args.openai_output))
+                                    openai_output=args.openai_output,
+                                    served_model_names=args.served_model_name))
     return request.to_job(executor=LOCAL, limits=limits,
                           s3=S3Options(args.s3_endpoint_url, args.s3_region, args.s3_profile))
 
@@ -202,13 +239,25 @@ def run(args: argparse.Namespace) -> int:
     load_engine = _load_engine if args.metrics_port is None else _serving_metrics(args.metrics_port, sessions)
     with JobProgressBar(Console(stderr=True)) as progress:
         job = run_job(sessions, job.id, load_engine, progress)
-    _print_summary(console, job, url)
+    _print_summary(console, job, url if args.database_url else None)
     return 0 if job.status == "completed" else 1
 
 
-def _print_summary(console, job, url: str) -> None:
+def database_option(url: str | None) -> str:
+    """` --database-url URL` for a hint when the command was given one (a password stays hidden: `***`)."""
+    import shlex
+
+    from sqlalchemy.engine import make_url
+
+    if url is None:
+        return ""
+    return f" --database-url {shlex.quote(make_url(url).render_as_string(hide_password=True))}"
+
+
+def _print_summary(console, job, given_url: str | None) -> None:
     from storage import db
 
+    url = given_url or db.resolve_url()
     color = {"completed": "green", "failed": "red"}.get(job.status, "yellow")
     console.print(f"job {job.id} [bold {color}]{job.status}[/bold {color}]: {job.requests_total} rows, "
                   f"{job.requests_completed} completed, {job.requests_failed} failed; "
@@ -216,8 +265,8 @@ def _print_summary(console, job, url: str) -> None:
     if job.error:
         console.print(f"[red]error:[/red] {job.error}", highlight=False)
     console.print(f"outputs:  {_where(job.output_uri)}", highlight=False)
-    console.print(f"database: {db.describe(url)}  (try: tokenmill status {job.id[:8]}, or SQL: "
-                  f"SELECT * FROM job_status)", highlight=False)
+    console.print(f"database: {db.describe(url)}  (try: tokenmill status {job.id[:8]}{database_option(url)}, or "
+                  f"SQL: SELECT * FROM job_status)", highlight=False)
 
 
 def _where(uri: str, relative: bool = False) -> str:
@@ -240,10 +289,11 @@ def list_jobs(args: argparse.Namespace) -> int:
     from storage import db
     from storage import repository as repo
 
-    sessions = _sessions(db.resolve_url(args.database_url))
+    url = _url(args)
+    sessions = _sessions(url)
     with sessions() as session:
         jobs = repo.list_jobs(session, limit=args.limit, status=args.status)
-    table = Table(box=box.SIMPLE_HEAD)
+    table = Table(box=box.SIMPLE_HEAD, caption=f"database: {db.describe(url)}", caption_justify="left")
     for name in ("id", "status", "rows done", "failed", "tokens", "created"):
         table.add_column(name, no_wrap=True)
     table.add_column("output", overflow="fold", ratio=1)
@@ -251,7 +301,8 @@ def list_jobs(args: argparse.Namespace) -> int:
         table.add_row(job.id[:8], job.status, f"{job.requests_completed + job.requests_failed}/{job.requests_total}",
                       str(job.requests_failed), str(job.completion_tokens),
                       job.created_at.strftime("%m-%d %H:%M"), _where(job.output_uri, relative=True))
-    Console().print(table if jobs else "no jobs yet: start one with `tokenmill run`")
+    Console().print(table if jobs else f"no jobs yet in {db.describe(url)}: start one with `tokenmill run`",
+                    highlight=False)
     return 0
 
 
@@ -278,7 +329,8 @@ def show_status(args: argparse.Namespace) -> int:
     from storage import db
     from storage import repository as repo
 
-    sessions = _sessions(db.resolve_url(args.database_url))
+    url = _url(args)
+    sessions = _sessions(url)
     with sessions() as session:
         job = repo.find_job(session, args.job)
         shards = repo.shards(session, job.id)
@@ -297,6 +349,7 @@ def show_status(args: argparse.Namespace) -> int:
                       str(s.rows_completed), str(s.rows_failed), str(s.completion_tokens),
                       s.finished_at.strftime("%H:%M:%S") if s.finished_at else "")
     console.print(table)
+    console.print(f"database: {db.describe(url)}", highlight=False)
     return 0
 
 
@@ -306,18 +359,18 @@ def cancel(args: argparse.Namespace) -> int:
     from workers import events
     from workers.jobs import cancel_job
 
-    config = ServiceConfig.from_env()
-    events.install(config)  # a no-op outside the service
-    job = cancel_job(_sessions(db.resolve_url(args.database_url)), args.job)
+    url = _url(args)  # a running stack's settings first, so its events are published
+    events.install(ServiceConfig.from_env())  # a no-op outside the service
+    job = cancel_job(_sessions(url), args.job)
     note = "; the running process stops at its next step" if job.status == "cancelling" else ""
-    print(f"job {job.id} {job.status}{note}")
+    print(f"job {job.id} {job.status}{note} (database: {db.describe(url)})")
     return 0
 
 
 def db_upgrade(args: argparse.Namespace) -> int:
     from storage import db, migrate
 
-    url = db.resolve_url(args.database_url)
+    url = _url(args)
     migrate.upgrade(url, args.revision)
     print(f"{db.describe(url)}: at revision {migrate.current_revision(url)}")
     return 0
@@ -326,7 +379,7 @@ def db_upgrade(args: argparse.Namespace) -> int:
 def db_downgrade(args: argparse.Namespace) -> int:
     from storage import db, migrate
 
-    url = db.resolve_url(args.database_url)
+    url = _url(args)
     migrate.downgrade(url, args.revision)
     print(f"{db.describe(url)}: at revision {migrate.current_revision(url) or 'base (empty)'}")
     return 0
@@ -335,7 +388,7 @@ def db_downgrade(args: argparse.Namespace) -> int:
 def db_current(args: argparse.Namespace) -> int:
     from storage import db, migrate
 
-    url = db.resolve_url(args.database_url)
+    url = _url(args)
     current, head = migrate.current_revision(url), migrate.head_revision()
     state = "up to date" if current == head else f"head is {head}: run `tokenmill db upgrade`"
     print(f"{db.describe(url)}: at revision {current or 'base (empty)'} ({state})")

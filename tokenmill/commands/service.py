@@ -33,7 +33,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     _register_watcher(commands)
 
 
-def _stack_dir_option(parser: argparse.ArgumentParser) -> None:
+def stack_dir_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--state-dir", type=Path, metavar="DIR",
                         help="the stack's state directory (default: $TOKENMILL_DATA/stack)")
 
@@ -51,7 +51,7 @@ def _friendly(handler):
         if not logging.getLogger().isEnabledFor(logging.DEBUG):  # both log every connection at INFO
             for noisy in ("kafka", "alembic"):
                 logging.getLogger(noisy).setLevel(logging.WARNING)
-        _use_stack(args)
+        use_stack(args)
         from botocore.exceptions import BotoCoreError, ClientError
         from kafka.errors import KafkaError
 
@@ -90,7 +90,7 @@ def _register_submit(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--wait", action="store_true", help="wait until the job ends and print its status")
     parser.add_argument("--timeout", type=float, default=1800, metavar="S", help="how long --wait waits")
     add_sampling_options(parser, max_tokens=64)
-    _stack_dir_option(parser)
+    stack_dir_option(parser)
     parser.set_defaults(handler=_friendly(submit))
 
 
@@ -115,7 +115,7 @@ def _register_schedule(commands: argparse._SubParsersAction) -> None:
     remove.add_argument("name", metavar="NAME")
     for action, handler in ((add, schedule_add), (listing, schedule_list), (remove, schedule_remove)):
         _database_option(action)
-        _stack_dir_option(action)
+        stack_dir_option(action)
         action.set_defaults(handler=_friendly(handler))
 
 
@@ -126,7 +126,8 @@ def _register_stack(commands: argparse._SubParsersAction) -> None:
     start = actions.add_parser("up", help="start every component and print their addresses")
     start.add_argument("--workers", type=int, default=1, metavar="N", help="Celery workers (default: 1)")
     start.add_argument("--port-base", type=int, metavar="PORT",
-                       help="Kafka on PORT, Redis +1, Flower +2, S3 +10..+17 (default: 9092, 6380, 5555, 8333)")
+                       help="Kafka on PORT, Redis +1, Flower +2, the OpenAI Batch API +3, S3 +10..+17 (default: 9092, "
+                            "6380, 5555, 8000, 8333)")
     start.add_argument("--database-url", metavar="URL",
                        help="job database, as an administrator who creates it (if missing) and the service's own "
                             "role <database>_service, which the stack then uses (default: PostgreSQL on 127.0.0.1 "
@@ -155,7 +156,7 @@ def _register_stack(commands: argparse._SubParsersAction) -> None:
     env.add_argument("--show-secrets", action="store_true",
                      help="also print the variables holding secrets (e.g. for psql, curl, aws)")
     for action, handler in ((start, stack_up), (stop, stack_down), (env, stack_env)):
-        _stack_dir_option(action)
+        stack_dir_option(action)
         action.set_defaults(handler=_friendly(handler))
 
 
@@ -176,7 +177,7 @@ def _register_worker(commands: argparse._SubParsersAction) -> None:
     for action in parser._actions:  # a worker's shards of several jobs are admitted by their job's priority
         if action.dest == "scheduling_policy":
             action.default, action.help = "priority", action.help.replace("(default: fcfs)", "(default: priority)")
-    _stack_dir_option(parser)
+    stack_dir_option(parser)
     parser.set_defaults(handler=_friendly(worker))
 
 
@@ -193,7 +194,7 @@ def _register_consumer(commands: argparse._SubParsersAction) -> None:
                                  description="Turn messages on the job topic into jobs (at-least-once: the job is "
                                              "recorded before the offset is committed; bad messages are kept in "
                                              "rejected_messages).")
-    _stack_dir_option(parser)
+    stack_dir_option(parser)
     parser.set_defaults(handler=_friendly(consumer))
 
 
@@ -205,7 +206,7 @@ def _register_watcher(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--interval", type=float, default=2.0, metavar="S", help="seconds between scans")
     parser.add_argument("--settle", type=float, default=2.0, metavar="S",
                         help="objects younger than this wait for the next scan (default: 2)")
-    _stack_dir_option(parser)
+    stack_dir_option(parser)
     parser.set_defaults(handler=_friendly(watcher))
 
 
@@ -217,7 +218,7 @@ def default_state_dir() -> Path:
     return data_dir() / "stack"
 
 
-def _use_stack(args: argparse.Namespace) -> None:
+def use_stack(args: argparse.Namespace) -> None:
     """Fill environment variables this shell leaves unset from the running stack's state file, if any."""
     import json
 

