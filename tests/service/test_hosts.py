@@ -74,4 +74,5 @@ def test_a_host_with_a_skewed_clock_keeps_its_leases_and_a_paused_one_gives_way(
     wait_until(lambda: next(s for s in shard_rows(sessions, job_id) if s["id"] == running["id"])["attempts"] == 1,
                "the paused host to give its attempt back", timeout=60)
     text = Path(log).read_text(errors="replace")
-    assert f"shard {running['id']}: its claim (token {running['claim_token']}) was taken over" in text
+    assert f"shard {running['id']}: its claim (token {running['claim_token']}) was taken over" in text \
+        or f"job {job_id}: shard {running['index']} was claimed by another worker" in text, "it did not notice"
