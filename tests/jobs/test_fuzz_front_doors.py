@@ -184,22 +184,31 @@ def test_random_kafka_values_through_the_consumer_become_a_job_or_a_rejection(fu
     intake, allowed, outside = fuzz_intake
     consumer = JobConsumer(intake, "unused:9092", "jobs", "group", max_bytes=64 << 10)
     offsets = iter(range(10**9))
+    outcomes: dict[int, str] = {}  # offset -> the job id, or "rejected"
 
     @settings(max_examples=EXAMPLES // 20 // BATCH, deadline=None, database=None, derandomize=True,
               suppress_health_check=list(HealthCheck))
     @given(messages=batches(kafka_values(allowed, outside)))
     def handle(messages: list[tuple[bytes | None, bytes | None]]) -> None:
         for value, key in messages:
-            outcome = consumer.handle(Record("jobs", 0, next(offsets), value, key))  # raises nothing
+            offset = next(offsets)
+            outcome = consumer.handle(Record("jobs", 0, offset, value, key))  # raises nothing
             assert outcome == "rejected" or len(outcome) == 36
+            outcomes[offset] = outcome
 
     handle()
     seen = next(offsets)
     with intake.sessions() as session:
         errors = list(session.scalars(select(RejectedMessage.error)))
+        rejected_at = set(session.scalars(select(RejectedMessage.offset)))
         recorded = {row.source_ref for row in session.scalars(select(Job))}
+        job_ids = set(session.scalars(select(Job.id)))
     jobs = check_jobs_inside(intake, intake.policy)
-    assert seen == EXAMPLES // 20 and len(errors) + jobs <= seen and jobs > 10 and all(errors), (len(errors), jobs)
+    accepted = sum(outcome != "rejected" for outcome in outcomes.values())  # equal specs are one job
+    assert seen == EXAMPLES // 20 == len(outcomes) and accepted > 10 and jobs and all(errors), (len(errors), jobs)
+    # no message vanished: each one is a rejection recorded at its offset, or a job that exists
+    assert rejected_at == {offset for offset, outcome in outcomes.items() if outcome == "rejected"}
+    assert {outcome for outcome in outcomes.values() if outcome != "rejected"} == job_ids
     assert not any("cannot become a job" in e for e in errors), "every refusal is a SpecError naming the problem"
     assert len(recorded) == jobs
     assert not any(outside.rglob("*")), "nothing written outside the allow-list"
