@@ -11,15 +11,11 @@ from pathlib import Path
 import torch
 
 from engine.attention.base import AttentionBackend, StepBatch, allocate_kv_pool
-from engine.batch import BatchItem, PoolZeroing, Rows, build_step_batch
+from engine.batch import BatchItem, PoolZeroing, build_step_batch
 from engine.config import EngineConfig
-from engine.logits_processors import apply_logits_processors
 from engine.models.llama import LlamaForCausalLM, head_dim_of, rope_tables
 from engine.sampler import Sampler
-from engine.scheduler import SchedulerOutput
-from engine.sequence import Sequence
-from engine.spec_decode.verifier import verify_drafts
-from engine.structured_outputs import StructuredOutputs
+from engine.step_types import ModelRunnerOutput, SampleLayout, SchedulerOutput
 
 log = logging.getLogger("tokenmill.engine")
 
@@ -125,7 +121,8 @@ def load_model(model_dir: Path, hf_config, max_positions: int, dtype: torch.dtyp
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_dir: Path, hf_config, max_model_len: int) -> None:
+    def __init__(self, config: EngineConfig, model_dir: Path, hf_config, max_model_len: int,
+                 sampler: Sampler | None = None) -> None:
         self.config = config
         self.device = pick_device(config.device)
         self.dtype = pick_dtype(config.dtype, self.device)
@@ -144,10 +141,7 @@ class ModelRunner:
                                 self.head_dim, self.dtype, self.device)
         self.attention = self.make_backend(k, v)
         self.zeroing = PoolZeroing(k + v)
-        self.sampler = Sampler(config.seed)
-        self.structured: StructuredOutputs | None = None  # set by the engine, which owns the tokenizer
-        self.stop_token_ids: frozenset[int] = frozenset()  # EOS ids, masked under min_tokens (set by the engine)
-        self.extra_requests = 0  # requests in the engine with masks, penalties or logprobs: none, no check per step
+        self.sampler = sampler or Sampler(config.seed)
         self.graphs = None  # decode steps as CUDA graphs (engine/cuda_graphs.py): CUDA and the Triton backend only
         if self.uses_cuda_graphs():
             from engine.cuda_graphs import DecodeGraphs
@@ -297,7 +291,7 @@ class ModelRunner:
         of `layout` as `sample_indices`."""
         items = [BatchItem(s.seq, s.seq.num_computed_tokens,
                            s.seq.token_ids[s.seq.num_computed_tokens:s.seq.num_computed_tokens + s.num_new_tokens]
-                           + s.seq.spec_token_ids) for s in plan.scheduled]
+                           + plan.spec_token_ids.get(s.seq.seq_id, [])) for s in plan.scheduled]
         self.zeroing.cover(items)
         batch, rows = build_step_batch(items, self.block_size, self._tensor)
         batch.sample_indices = self._tensor(layout.batch_rows(rows))
@@ -330,125 +324,6 @@ class ModelRunner:
             self.attention.begin_step(batch)
             hidden = self.model(batch.input_ids, batch.positions, self.attention.forward)
         if not layout.seqs:
-            return ModelRunnerOutput.of([], [])
+            return ModelRunnerOutput()
         logits = self.model.compute_logits(hidden.index_select(0, batch.sample_indices))
-        return self.sample(layout, logits)
-
-    def sample(self, layout: SampleLayout, logits: torch.Tensor) -> ModelRunnerOutput:
-        logprobs = None
-        if self.extra_requests and any(s.params.has_extras for s in layout.seqs):
-            if any(s.params.logprobs is not None for s in layout.seqs):  # the model's own, before any mask
-                logprobs = logits.float().log_softmax(dim=-1)
-            if any(s.params.has_penalties or s.params.logit_bias or s.params.min_tokens for s in layout.seqs):
-                logits = logits.float()
-                apply_logits_processors(logits, layout, self.stop_token_ids)
-            if self.structured is not None and self.structured.constrains(layout.seqs):
-                logits = self.structured.mask(logits, layout)
-        plain_seqs = [layout.seqs[i] for i in layout.plain]
-        if not plain_seqs:
-            plain = []
-        elif len(layout.plain_rows) == logits.shape[0]:  # every row is a plain sample, in order: no gather
-            plain = self.sampler(logits, plain_seqs)
-        else:
-            plain = self.sampler(logits[layout.plain_rows], plain_seqs)
-        spec_seqs = [layout.seqs[i] for i in layout.spec]
-        verified = verify_drafts([logits[a:b] for a, b in layout.spec_rows], spec_seqs, self.sampler) if spec_seqs \
-            else []
-        tokens: list[list[int]] = [[]] * len(layout.seqs)
-        for index, token in zip(layout.plain, plain, strict=True):
-            tokens[index] = [token]
-        for index, accepted in zip(layout.spec, verified, strict=True):
-            tokens[index] = accepted
-        if logprobs is not None:
-            record_logprobs(logprobs, layout, tokens)
-        return ModelRunnerOutput.of(layout.seqs, tokens)
-
-
-def record_logprobs(logprobs: torch.Tensor, layout: SampleLayout, tokens: list[list[int]]) -> None:
-    """Append, for each new token of a sequence asking for logprobs, {token: Logprob} for the sampled token
-    and the top params.logprobs tokens of its row (a sequence with drafts: one row per accepted token)."""
-    from engine.outputs import Logprob
-
-    first_rows = dict(zip(layout.plain, layout.plain_rows, strict=True))
-    first_rows.update((index, start) for index, (start, _) in zip(layout.spec, layout.spec_rows, strict=True))
-    for index, seq in enumerate(layout.seqs):
-        k = seq.params.logprobs
-        if k is None or not tokens[index]:
-            continue
-        start = first_rows[index]
-        rows = logprobs[start:start + len(tokens[index])]
-        chosen = torch.tensor(tokens[index], device=rows.device)[:, None]
-        chosen_lp = rows.gather(1, chosen)
-        ranks = ((rows > chosen_lp).sum(dim=-1) + 1).tolist()
-        top = rows.topk(k, dim=-1) if k else None
-        for i, token in enumerate(tokens[index]):
-            entry = {token: Logprob(chosen_lp[i, 0].item(), ranks[i])}
-            if top is not None:
-                for rank, (value, top_token) in enumerate(zip(top.values[i].tolist(), top.indices[i].tolist(),
-                                                              strict=True), start=1):
-                    entry.setdefault(top_token, Logprob(value, rank))
-            seq.logprobs.append(entry)
-
-
-@dataclass
-class SampleLayout:
-    """A step's sampled sequences and their logits rows, laid out once per step. A forking parent's row
-    feeds its n samples; a sequence with drafts has one row per draft position and one beyond."""
-
-    seqs: list[Sequence]  # every sequence that gets tokens this step, in plan order (forks after their parent)
-    row_seqs: list[tuple[Sequence, int]]  # sequences whose batch rows are read, in logits order; samples each
-    plain: list[int]  # indices into seqs sampled from one row
-    plain_rows: list[int]  # their logits rows
-    spec: list[int]  # indices into seqs verifying drafts
-    spec_rows: list[tuple[int, int]]  # their logits rows [start, end)
-
-    @classmethod
-    def of(cls, plan: SchedulerOutput) -> SampleLayout:
-        layout = cls([], [], [], [], [], [])
-        row = 0
-        for row_seq, seqs in plan.sample_groups():
-            layout.row_seqs.append((row_seq, len(seqs)))
-            if row_seq.spec_token_ids:
-                end = row + 1 + len(row_seq.spec_token_ids)
-                layout.spec.append(len(layout.seqs))
-                layout.spec_rows.append((row, end))
-                layout.seqs.append(row_seq)
-                row = end
-                continue
-            for seq in seqs:
-                layout.plain.append(len(layout.seqs))
-                layout.plain_rows.append(row)
-                layout.seqs.append(seq)
-                row += 1
-        return layout
-
-    def batch_rows(self, rows: dict[int, Rows]) -> list[int]:
-        """The flat-batch rows whose hidden states become logits, in logits order."""
-        out: list[int] = []
-        for row_seq, num_samples in self.row_seqs:
-            r = rows[row_seq.seq_id]
-            if row_seq.spec_token_ids:
-                out.extend(range(r.first, r.first + r.count))
-            else:
-                out.extend([r.last] * num_samples)
-        return out
-
-
-@dataclass
-class ModelRunnerOutput:
-    """One step's result keyed by sequence id, like vLLM v1's `ModelRunnerOutput` with `req_id_to_index`."""
-
-    seqs: list[Sequence]  # the sequences that got tokens, in the order the scheduler's update takes them
-    seq_id_to_index: dict[int, int]
-    sampled_token_ids: list[list[int]]  # per sequence: the accepted drafts, then one sampled token
-
-    @classmethod
-    def of(cls, seqs: list[Sequence], tokens: list[list[int]]) -> ModelRunnerOutput:
-        return cls(seqs, {seq.seq_id: i for i, seq in enumerate(seqs)}, tokens)
-
-    def tokens_of(self, seq_id: int) -> list[int]:
-        return self.sampled_token_ids[self.seq_id_to_index[seq_id]]
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(map(len, self.sampled_token_ids))
+        return ModelRunnerOutput.of(self.sampler.sample(layout, logits))

@@ -93,8 +93,9 @@ class DraftProposer:
         return self.model.compute_logits(hidden.index_select(0, last))
 
     @torch.inference_mode()
-    def propose(self, work: list[tuple[Sequence, int]]) -> None:
-        """Catch the draft's KV up with each sequence's tokens, then draft k tokens autoregressively."""
+    def propose(self, work: list[tuple[Sequence, int]]) -> tuple[dict[int, list[int]], dict[int, torch.Tensor]]:
+        """Catch the draft's KV up with each sequence's tokens, then draft k tokens autoregressively. Returns
+        {seq_id: drafts} and, for sampled sequences, {seq_id: the draft's distributions at them}."""
         sampler = self.runner.sampler
         items = [BatchItem(seq, seq.draft_computed_tokens, seq.token_ids[seq.draft_computed_tokens:])
                  for seq, _ in work]
@@ -113,8 +114,7 @@ class DraftProposer:
                      for seq, _ in active]
         for seq, _ in work:
             seq.draft_computed_tokens = seq.num_tokens
-            seq.spec_token_ids = drafts[seq.seq_id]
-            seq.spec_draft_probs = torch.stack(probs[seq.seq_id]) if probs[seq.seq_id] else None
+        return drafts, {seq_id: torch.stack(rows) for seq_id, rows in probs.items() if rows}
 
     @staticmethod
     def _draw(logits: torch.Tensor, seq: Sequence, sampler) -> tuple[int, torch.Tensor | None]:

@@ -65,7 +65,7 @@ def test_regex_choice_grammar_and_json_object(llm):
 def test_invalid_constraints_are_refused_when_added(llm, bad):
     with pytest.raises(ValueError, match="invalid"):
         llm.engine.add_request(None, "x", SamplingParams(structured_outputs=bad))
-    assert not llm.engine.has_unfinished_requests() and llm.engine.runner.extra_requests == 0
+    assert not llm.engine.has_unfinished_requests() and not llm.engine.structured._matchers
 
 
 def test_params_need_exactly_one_constraint():
