@@ -24,6 +24,7 @@ from engine.scheduler import Scheduler, SchedulerLimits
 from engine.sequence import FinishReason, Sequence
 from engine.spec_decode.config import SpeculativeConfig
 from engine.spec_decode.decoder import SpecDecoder, draft_key
+from engine.spec_decode.draft import DraftSetup
 from engine.step_types import ModelRunnerOutput, SchedulerOutput
 from engine.structured_outputs import StructuredOutputs
 
@@ -132,7 +133,11 @@ class LLMEngine:
             dropped = draft_key(decoders[oldest[0]].config)
             for key in [k for k in oldest if draft_key(decoders[k].config) == dropped]:
                 del decoders[key]
-        return SpecDecoder(config, self.runner, draft=shared)
+        runner = self.runner
+        setup = DraftSetup(runner.model, runner.num_blocks, runner.block_size, runner.max_model_len, runner.dtype,
+                           runner.device, runner.kv_plan.draft_bytes_per_block, runner.make_backend, runner.tensor,
+                           self.sampler)
+        return SpecDecoder(config, setup, draft=shared)
 
     @classmethod
     def from_engine_args(cls, **kwargs: Any) -> LLMEngine:

@@ -82,10 +82,6 @@ class SampleLayout:
         """Ids of the sequences sampled from one row."""
         return [i for i in self.seqs if i not in self.drafts]
 
-    @property
-    def num_rows(self) -> int:
-        return sum(1 + len(self.drafts.get(i, ())) for i in self.seqs)
-
     def row_contexts(self) -> list[tuple[int, Sequence, list[int]]]:
         """(logits row, sequence, drafts before that row) for every row; the drafts count as generated there."""
         return [(self.first_row[i] + position, seq, self.drafts.get(i, [])[:position])

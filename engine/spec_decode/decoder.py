@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     import torch
 
     from engine.sequence import Sequence
+    from engine.spec_decode.draft import DraftSetup
     from engine.step_types import ModelRunnerOutput, SchedulerOutput
 
 
@@ -111,10 +112,10 @@ def draft_key(config: SpeculativeConfig) -> tuple | None:
 
 
 class SpecDecoder:
-    def __init__(self, config: SpeculativeConfig, runner, draft=None) -> None:
+    def __init__(self, config: SpeculativeConfig, setup: DraftSetup, draft=None) -> None:
         """`draft`: an existing proposer of the same `draft_key` to reuse (its model and KV pool)."""
         self.config = config
-        self.cost = StepCost.calibrate(runner.model, config.max_verify_tokens)
+        self.cost = StepCost.calibrate(setup.model, config.max_verify_tokens)
         self.control = AdaptiveControl(config, self.cost)
         self.stats = SpecStats(accepted_by_position=[0] * config.num_speculative_tokens,
                                drafted_by_position=[0] * config.num_speculative_tokens)
@@ -122,7 +123,7 @@ class SpecDecoder:
         if draft is None and config.method in ("draft", "self"):
             from engine.spec_decode.draft import DraftProposer
 
-            self.draft = DraftProposer(config, runner)
+            self.draft = DraftProposer(config, setup)
 
     def lookahead(self, running: list[Sequence]) -> int:
         decoding = sum(1 for s in running if s.num_uncomputed_tokens == 1 and s.num_output_tokens > 0)

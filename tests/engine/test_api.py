@@ -151,7 +151,7 @@ def test_counters_move(llm):
 def test_dtype_auto_picks_bf16_exactly_where_the_cpu_flags_say_native_bf16():
     import torch
 
-    from engine.model_runner import pick_dtype
+    from engine.model_loader import pick_dtype
 
     with open("/proc/cpuinfo") as f:
         flags = next(line for line in f if line.startswith("flags")).split(":", 1)[1].split()
