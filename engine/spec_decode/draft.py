@@ -5,16 +5,19 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from engine.attention.base import allocate_kv_pool
+from engine.attention.base import AttentionBackend, allocate_kv_pool
 from engine.batch import BatchItem, PoolZeroing, build_step_batch
 from engine.model_loader import load_model, resolve_model
-from engine.models.llama import head_dim_of
+from engine.models.llama import LlamaForCausalLM, head_dim_of
 from engine.sequence import Sequence
 from engine.spec_decode.config import SpeculativeConfig
+
+if TYPE_CHECKING:
+    from engine.sampler import Sampler
 
 log = logging.getLogger("tokenmill.engine")
 
@@ -23,16 +26,16 @@ class DraftSetup(NamedTuple):
     """What a draft proposer takes from the target's side: its model, the pool's shape and device, the
     attention factory and tensor maker, and the sampler whose streams the drafts draw from."""
 
-    model: Any  # the target model (a self-draft runs its first layers)
+    model: LlamaForCausalLM  # the target model (a self-draft runs its first layers)
     num_blocks: int
     block_size: int
     max_model_len: int
     dtype: torch.dtype
     device: torch.device
     planned_bytes_per_block: int  # the memory plan's room per block for the draft's KV pool
-    make_attention: Callable[..., Any]  # (k caches, v caches, num_heads) -> an attention backend
+    make_attention: Callable[..., AttentionBackend]  # (k caches, v caches, num_heads) -> a backend
     to_tensor: Callable[[list], torch.Tensor]
-    sampler: Any  # engine.sampler.Sampler: `probabilities` and each sequence's `generator_of`
+    sampler: Sampler  # its `probabilities`, and each sequence's stream (`generator_of`)
 
 
 class DraftProposer:
@@ -96,7 +99,7 @@ class DraftProposer:
         return drafts, {seq_id: torch.stack(rows) for seq_id, rows in probs.items() if rows}
 
     @staticmethod
-    def _draw(logits: torch.Tensor, seq: Sequence, sampler) -> tuple[int, torch.Tensor | None]:
+    def _draw(logits: torch.Tensor, seq: Sequence, sampler: Sampler) -> tuple[int, torch.Tensor | None]:
         if seq.params.temperature == 0:
             return int(logits.argmax()), None
         distribution = sampler.probabilities(logits[None], [seq.params])[0]
