@@ -17,9 +17,17 @@ class IncrementalDetokenizer:
         self.read_offset = len(prompt_token_ids)
         self.output_start = len(prompt_token_ids)
         self.text = ""
+        self.stopped = False
+
+    def stop_at(self, index: int) -> None:
+        """A stop string starts at text[index]: the text ends there, later tokens add nothing."""
+        self.text = self.text[:index]
+        self.stopped = True
 
     def update(self, token_ids: list[int]) -> str:
         """Feed the sequence's full token list; returns the newly readable text (maybe empty)."""
+        if self.stopped:
+            return ""
         decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)
         prefix_text = decode(token_ids[self.prefix_offset:self.read_offset])
         full_text = decode(token_ids[self.prefix_offset:])

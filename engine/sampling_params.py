@@ -2,12 +2,51 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
-
-from engine.structured_outputs import StructuredOutputsParams
 
 SEED_LIMIT = 1 << 63  # seeds are signed 64-bit in torch
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Exactly one constraint, named as in vLLM: `json` (a JSON schema, dict or text), `regex`, `choice` (the
+    output is one of these strings), `grammar` (EBNF, GBNF-style) or `json_object=True` (any JSON object)."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+    disable_any_whitespace: bool = False  # JSON without free whitespace between tokens
+
+    def __post_init__(self) -> None:
+        set_kinds = [k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
+        if len(set_kinds) != 1:
+            raise ValueError(f"structured_outputs needs exactly one of {', '.join(STRUCTURED_KINDS)}, "
+                             f"got {set_kinds or 'none'}")
+        if self.json is not None and not isinstance(self.json, str | dict):
+            raise ValueError("structured_outputs.json must be a JSON schema (an object or its text)")
+        if self.choice is not None and not (isinstance(self.choice, list) and self.choice
+                                            and all(isinstance(c, str) and c for c in self.choice)):
+            raise ValueError("structured_outputs.choice must be a non-empty list of non-empty strings")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, str) and value):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False))
+
+    def key(self) -> tuple[str, str, bool]:
+        """What the compiled grammar depends on (the cache key)."""
+        value = getattr(self, self.kind)
+        if isinstance(value, dict | list):
+            value = json.dumps(value, sort_keys=True)
+        return self.kind, str(value), self.disable_any_whitespace
 
 
 @dataclass

@@ -9,45 +9,14 @@ import bisect
 import itertools
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import NamedTuple
+from dataclasses import dataclass
 
 from engine.block_pool import KVCacheManager
 from engine.sampling_params import context_length_error
 from engine.sequence import FinishReason, Sequence, SequenceStatus
+from engine.step_types import ModelRunnerOutput, ScheduledSeq, SchedulerOutput
 
-
-class ScheduledSeq(NamedTuple):
-    seq: Sequence
-    num_new_tokens: int
-    sample: bool  # this chunk reaches the end of the known tokens, so a next token is sampled
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledSeq] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
-    forks: dict[int, list[Sequence]] = field(default_factory=dict)  # parent seq_id -> samples 1..n-1
-    spec_lookahead: dict[int, int] = field(default_factory=dict)  # seq_id -> draft tokens it has slots for
-    spec_drafts: dict[int, int] = field(default_factory=dict)  # seq_id -> drafts actually proposed
-    block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst) blocks
-    failed: list[Sequence] = field(default_factory=list)  # waiting sequences that could never be scheduled
-
-    def sample_groups(self) -> list[tuple[Sequence, list[Sequence]]]:
-        """Each sampled row with the sequences that draw from it, in order (a forking parent feeds n)."""
-        return [(s.seq, [s.seq, *self.forks.get(s.seq.seq_id, [])]) for s in self.scheduled if s.sample]
-
-    @property
-    def num_samples(self) -> int:
-        return sum(len(seqs) for _, seqs in self.sample_groups())
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
+__all__ = ["Scheduler", "SchedulerLimits", "ScheduledSeq", "SchedulerOutput"]
 
 
 @dataclass
@@ -259,18 +228,18 @@ class Scheduler:
         self.kv.free(seq)
         seq.num_computed_tokens = 0
         seq.draft_computed_tokens = 0
-        seq.spec_token_ids, seq.spec_draft_probs = [], None
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self._enqueue(seq, front=True)
 
-    def update(self, out: SchedulerOutput, sampled: list[list[int]]) -> list[Sequence]:
-        """Advance the counters of every scheduled sequence and append the new tokens (one list per
-        sequence of `out.sample_groups()`, in order: the accepted drafts, then one sampled token);
-        forked samples join the running list here. Returns the sequences that finished; their blocks
-        are freed. Slots taken for drafts that were not accepted are released."""
-        token_lists = iter(sampled)
+    def update(self, out: SchedulerOutput, output: ModelRunnerOutput,
+               stopped: dict[int, str] | None = None) -> list[Sequence]:
+        """Advance the counters of every scheduled sequence and append each one's new tokens, looked up by id
+        in `output` (the accepted drafts, then one sampled token); forked samples join the running list here.
+        `stopped`: seq_id -> the stop string its new text reached, which finishes it. Returns the sequences
+        that finished; their blocks are freed. Slots taken for drafts that were not accepted are released."""
+        stopped = stopped or {}
         finished = []
         for seq, num_new, sample in out.scheduled:
             seq.num_computed_tokens += num_new
@@ -285,34 +254,39 @@ class Scheduler:
                 self.kv.share_blocks(child)
                 self.running.append(child)
             for member in (seq, *children):
-                new_tokens = next(token_lists)
+                new_tokens = output.tokens_of(member.seq_id)
                 member.num_computed_tokens += len(new_tokens) - 1  # accepted drafts were computed too
-                if self._append(member, new_tokens):
+                if self._append(member, new_tokens, stopped.get(member.seq_id)):
                     finished.append(member)
-            if seq.seq_id in out.spec_lookahead:
-                seq.spec_token_ids, seq.spec_draft_probs = [], None
-                if not seq.is_finished:
-                    self.kv.trim(seq)
+            if seq.seq_id in out.spec_lookahead and not seq.is_finished:
+                self.kv.trim(seq)
         return finished
 
-    def _append(self, seq: Sequence, tokens: list[int]) -> bool:
-        """Append tokens up to the first that finishes seq; True when it finished."""
-        for token in tokens:
-            seq.append_token(token)
-            reason = self._finish_reason(seq, token)
-            if reason is not None:
-                self.finish(seq, reason)
-                return True
-        return False
-
-    def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
+    def kept_tokens(self, seq: Sequence, tokens: list[int]) -> tuple[list[int], FinishReason | None]:
+        """The new tokens seq takes (up to the first that finishes it), and why it finishes (None: it goes on)."""
         params = seq.params
-        if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
-            seq.stop_reason = token
-            return FinishReason.STOP
-        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.limits.max_model_len:
-            return FinishReason.LENGTH
-        return None
+        for count, token in enumerate(tokens, start=1):
+            if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
+                return tokens[:count], FinishReason.STOP
+            if (seq.num_output_tokens + count >= params.max_tokens
+                    or seq.num_tokens + count >= self.limits.max_model_len):
+                return tokens[:count], FinishReason.LENGTH
+        return tokens, None
+
+    def _append(self, seq: Sequence, tokens: list[int], stop_string: str | None) -> bool:
+        """Append the tokens seq takes; True when it finished. A stop string in their text finishes it too, and
+        wins over a stop token."""
+        kept, reason = self.kept_tokens(seq, tokens)
+        for token in kept:
+            seq.append_token(token)
+        if stop_string is not None:
+            seq.stop_reason, reason = stop_string, FinishReason.STOP
+        elif reason is FinishReason.STOP:
+            seq.stop_reason = kept[-1]
+        if reason is None:
+            return False
+        self.finish(seq, reason)
+        return True
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         """Finish a waiting or running sequence and release its blocks."""

@@ -1,11 +1,12 @@
-"""The per-request state object that moves through scheduler, block manager and runner."""
+"""The per-request state object that moves through scheduler, block manager and runner: tokens, counters,
+blocks and finish state. What a step or a component keeps beside it (drafts, grammar matchers, seeded streams,
+logprobs) lives there, by seq_id."""
 
 from __future__ import annotations
 
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 from engine.sampling_params import SamplingParams
 
@@ -51,17 +52,10 @@ class Sequence:
     admission_skips: int = 0  # times a later request with a longer cached prefix was admitted first
     first_token_time: float | None = None
     finish_time: float | None = None
-    stop_text_offset: int | None = None  # where a stop string was found in the output text
     stop_reason: str | int | None = None  # the stop string or stop token that finished it
-    generator: Any = None  # the seeded random stream of a request with `seed`, kept by the sampler
-    spec_token_ids: list[int] = field(default_factory=list)  # draft tokens verified in this step
-    spec_draft_probs: Any = None  # [len(spec_token_ids), vocab] draft-model probabilities, None for n-gram
     draft_computed_tokens: int = 0  # tokens whose KV the draft model holds (draft proposers only)
     sample_index: int = 0  # which of the request's n samples this is
     children: list[Sequence] = field(default_factory=list)  # samples 1..n-1, forked after the prefill
-    grammar: Any = None  # the xgrammar matcher of a request with structured_outputs, built on first use
-    grammar_tokens: int = 0  # output tokens the matcher has accepted
-    logprobs: list = field(default_factory=list)  # per output token {token_id: Logprob}, with params.logprobs
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -1,61 +1,25 @@
 """Constrained decoding with xgrammar: a request's JSON schema, regex, choice list or EBNF grammar becomes a
 token bitmask applied to its logits rows before sampling (and before draft verification). Grammars are
-compiled once per spec and cached; each sequence keeps its own matcher, advanced lazily by its output tokens,
-so forks (n > 1), preemption and prefix-cache hits need nothing special."""
+compiled once per spec and cached; each sequence has its own matcher (by id), advanced lazily by its output
+tokens, so forks (n > 1), preemption and prefix-cache hits need nothing special."""
 
 from __future__ import annotations
 
 import json
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
+
+from engine.sampling_params import StructuredOutputsParams
 
 if TYPE_CHECKING:
     import torch
 
-    from engine.model_runner import SampleLayout
     from engine.sequence import Sequence
+    from engine.step_types import SampleLayout
 
-KINDS = ("json", "regex", "choice", "grammar", "json_object")
-
-
-@dataclass
-class StructuredOutputsParams:
-    """Exactly one constraint, named as in vLLM: `json` (a JSON schema, dict or text), `regex`, `choice` (the
-    output is one of these strings), `grammar` (EBNF, GBNF-style) or `json_object=True` (any JSON object)."""
-
-    json: str | dict | None = None
-    regex: str | None = None
-    choice: list[str] | None = None
-    grammar: str | None = None
-    json_object: bool = False
-    disable_any_whitespace: bool = False  # JSON without free whitespace between tokens
-
-    def __post_init__(self) -> None:
-        set_kinds = [k for k in KINDS if getattr(self, k) not in (None, False)]
-        if len(set_kinds) != 1:
-            raise ValueError(f"structured_outputs needs exactly one of {', '.join(KINDS)}, got {set_kinds or 'none'}")
-        if self.json is not None and not isinstance(self.json, str | dict):
-            raise ValueError("structured_outputs.json must be a JSON schema (an object or its text)")
-        if self.choice is not None and not (isinstance(self.choice, list) and self.choice
-                                            and all(isinstance(c, str) and c for c in self.choice)):
-            raise ValueError("structured_outputs.choice must be a non-empty list of non-empty strings")
-        for name in ("regex", "grammar"):
-            value = getattr(self, name)
-            if value is not None and not (isinstance(value, str) and value):
-                raise ValueError(f"structured_outputs.{name} must be a non-empty string")
-
-    @property
-    def kind(self) -> str:
-        return next(k for k in KINDS if getattr(self, k) not in (None, False))
-
-    def key(self) -> tuple[str, str, bool]:
-        """What the compiled grammar depends on (the cache key)."""
-        value = getattr(self, self.kind)
-        if isinstance(value, dict | list):
-            value = json.dumps(value, sort_keys=True)
-        return self.kind, str(value), self.disable_any_whitespace
+__all__ = ["StructuredOutputs", "StructuredOutputsParams", "check_json_schema"]
 
 
 class StructuredOutputs:
@@ -68,6 +32,7 @@ class StructuredOutputs:
         self._cache: OrderedDict[tuple, Any] = OrderedDict()
         self._lock = threading.Lock()
         self.compiled = 0  # cache misses, for tests and stats
+        self._matchers: dict[int, tuple[Any, int]] = {}  # seq_id -> (matcher, output tokens it has accepted)
 
     def compiler(self):
         if self._compiler is None:
@@ -122,18 +87,21 @@ class StructuredOutputs:
         """The sequence's matcher, advanced through the output tokens it has not seen yet."""
         import xgrammar as xgr
 
-        if seq.grammar is None:
-            seq.grammar = xgr.GrammarMatcher(self.compile(seq.params.structured_outputs))
-            seq.grammar_tokens = 0
-        outputs = seq.token_ids[seq.num_prompt_tokens + seq.grammar_tokens:]
+        matcher, seen = self._matchers.get(seq.seq_id) or (
+            xgr.GrammarMatcher(self.compile(seq.params.structured_outputs)), 0)
+        outputs = seq.token_ids[seq.num_prompt_tokens + seen:]
         for token in outputs:
-            if not seq.grammar.is_terminated():
-                seq.grammar.accept_token(token)
-        seq.grammar_tokens += len(outputs)
-        return seq.grammar
+            if not matcher.is_terminated():
+                matcher.accept_token(token)
+        self._matchers[seq.seq_id] = matcher, seen + len(outputs)
+        return matcher
+
+    def release(self, seq_ids: Iterable[int]) -> None:
+        for seq_id in seq_ids:
+            self._matchers.pop(seq_id, None)
 
     @staticmethod
-    def constrains(seqs: list[Sequence]) -> bool:
+    def constrains(seqs: Iterable[Sequence]) -> bool:
         return any(s.params.structured_outputs is not None for s in seqs)
 
     def mask(self, logits: torch.Tensor, layout: SampleLayout) -> torch.Tensor:
@@ -145,22 +113,14 @@ class StructuredOutputs:
         logits = logits.float()
         bitmask = xgr.allocate_token_bitmask(logits.shape[0], self.vocab_size)
         rows: list[int] = []
-        for index, row in zip(layout.plain, layout.plain_rows, strict=True):
-            seq = layout.seqs[index]
-            if seq.params.structured_outputs is not None and not (matcher := self.matcher(seq)).is_terminated():
-                matcher.fill_next_token_bitmask(bitmask, row)  # terminated: only with ignore_eos, left free
-                rows.append(row)
-        for index, (start, _) in zip(layout.spec, layout.spec_rows, strict=True):
-            seq = layout.seqs[index]
-            if seq.params.structured_outputs is None:
-                continue
-            matcher = self.matcher(seq)
-            if matcher.is_terminated():
-                continue
+        for seq_id, seq in layout.seqs.items():
+            if seq.params.structured_outputs is None or (matcher := self.matcher(seq)).is_terminated():
+                continue  # terminated: only with ignore_eos, left free
+            start = layout.first_row[seq_id]
             matcher.fill_next_token_bitmask(bitmask, start)
             rows.append(start)
             accepted = 0
-            for draft in seq.spec_token_ids:
+            for draft in layout.drafts.get(seq_id, ()):
                 if matcher.is_terminated() or not matcher.accept_token(draft):
                     break
                 accepted += 1

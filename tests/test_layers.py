@@ -85,6 +85,39 @@ def test_no_cycle_among_the_top_level_packages() -> None:
     assert find_cycle(graph) is None, f"import cycle: {' -> '.join(find_cycle(graph))}"
 
 
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def engine_module_graph() -> dict[str, set[str]]:
+    """Each engine module -> the engine modules it imports (type-only and in-function imports included)."""
+    modules = {module_name(path): path for path in source_files("engine")}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        targets = set()
+        for imported in imported_modules(path):
+            target = imported if imported in modules else imported.rpartition(".")[0]
+            if target in modules and target != name:
+                targets.add(target)
+        graph[name] = targets
+    return graph
+
+
+def test_no_import_cycle_inside_the_engine() -> None:
+    graph = engine_module_graph()
+    assert graph["engine.model_runner"] >= {"engine.sampler", "engine.step_types"}  # the graph sees imports
+    assert "engine.step_types" in graph["engine.logits_processors"]  # type-only ones too
+    cycle = find_cycle(graph)
+    assert cycle is None, f"import cycle: {' -> '.join(cycle)}"
+
+
+def test_the_model_runner_only_runs() -> None:
+    runner = ROOT / "engine" / "model_runner.py"
+    assert len(runner.read_text().splitlines()) < 200
+    assert not {m for m in imported_modules(runner) if m.startswith("engine.spec_decode")}
+
+
 def test_engine_imports_nothing_of_the_service() -> None:
     offenders = {f"{path.relative_to(ROOT)}: {m}" for path in source_files("engine")
                  for m in imported_modules(path) if top(m) in SERVICE}

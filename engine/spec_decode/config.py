@@ -32,6 +32,13 @@ class SpeculativeConfig:
         if not 0 <= self.min_acceptance <= 1:
             raise ValueError(f"min_acceptance must be in [0, 1], got {self.min_acceptance}")
 
+    def self_draft_layers(self, total: int) -> int:
+        """Leading target layers the self-speculative draft runs (of the target's `total`)."""
+        layers = self.draft_layers or max(1, total // 4)
+        if not 1 <= layers < total:
+            raise ValueError(f"draft_layers must be in [1, {total - 1}], got {layers}")
+        return layers
+
     @classmethod
     def from_dict(cls, settings: dict[str, Any]) -> SpeculativeConfig:
         known = {f.name for f in fields(cls)}

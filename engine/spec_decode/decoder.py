@@ -4,18 +4,19 @@ and the counters."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from engine.scheduler import SchedulerOutput
-from engine.sequence import Sequence
 from engine.spec_decode.config import SpeculativeConfig
 from engine.spec_decode.cost import StepCost
 from engine.spec_decode.ngram import propose_ngram
 
 if TYPE_CHECKING:
-    from engine.model_runner import ModelRunnerOutput
+    import torch
+
+    from engine.sequence import Sequence
+    from engine.spec_decode.draft import DraftSetup
+    from engine.step_types import ModelRunnerOutput, SchedulerOutput
 
 
 @dataclass
@@ -111,10 +112,10 @@ def draft_key(config: SpeculativeConfig) -> tuple | None:
 
 
 class SpecDecoder:
-    def __init__(self, config: SpeculativeConfig, runner, draft=None) -> None:
+    def __init__(self, config: SpeculativeConfig, setup: DraftSetup, draft=None) -> None:
         """`draft`: an existing proposer of the same `draft_key` to reuse (its model and KV pool)."""
         self.config = config
-        self.cost = StepCost.calibrate(runner.model, config.max_verify_tokens)
+        self.cost = StepCost.calibrate(setup.model, config.max_verify_tokens)
         self.control = AdaptiveControl(config, self.cost)
         self.stats = SpecStats(accepted_by_position=[0] * config.num_speculative_tokens,
                                drafted_by_position=[0] * config.num_speculative_tokens)
@@ -122,49 +123,40 @@ class SpecDecoder:
         if draft is None and config.method in ("draft", "self"):
             from engine.spec_decode.draft import DraftProposer
 
-            self.draft = DraftProposer(config, runner)
+            self.draft = DraftProposer(config, setup)
 
     def lookahead(self, running: list[Sequence]) -> int:
         decoding = sum(1 for s in running if s.num_uncomputed_tokens == 1 and s.num_output_tokens > 0)
         return self.control.lookahead(decoding)
 
-    def step(self, plan: SchedulerOutput, execute: Callable[[SchedulerOutput], ModelRunnerOutput]
-             ) -> tuple[ModelRunnerOutput, tuple[int, int, list[int]]]:
-        """The one entry point of a step: propose drafts for the sequences the plan made room for, run
-        `execute` (the runner) on the plan, refine the cost model and count what was accepted. Returns
-        the runner's output and this step's (drafted, accepted, accepted by draft position)."""
-        self.propose(plan)
-        started = time.perf_counter()
-        output = execute(plan)
-        self.observe_step(plan, time.perf_counter() - started)
-        new_tokens = {seq_id: len(output.tokens_of(seq_id)) for seq_id in plan.spec_lookahead
-                      if seq_id in output.seq_id_to_index}
-        return output, self.record(plan, new_tokens)
-
-    def propose(self, plan: SchedulerOutput) -> None:
-        """Fill `spec_token_ids` of the sequences the plan made room for."""
+    def propose(self, plan: SchedulerOutput) -> tuple[dict[int, list[int]], dict[int, torch.Tensor]]:
+        """Drafts for the sequences the plan made room for: {seq_id: draft tokens}, and {seq_id: the draft
+        model's distributions at them} (empty for n-gram lookups)."""
         work = [(s.seq, plan.spec_lookahead[s.seq.seq_id]) for s in plan.scheduled
                 if s.seq.seq_id in plan.spec_lookahead]
-        if self.draft is not None and work:
-            started = time.perf_counter()
-            self.draft.propose(work)
-            self.control.record_proposal(time.perf_counter() - started, sum(k for _, k in work))
-        for seq, k in work:
-            if self.draft is None:
-                seq.spec_token_ids = propose_ngram(seq.token_ids, k, self.config.prompt_lookup_min,
-                                                   self.config.prompt_lookup_max)
-            plan.spec_drafts[seq.seq_id] = len(seq.spec_token_ids)
+        if not work:
+            return {}, {}
+        if self.draft is None:
+            return {seq.seq_id: propose_ngram(seq.token_ids, k, self.config.prompt_lookup_min,
+                                              self.config.prompt_lookup_max) for seq, k in work}, {}
+        started = time.perf_counter()
+        drafts = self.draft.propose(work)
+        self.control.record_proposal(time.perf_counter() - started, sum(k for _, k in work))
+        return drafts
 
-    def record(self, plan: SchedulerOutput, new_tokens: dict[int, int]) -> tuple[int, int, list[int]]:
-        """new_tokens: seq_id -> tokens appended this step, for the sequences that carried drafts.
-        Returns this step's (drafted, accepted, accepted by draft position)."""
+    def observe(self, plan: SchedulerOutput, output: ModelRunnerOutput,
+                seconds: float) -> tuple[int, int, list[int]]:
+        """After the runner ran `plan` in `seconds`: refine the cost model and count what was accepted (read
+        from `output` by id). Returns this step's (drafted, accepted, accepted by draft position)."""
+        if all(s.num_new_tokens == 1 for s in plan.scheduled):  # decode-only steps refine the step cost
+            self.cost.observe(len(plan.scheduled) + sum(map(len, plan.spec_token_ids.values())), seconds)
         drafted = accepted = tested = proposed = 0
         by_position = [0] * self.config.num_speculative_tokens
         for seq_id in plan.spec_lookahead:
-            num_drafts = plan.spec_drafts.get(seq_id, 0)
-            hits = new_tokens.get(seq_id, 1) - 1
+            num_drafts = len(plan.spec_token_ids.get(seq_id, ()))
             if not num_drafts:
                 continue
+            hits = len(output.sampled_token_ids.get(seq_id, [0])) - 1
             proposed += 1
             tested += min(hits + 1, num_drafts)
             drafted += num_drafts
@@ -179,8 +171,3 @@ class SpecDecoder:
             self.stats.accepted_tokens += accepted
         self.control.record(len(plan.spec_lookahead), proposed, tested, accepted)
         return drafted, accepted, by_position
-
-    def observe_step(self, plan: SchedulerOutput, seconds: float) -> None:
-        """A decode-only step's duration refines the step-cost model."""
-        if all(s.num_new_tokens == 1 for s in plan.scheduled):
-            self.cost.observe(len(plan.scheduled) + sum(plan.spec_drafts.values()), seconds)

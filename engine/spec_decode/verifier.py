@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from engine.sampler import Sampler
-from engine.sequence import Sequence
 from engine.spec_decode.rejection import greedy_verify, rejection_sample
+
+if TYPE_CHECKING:
+    from engine.sequence import Sequence
 
 
 def pad_rows(rows: list[torch.Tensor], length: int) -> torch.Tensor:
@@ -14,16 +17,21 @@ def pad_rows(rows: list[torch.Tensor], length: int) -> torch.Tensor:
     return torch.stack([torch.cat([r, r[-1:].expand(length - r.shape[0], *r.shape[1:])]) for r in rows])
 
 
-def verify_drafts(logits: list[torch.Tensor], seqs: list[Sequence], sampler: Sampler) -> list[list[int]]:
-    """logits[i]: [1 + len(drafts), vocab] for seqs[i]. Greedy sequences accept exactly the target's argmax;
-    sampled ones go through exact rejection sampling. Returns each sequence's new tokens."""
+def verify_drafts(logits: list[torch.Tensor], seqs: list[Sequence], drafts: list[list[int]],
+                  draft_probs: list[torch.Tensor | None], sampler) -> list[list[int]]:
+    """logits[i]: [1 + len(drafts[i]), vocab] for seqs[i]; draft_probs[i]: the draft model's distributions at
+    each draft (None: a deterministic proposer); sampler: the engine's `Sampler` (its streams). Greedy
+    sequences accept exactly the target's argmax; sampled ones go through exact rejection sampling. Returns
+    each sequence's new tokens."""
     out: dict[int, list[int]] = {}
     greedy = [i for i, s in enumerate(seqs) if s.params.temperature == 0]
     sampled = [i for i, s in enumerate(seqs) if s.params.temperature > 0]
     if greedy:
-        _collect(out, greedy, *_verify_greedy([logits[i] for i in greedy], [seqs[i] for i in greedy]))
+        _collect(out, greedy, *_verify_greedy([logits[i] for i in greedy], [drafts[i] for i in greedy]))
     if sampled:
-        _collect(out, sampled, *_verify_sampled([logits[i] for i in sampled], [seqs[i] for i in sampled], sampler))
+        _collect(out, sampled, *_verify_sampled([logits[i] for i in sampled], [seqs[i] for i in sampled],
+                                                [drafts[i] for i in sampled], [draft_probs[i] for i in sampled],
+                                                sampler))
     return [out[i] for i in range(len(seqs))]
 
 
@@ -32,25 +40,24 @@ def _collect(out: dict[int, list[int]], indices: list[int], tokens: torch.Tensor
         out[index] = tokens[row, :count].tolist()
 
 
-def _drafts(seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, int]:
-    k = max(len(s.spec_token_ids) for s in seqs)
-    drafts = torch.tensor([s.spec_token_ids + [0] * (k - len(s.spec_token_ids)) for s in seqs], dtype=torch.long)
-    return drafts, torch.tensor([len(s.spec_token_ids) for s in seqs]), k
+def _padded(drafts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, int]:
+    k = max(map(len, drafts))
+    padded = torch.tensor([d + [0] * (k - len(d)) for d in drafts], dtype=torch.long)
+    return padded, torch.tensor([len(d) for d in drafts]), k
 
 
-def _verify_greedy(logits: list[torch.Tensor], seqs: list[Sequence]):
-    drafts, num_drafts, k = _drafts(seqs)
+def _verify_greedy(logits: list[torch.Tensor], drafts: list[list[int]]):
+    padded, num_drafts, k = _padded(drafts)
     argmax = pad_rows([row.max(dim=-1).indices for row in logits], k + 1)
-    return greedy_verify(argmax, drafts, num_drafts)
+    return greedy_verify(argmax, padded, num_drafts)
 
 
-def _verify_sampled(logits: list[torch.Tensor], seqs: list[Sequence], sampler: Sampler):
-    drafts, num_drafts, k = _drafts(seqs)
+def _verify_sampled(logits: list[torch.Tensor], seqs: list[Sequence], drafts: list[list[int]],
+                    draft_probs: list[torch.Tensor | None], sampler):
+    padded, num_drafts, k = _padded(drafts)
     probs = [sampler.probabilities(rows, [s.params] * rows.shape[0]) for rows, s in zip(logits, seqs, strict=True)]
     target = pad_rows(probs, k + 1)
-    draft_probs = None
-    if seqs[0].spec_draft_probs is not None:
-        draft_probs = pad_rows([s.spec_draft_probs.float() for s in seqs], k)
+    padded_probs = None if draft_probs[0] is None else pad_rows([p.float() for p in draft_probs], k)
     uniforms = sampler.uniform(seqs, k)
     noise = sampler.exponential(seqs, target.shape[-1])
-    return rejection_sample(target, drafts, num_drafts, draft_probs, uniforms, noise)
+    return rejection_sample(target, padded, num_drafts, padded_probs, uniforms, noise)

@@ -1,8 +1,11 @@
 """The offline API on the real model: inputs, ordering, per-prompt params, stops, seeds, errors, streaming."""
 
+import random
+
 import pytest
 
 from engine import LLM, LLMEngine, SamplingParams
+from engine.step_types import ModelRunnerOutput
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0)
 
@@ -70,6 +73,26 @@ def test_a_fixed_seed_reproduces_the_same_text_and_other_seeds_differ(llm):
     assert first[0].outputs[0].token_ids != first[1].outputs[0].token_ids
 
 
+def test_the_step_reads_the_runners_output_by_id_whatever_its_order(llm, monkeypatch):
+    prompts = ["The capital of France is", "One, two, three,", "def fibonacci(n):"]
+    params = [GREEDY, SamplingParams(max_tokens=12, temperature=1.0, seed=3, n=3),
+              SamplingParams(max_tokens=12, temperature=0.8, seed=5, logprobs=2, stop=[","])]
+    expected = llm.generate(prompts, params)
+    execute, rng = llm.engine.runner.execute, random.Random(0)
+
+    def shuffled_execute(plan):
+        output = execute(plan)
+        order = rng.sample(output.seq_ids, len(output.seq_ids))
+        return ModelRunnerOutput(order, {i: output.sampled_token_ids[i] for i in order},
+                                 {i: output.logprobs[i] for i in order if i in output.logprobs})
+
+    monkeypatch.setattr(llm.engine.runner, "execute", shuffled_execute)
+    shuffled = llm.generate(prompts, params)
+    assert [[(c.token_ids, c.text, c.logprobs) for c in o.outputs] for o in shuffled] == \
+        [[(c.token_ids, c.text, c.logprobs) for c in o.outputs] for o in expected]
+    assert len({tuple(c.token_ids) for c in expected[1].outputs}) > 1 and expected[2].outputs[0].logprobs
+
+
 def test_a_request_that_can_never_fit_fails_alone(llm):
     too_long = "word " * 600
     outs = llm.generate(["Hi there", too_long, "Bye"], SamplingParams(max_tokens=4, temperature=0))
@@ -128,7 +151,7 @@ def test_counters_move(llm):
 def test_dtype_auto_picks_bf16_exactly_where_the_cpu_flags_say_native_bf16():
     import torch
 
-    from engine.model_runner import pick_dtype
+    from engine.model_loader import pick_dtype
 
     with open("/proc/cpuinfo") as f:
         flags = next(line for line in f if line.startswith("flags")).split(":", 1)[1].split()

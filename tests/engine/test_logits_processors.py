@@ -2,6 +2,7 @@
 model's own greedy choice."""
 
 import pytest
+import torch
 
 from engine import LLM, SamplingParams
 
@@ -32,8 +33,38 @@ def test_penalties_bias_and_min_tokens(llm):
     assert len(early.token_ids) == 3 and SPACE not in early.token_ids[:2]  # the stop token was masked
     (alone,) = llm.generate([PROMPT], SamplingParams(**greedy))
     assert alone.outputs[0].token_ids == free.token_ids  # rows without them are unchanged beside them
-    assert llm.engine.runner.extra_requests == 0  # so the next steps skip the check
+    assert not llm.engine.structured._matchers and not llm.engine.sampler.generators  # state by id, released
     with pytest.raises(ValueError, match="presence_penalty and frequency_penalty"):
         SamplingParams(presence_penalty=3)
     with pytest.raises(ValueError, match="logit_bias"):
         SamplingParams(logit_bias={5: 500})
+
+
+def penalised(prompt, outputs, drafts=(), **params):
+    """The logits rows (all zero before) of one sequence after the processors; with drafts, one row per draft
+    position and one beyond."""
+    from engine.logits_processors import apply_logits_processors
+    from engine.sequence import Sequence
+    from engine.step_types import SampleLayout
+
+    seq = Sequence(0, "r", prompt, SamplingParams(**params))
+    seq.token_ids += outputs
+    layout = SampleLayout(seqs={0: seq}, first_row={0: 0}, drafts={0: list(drafts)} if drafts else {})
+    logits = torch.zeros(1 + len(drafts), 8)
+    apply_logits_processors(logits, layout, frozenset())
+    return logits
+
+
+def test_presence_and_frequency_penalties_each_subtract_their_own_amount():
+    outputs = [3, 3, 3, 5]  # token 3 three times, token 5 once; token 1 only in the prompt
+    presence = penalised([1, 2], outputs, presence_penalty=0.5)[0]
+    assert presence.tolist() == [0, 0, 0, -0.5, 0, -0.5, 0, 0]
+    frequency = penalised([1, 2], outputs, frequency_penalty=0.25)[0]
+    assert frequency.tolist() == [0, 0, 0, -0.75, 0, -0.25, 0, 0]
+    both = penalised([1, 2], outputs, presence_penalty=0.5, frequency_penalty=0.25)[0]
+    assert both.tolist() == (presence + frequency).tolist()
+
+
+def test_penalties_at_draft_positions_count_the_drafts_before_them():
+    rows = penalised([1], [3], drafts=[5, 5], frequency_penalty=1.0)
+    assert rows[:, 5].tolist() == [0, -1, -2] and rows[:, 3].tolist() == [-1, -1, -1]

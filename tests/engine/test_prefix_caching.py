@@ -81,7 +81,7 @@ def test_n_samples_share_the_prompt_blocks_and_are_reproducible(model_dir, token
     prompt = tokenizer.encode(PASSAGE)[:40]  # 2 full blocks and a partial one of 8 tokens
     params = SamplingParams(n=4, max_tokens=20, temperature=1.0, seed=11, ignore_eos=True)
     engine.add_request("fan", prompt, params)
-    peak, copies, outputs = 0, 0, []
+    peak, outputs = 0, []
     pool = engine.kv_manager.pool
     while engine.has_unfinished_requests():
         outputs += engine.step()
@@ -97,4 +97,24 @@ def test_n_samples_share_the_prompt_blocks_and_are_reproducible(model_dir, token
     assert pool.num_free_blocks == engine.kv_manager.usable_blocks
     greedy = llm.generate([prompt], SamplingParams(n=3, max_tokens=8, temperature=0))[0]
     assert len({tuple(c.token_ids) for c in greedy.outputs}) == 1
-    del copies
+
+
+def test_each_of_n_samples_matches_a_standalone_request_with_its_seed_stream(model_dir, tokenizer, monkeypatch):
+    """Forked samples share the prompt's blocks and copy the partial last one before writing it: each sample
+    gives what a request alone with that sample's seed gives, also when samples are preempted and recomputed."""
+    from engine.sequence import Sequence
+
+    llm = LLM(str(model_dir), dtype="float32", num_threads=2, num_kv_blocks=9)
+    prompt = tokenizer.encode(PASSAGE)[:40]  # 2 full blocks of 16 and a partial one of 8 tokens
+    params = dict(max_tokens=24, temperature=1.0, ignore_eos=True)
+    runner, copies = llm.engine.runner, []
+    copy_blocks = runner.copy_blocks
+    monkeypatch.setattr(runner, "copy_blocks", lambda pairs: (copies.extend(pairs), copy_blocks(pairs)))
+    (fanned,) = llm.generate([prompt], SamplingParams(n=4, seed=11, **params))
+    assert copies and llm.engine.get_stats().num_preemptions > 0
+    assert len({tuple(c.token_ids) for c in fanned.outputs}) == 4
+    for sample in fanned.outputs:
+        seed = Sequence(0, "r", prompt, SamplingParams(n=4, seed=11, **params))
+        seed.sample_index = sample.index
+        (alone,) = llm.generate([prompt], SamplingParams(seed=seed.sample_seed, **params))
+        assert alone.outputs[0].token_ids == sample.token_ids, sample.index

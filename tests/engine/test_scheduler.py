@@ -4,6 +4,7 @@ from engine.block_pool import KVCacheManager
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerLimits
 from engine.sequence import FinishReason, Sequence, SequenceStatus
+from engine.step_types import ModelRunnerOutput
 
 EOS = 2
 
@@ -22,9 +23,14 @@ def plan_of(out):
     return [(s.seq.seq_id, s.num_new_tokens, s.sample) for s in out.scheduled]
 
 
+def tokens(out, *token_lists):
+    """The runner's output giving the plan's sampled sequences these token lists, in plan order."""
+    return ModelRunnerOutput.of(dict(zip([s.seq_id for s in out.sampled_seqs()], token_lists, strict=True)))
+
+
 def step(sched, token=5):
     out = sched.schedule()
-    finished = sched.update(out, [[token]] * out.num_samples)
+    finished = sched.update(out, tokens(out, *[[token]] * len(out.sampled_seqs())))
     return out, finished
 
 
@@ -112,7 +118,7 @@ def test_finish_on_eos_stop_token_and_length():
     for seq in (eos_seq, stop_seq, length_seq):
         sched.add(seq)
     out = sched.schedule()
-    finished = sched.update(out, [[EOS], [7], [5]])
+    finished = sched.update(out, tokens(out, [EOS], [7], [5]))
     assert [s.finish_reason for s in finished] == [FinishReason.STOP, FinishReason.STOP, FinishReason.LENGTH]
     assert eos_seq.stop_reason == EOS and stop_seq.stop_reason == 7
     assert sched.kv.pool.num_free_blocks == sched.kv.usable_blocks and not sched.running
@@ -124,7 +130,7 @@ def test_ignore_eos_keeps_going():
     sched.add(seq)
     for _ in range(3):
         out = sched.schedule()
-        sched.update(out, [[EOS]])
+        sched.update(out, tokens(out, [EOS]))
     assert seq.output_token_ids == [EOS] * 3 and seq.finish_reason is FinishReason.LENGTH
 
 
@@ -179,16 +185,16 @@ def test_draft_slots_are_taken_for_decodes_only_and_rejected_ones_released():
     sched.add(seq)
     out = sched.schedule(num_spec_tokens=3)
     assert out.spec_lookahead == {}  # a prefill gets no drafts
-    sched.update(out, [[5]])
+    sched.update(out, tokens(out, [5]))
     out = sched.schedule(num_spec_tokens=3)
     assert out.spec_lookahead == {0: 3} and len(seq.block_table) == 2  # positions 4..7
-    seq.spec_token_ids = [6, 7, 8]
-    sched.update(out, [[6, 9]])  # one draft accepted, then a recovered token
-    assert seq.output_token_ids == [5, 6, 9] and seq.num_computed_tokens == 6 and seq.spec_token_ids == []
+    out.spec_token_ids = {0: [6, 7, 8]}
+    sched.update(out, tokens(out, [6, 9]))  # one draft accepted, then a recovered token
+    assert seq.output_token_ids == [5, 6, 9] and seq.num_computed_tokens == 6
     assert len(seq.block_table) == 2
     out = sched.schedule(num_spec_tokens=3)  # positions 6..9: a third block for the drafts
     assert out.spec_lookahead == {0: 3} and len(seq.block_table) == 3
-    sched.update(out, [[1]])  # every draft rejected: the third block goes back
+    sched.update(out, tokens(out, [1]))  # every draft rejected: the third block goes back
     assert len(seq.block_table) == 2 and sched.kv.pool.num_free_blocks == sched.kv.usable_blocks - 2
 
 
@@ -196,10 +202,10 @@ def test_drafts_stop_at_max_tokens_and_at_a_finishing_token():
     sched = make_scheduler(block_size=4)
     seq = make_seq(0, 4, max_tokens=3)
     sched.add(seq)
-    sched.update(sched.schedule(), [[5]])
+    step(sched)
     out = sched.schedule(num_spec_tokens=8)
     assert out.spec_lookahead == {0: 1}  # room for 2 more tokens: 1 draft + 1 sampled
-    finished = sched.update(out, [[EOS, 7]])
+    finished = sched.update(out, tokens(out, [EOS, 7]))
     assert finished == [seq] and seq.output_token_ids == [5, EOS] and seq.finish_reason is FinishReason.STOP
 
 
@@ -327,3 +333,30 @@ def test_a_victim_planned_earlier_in_the_step_is_taken_back_out():
     out, _ = step(sched)  # both decode: long needs a 5th block, short fits in its block
     assert [s.seq_id for s in out.preempted] == [1] and plan_of(out) == [(0, 1, True)]
     assert out.num_batched_tokens == 1
+
+
+def test_update_reads_each_sequences_tokens_by_id_whatever_the_output_order():
+    results = []
+    for shuffled in (False, True):
+        sched = make_scheduler()
+        seqs = [make_seq(i, 3 + i, first_token=10 * i + 10) for i in range(3)]
+        for seq in seqs:
+            sched.add(seq)
+        out = sched.schedule()
+        by_id = {seq.seq_id: [100 + seq.seq_id] for seq in out.sampled_seqs()}
+        sched.update(out, ModelRunnerOutput.of(dict(reversed(by_id.items())) if shuffled else by_id))
+        results.append([seq.output_token_ids for seq in seqs])
+    assert results[0] == results[1] == [[100], [101], [102]]
+
+
+def test_a_stop_string_finishes_a_sequence_and_wins_over_a_stop_token():
+    sched = make_scheduler()
+    going, stopping = make_seq(0, 3), make_seq(1, 3, first_token=30)
+    sched.add(going)
+    sched.add(stopping)
+    out = sched.schedule()
+    finished = sched.update(out, tokens(out, [5], [EOS]), stopped={1: "stop"})
+    assert finished == [stopping] and stopping.stop_reason == "stop" and stopping.output_token_ids == [EOS]
+    out = sched.schedule()
+    assert sched.update(out, tokens(out, [6]), stopped={0: "x"}) == [going] and going.stop_reason == "x"
+    assert going.finish_reason is FinishReason.STOP and not sched.running

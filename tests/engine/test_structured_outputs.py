@@ -65,7 +65,7 @@ def test_regex_choice_grammar_and_json_object(llm):
 def test_invalid_constraints_are_refused_when_added(llm, bad):
     with pytest.raises(ValueError, match="invalid"):
         llm.engine.add_request(None, "x", SamplingParams(structured_outputs=bad))
-    assert not llm.engine.has_unfinished_requests() and llm.engine.runner.extra_requests == 0
+    assert not llm.engine.has_unfinished_requests() and not llm.engine.structured._matchers
 
 
 def test_params_need_exactly_one_constraint():
@@ -78,9 +78,27 @@ def test_params_need_exactly_one_constraint():
 def test_speculation_and_prefix_cache_keep_the_constraint(model_dir):
     spec = LLM(str(model_dir), dtype="float32", num_threads=2, max_model_len=512, kv_cache_memory=256 << 20,
                speculative_config={"method": "ngram", "num_speculative_tokens": 4})
-    chat = spec.apply_chat_template(PROMPT)
+    spec.engine.spec.control.lookahead = lambda num_decoding: 4  # speculate every step, paying or not
+    example = 'Describe a person as JSON with a name and an age, like {"name": "Ann Lee", "age": 30}.'
+    chat = spec.apply_chat_template([{"role": "user", "content": example}])  # text the n-gram lookup can find
     outs = spec.generate([chat] * 3, [json_params(temperature=0)] * 2 + [json_params(temperature=1.0, seed=5)])
     for out in outs:
         jsonschema.validate(json.loads(out.outputs[0].text), PERSON)
     assert outs[0].outputs[0].text == outs[1].outputs[0].text
     assert outs[1].num_cached_tokens > 0 or outs[0].num_cached_tokens > 0
+    assert spec.engine.spec.stats.draft_tokens > 0
+
+
+def test_drafts_the_grammar_rejects_are_never_accepted(model_dir):
+    """A self-draft proposes what the free model would say; the grammar forbids it, so the verifier must reject
+    those drafts: every output is still one of the choices, and drafts were proposed and turned down."""
+    llm = LLM(str(model_dir), dtype="float32", num_threads=2, max_model_len=256, kv_cache_memory=64 << 20,
+              speculative_config={"method": "self", "num_speculative_tokens": 3, "draft_layers": 24})
+    llm.engine.spec.control.lookahead = lambda num_decoding: 3  # speculate every step
+    choices = ["a bright yellow submarine", "a bright yellow sun over the sea"]
+    params = [SamplingParams(max_tokens=40, temperature=temperature, seed=4,
+                             structured_outputs=StructuredOutputsParams(choice=choices)) for temperature in (0, 1.0)]
+    outs = llm.generate(["The capital of France is"] * 2, params)
+    assert all(o.outputs[0].text in choices for o in outs)
+    stats = llm.engine.spec.stats
+    assert stats.draft_tokens > 0 and stats.accepted_tokens < stats.draft_tokens

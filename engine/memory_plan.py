@@ -1,0 +1,204 @@
+"""The memory plan, made once at start-up: how many KV blocks fit beside the weights, the activation peak of
+the largest step, the CUDA graphs' pool and the draft proposer (its weights and its KV pool over the same block
+ids). Reads the runner it plans for (its model, shapes and attention factory); builds nothing it keeps."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from engine.attention.base import allocate_kv_pool, zero_blocks
+from engine.batch import BatchItem, build_step_batch
+from engine.models.llama import head_dim_of
+from engine.sampling_params import SamplingParams
+from engine.sequence import Sequence
+from engine.spec_decode.config import SpeculativeConfig
+
+log = logging.getLogger("tokenmill.engine")
+
+
+@dataclass
+class KVPlan:
+    """The memory plan: everything the engine holds at its peak, and the budget it must fit in."""
+
+    num_blocks: int
+    bytes_per_block: int  # target KV, all layers, K and V
+    weights_bytes: int
+    activation_bytes: int  # peak of the largest step (measured on CUDA, estimated on CPU)
+    budget_bytes: int  # what weights + everything below may take together
+    draft_bytes_per_block: int = 0  # the draft proposer's own KV pool over the same block ids
+    draft_weights_bytes: int = 0
+    graph_pool_bytes: int = 0  # CUDA graphs' private memory pool
+    other_bytes: int = 0  # CUDA: device memory already used besides the weights (context, other processes)
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.num_blocks * (self.bytes_per_block + self.draft_bytes_per_block)
+
+    @property
+    def total_bytes(self) -> int:
+        return (self.weights_bytes + self.other_bytes + self.activation_bytes + self.graph_pool_bytes
+                + self.draft_weights_bytes + self.kv_bytes)
+
+    def describe(self, block_size: int, max_model_len: int) -> str:
+        tokens = (self.num_blocks - 1) * block_size
+        mib = 2**20
+        draft = (f", draft weights {self.draft_weights_bytes / mib:.0f} MiB + draft KV "
+                 f"{self.num_blocks * self.draft_bytes_per_block / mib:.0f} MiB" if self.draft_bytes_per_block else "")
+        graphs = f", CUDA graph pool {self.graph_pool_bytes / mib:.0f} MiB" if self.graph_pool_bytes else ""
+        return (f"KV cache: {self.num_blocks - 1} blocks x {block_size} tokens = {tokens:,} tokens "
+                f"({(self.num_blocks * self.bytes_per_block) / 2**30:.2f} GiB); "
+                f"max concurrency at {max_model_len} tokens/request: {tokens / max_model_len:.1f}x; "
+                f"weights {self.weights_bytes / mib:.0f} MiB, "
+                f"activation peak {self.activation_bytes / mib:.0f} MiB{graphs}{draft}; "
+                f"total {self.total_bytes / mib:.0f} MiB of a {self.budget_bytes / mib:.0f} MiB budget")
+
+
+def available_host_memory() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def kv_bytes_per_block(num_layers: int, num_kv_heads: int, block_size: int, head_dim: int, element: int) -> int:
+    return 2 * num_layers * num_kv_heads * block_size * head_dim * element
+
+
+def draft_memory(settings: dict[str, Any] | None, runner) -> tuple[int, int]:
+    """(weights bytes, KV bytes per block) that the proposer of `settings` adds to the target's: a draft
+    model's weights and KV pool, the self-draft's KV pool over the target's first layers, nothing for
+    n-gram lookups. Read before the proposer exists, so the memory plan can count it."""
+    if not settings:
+        return 0, 0
+    from transformers import AutoConfig
+
+    from engine.model_loader import resolve_model
+    from engine.models.llama import LlamaForCausalLM
+
+    config = SpeculativeConfig.from_dict(settings)
+    element = runner.dtype.itemsize
+    if config.method == "self":
+        layers = config.self_draft_layers(runner.num_layers)
+        return 0, kv_bytes_per_block(layers, runner.num_kv_heads, runner.block_size, runner.head_dim, element)
+    if config.method != "draft":
+        return 0, 0
+    hf_config = AutoConfig.from_pretrained(resolve_model(config.model))
+    with torch.device("meta"):
+        model = LlamaForCausalLM(hf_config, runner.max_model_len)
+    weights = sum(p.numel() for p in model.parameters()) * element
+    return weights, kv_bytes_per_block(hf_config.num_hidden_layers, hf_config.num_key_value_heads,
+                                       runner.block_size, head_dim_of(hf_config), element)
+
+
+def activation_peak(runner) -> int:
+    """Peak activation memory of the largest step: measured with a profiling forward on CUDA, estimated on CPU."""
+    config, model = runner.config, runner.model
+    tokens = config.max_num_batched_tokens
+    if runner.device.type == "cuda":
+        return profile_forward_peak(runner, tokens, config.max_num_seqs)
+    element = runner.dtype.itemsize
+    per_token = (4 * model.config.hidden_size + 3 * model.config.intermediate_size
+                 + (runner.num_heads + 2 * runner.num_kv_heads) * runner.head_dim * 2) * element
+    attention = min(tokens, runner.max_model_len) ** 2 * runner.num_heads * element  # masked scores, worst case
+    logits = config.max_num_seqs * runner.vocab_size * 4 * 3
+    return tokens * per_token + attention + logits
+
+
+def graph_pool_peak(runner) -> int:
+    """The CUDA graphs' private pool: graphs keep the intermediate tensors of a decode forward at the largest
+    captured batch, beside whatever an eager step allocates. Estimated by the peak of an eager forward of that
+    many tokens (the graphs share one pool, largest captured first)."""
+    if not runner.uses_cuda_graphs():
+        return 0
+    from engine.cuda_graphs import capture_sizes
+
+    return profile_forward_peak(runner, capture_sizes(runner.config.max_num_seqs)[-1], 0)
+
+
+@torch.inference_mode()
+def profile_forward_peak(runner, num_tokens: int, num_logit_rows: int) -> int:
+    """Bytes a forward of `num_tokens` prompt tokens (sequences of at most max_model_len) and the sampling of
+    `num_logit_rows` rows allocate at their peak, beyond what was allocated before; run over a scratch KV pool
+    just big enough, whose own size is left out. CUDA only."""
+    bs, device = runner.block_size, runner.device
+    lengths = [min(runner.max_model_len, num_tokens - start) for start in range(0, num_tokens, runner.max_model_len)]
+    num_blocks = 1 + sum(-(-n // bs) for n in lengths)
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    k, v = allocate_kv_pool(runner.num_layers, runner.num_kv_heads, num_blocks, bs, runner.head_dim, runner.dtype,
+                            device)
+    zero_blocks(k + v, 0, num_blocks)
+    scratch = torch.cuda.memory_allocated(device) - before
+    attention = runner.make_backend(k, v)
+    items, next_block = [], 1
+    for index, length in enumerate(lengths):
+        seq = Sequence(-1 - index, "profile", [0] * length, SamplingParams(max_tokens=1))
+        seq.block_table = list(range(next_block, next_block + -(-length // bs)))
+        next_block += len(seq.block_table)
+        items.append(BatchItem(seq, 0, seq.token_ids))
+    batch, _ = build_step_batch(items, bs, runner.tensor)
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    attention.begin_step(batch)
+    hidden = runner.model(batch.input_ids, batch.positions, attention.forward)
+    if num_logit_rows:
+        rows = torch.arange(num_logit_rows, device=device) % hidden.shape[0]
+        logits = runner.model.compute_logits(hidden.index_select(0, rows))
+        torch.softmax(logits.float(), dim=-1).cumsum(dim=-1)  # the sampler's float32 copies
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - before - scratch
+    del k, v, attention, batch, hidden
+    torch.cuda.empty_cache()
+    return max(peak, 0)
+
+
+def plan_kv_cache(runner) -> KVPlan:
+    """Blocks for the KV pools (the target's and the draft proposer's, over the same block ids) from what is
+    left of the budget after weights, the activation peak, the draft model and the CUDA graphs' pool. CUDA:
+    `memory_utilization` of the device for all of it; CPU: at most `cpu_kv_cache_space` for the pools, within
+    80% of the host's available memory."""
+    config = runner.config
+    per_block = kv_bytes_per_block(runner.num_layers, runner.num_kv_heads, runner.block_size, runner.head_dim,
+                                   runner.dtype.itemsize)
+    draft_weights, draft_per_block = draft_memory(config.speculative_config, runner)
+    weights = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    activation = activation_peak(runner)
+    graph_pool = graph_pool_peak(runner)
+    needed_blocks = config.max_num_seqs * -(-runner.max_model_len // runner.block_size) + 1
+    other = 0
+    fixed = weights + activation + graph_pool + draft_weights
+    if config.num_kv_blocks is not None:
+        num_blocks = config.num_kv_blocks
+        budget = fixed + num_blocks * (per_block + draft_per_block)
+    else:
+        if config.kv_cache_memory is not None:
+            kv_budget = config.kv_cache_memory
+            budget = fixed + kv_budget
+        elif runner.device.type == "cuda":
+            torch.cuda.empty_cache()  # memory cached by torch but free would otherwise count as used
+            free, total = torch.cuda.mem_get_info(runner.device)
+            other = max(total - free - weights, 0)
+            budget = int(total * config.memory_utilization)
+            kv_budget = budget - other - fixed
+        else:
+            budget = weights + int(available_host_memory() * 0.8)  # the weights are loaded already
+            kv_budget = min(config.cpu_kv_cache_space, budget - fixed)
+        num_blocks = min(kv_budget // (per_block + draft_per_block), needed_blocks)
+        if num_blocks < 2:
+            raise RuntimeError(f"no memory left for the KV cache (budget {budget / 2**20:.0f} MiB; weights "
+                               f"{weights / 2**20:.0f} MiB, activations {activation / 2**20:.0f} MiB, "
+                               f"CUDA graphs {graph_pool / 2**20:.0f} MiB, draft model "
+                               f"{draft_weights / 2**20:.0f} MiB, other {other / 2**20:.0f} MiB)")
+    plan = KVPlan(int(num_blocks), per_block, weights, activation, int(budget), draft_per_block,
+                  draft_weights, graph_pool, other)
+    log.info(plan.describe(runner.block_size, runner.max_model_len))
+    return plan

@@ -1,0 +1,129 @@
+"""What one engine step hands from part to part, keyed by sequence id (as vLLM v1's `SchedulerOutput` and
+`ModelRunnerOutput`): the scheduler's plan, the sampler's row layout and the runner's result. Nothing here is
+matched by position."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    import torch
+
+    from engine.outputs import SampleLogprobs
+    from engine.sequence import Sequence
+
+
+class ScheduledSeq(NamedTuple):
+    seq: Sequence
+    num_new_tokens: int
+    sample: bool  # this chunk reaches the end of the known tokens, so a next token is sampled
+
+
+@dataclass
+class SchedulerOutput:
+    """The scheduler's plan for one step, with the drafts the speculative decoder adds to it."""
+
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    forks: dict[int, list[Sequence]] = field(default_factory=dict)  # parent seq_id -> samples 1..n-1
+    spec_lookahead: dict[int, int] = field(default_factory=dict)  # seq_id -> draft tokens it has slots for
+    spec_token_ids: dict[int, list[int]] = field(default_factory=dict)  # seq_id -> drafts verified this step
+    spec_draft_probs: dict[int, torch.Tensor] = field(default_factory=dict)  # seq_id -> [drafts, vocab], draft models
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst) blocks
+    failed: list[Sequence] = field(default_factory=list)  # waiting sequences that could never be scheduled
+
+    def sample_groups(self) -> list[tuple[Sequence, list[Sequence]]]:
+        """Each sampled row with the sequences that draw from it (a forking parent feeds n)."""
+        return [(s.seq, [s.seq, *self.forks.get(s.seq.seq_id, [])]) for s in self.scheduled if s.sample]
+
+    def sampled_seqs(self) -> list[Sequence]:
+        """Every sequence that gets tokens this step."""
+        return [seq for _, seqs in self.sample_groups() for seq in seqs]
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class SampleLayout:
+    """A step's sampled sequences and their logits rows. A forking parent's row feeds its n samples; a
+    sequence with drafts has one row per draft and one beyond, at draft position i after drafts[:i]."""
+
+    seqs: dict[int, Sequence] = field(default_factory=dict)  # seq_id -> sequence that gets tokens
+    first_row: dict[int, int] = field(default_factory=dict)  # seq_id -> its first logits row
+    drafts: dict[int, list[int]] = field(default_factory=dict)  # seq_id -> drafts it verifies (none: not here)
+    draft_probs: dict[int, torch.Tensor] = field(default_factory=dict)
+    row_sources: list[tuple[int, int]] = field(default_factory=list)  # (seq_id whose batch rows are read, samples)
+
+    @classmethod
+    def of(cls, plan: SchedulerOutput) -> SampleLayout:
+        layout = cls(draft_probs=plan.spec_draft_probs)
+        row = 0
+        for row_seq, seqs in plan.sample_groups():
+            layout.row_sources.append((row_seq.seq_id, len(seqs)))
+            drafts = plan.spec_token_ids.get(row_seq.seq_id)
+            if drafts:
+                layout.drafts[row_seq.seq_id] = drafts
+                seqs = [row_seq]
+            for seq in seqs:
+                layout.seqs[seq.seq_id] = seq
+                layout.first_row[seq.seq_id] = row
+                row += 1 + len(drafts or ())
+        return layout
+
+    @property
+    def plain(self) -> list[int]:
+        """Ids of the sequences sampled from one row."""
+        return [i for i in self.seqs if i not in self.drafts]
+
+    def row_contexts(self) -> list[tuple[int, Sequence, list[int]]]:
+        """(logits row, sequence, drafts before that row) for every row; the drafts count as generated there."""
+        return [(self.first_row[i] + position, seq, self.drafts.get(i, [])[:position])
+                for i, seq in self.seqs.items() for position in range(1 + len(self.drafts.get(i, ())))]
+
+    def batch_rows(self, rows: dict) -> list[int]:
+        """The flat-batch rows (`rows`: seq_id -> batch.Rows) whose hidden states become logits, in logits order."""
+        out: list[int] = []
+        for seq_id, num_samples in self.row_sources:
+            r = rows[seq_id]
+            if seq_id in self.drafts:
+                out.extend(range(r.first, r.first + r.count))
+            else:
+                out.extend([r.last] * num_samples)
+        return out
+
+
+@dataclass
+class SamplerOutput:
+    """Per sequence id: the accepted drafts then one sampled token, and the logprobs of those tokens when asked."""
+
+    sampled_token_ids: dict[int, list[int]] = field(default_factory=dict)
+    logprobs: dict[int, SampleLogprobs] = field(default_factory=dict)
+
+
+@dataclass
+class ModelRunnerOutput:
+    """One step's result by sequence id (vLLM v1's `ModelRunnerOutput`); `seq_ids` lists who got tokens."""
+
+    seq_ids: list[int] = field(default_factory=list)
+    sampled_token_ids: dict[int, list[int]] = field(default_factory=dict)
+    logprobs: dict[int, SampleLogprobs] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, sampled: SamplerOutput | dict[int, list[int]]) -> ModelRunnerOutput:
+        if isinstance(sampled, dict):
+            sampled = SamplerOutput(sampled)
+        return cls(list(sampled.sampled_token_ids), sampled.sampled_token_ids, sampled.logprobs)
+
+    def tokens_of(self, seq_id: int) -> list[int]:
+        return self.sampled_token_ids[seq_id]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(map(len, self.sampled_token_ids.values()))
