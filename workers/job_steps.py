@@ -341,7 +341,8 @@ class JobSteps:
                 outcome = self._run_rows(job, shard, engine(), claim)
                 self._check_claim(job, shard, claim)
                 if outcome.cancelled:
-                    self._end_shard(shard, ShardStatus.CANCELLED)
+                    if not self._end_shard(shard, ShardStatus.CANCELLED):  # stopped because it was taken over
+                        raise StaleClaim(f"job {job.id}: shard {shard.index} was claimed by another worker")
                     return outcome
                 self._check_input(job)
                 key = self._write_part(job, shard, outcome, claim)
@@ -356,7 +357,11 @@ class JobSteps:
             log.error("job %s: %s", job.id, changed)
             return ShardOutcome(cancelled=True)
         except Exception as error:
-            self._end_shard(shard, ShardStatus.FAILED, f"{type(error).__name__}: {error}")
+            if not self._end_shard(shard, ShardStatus.FAILED, f"{type(error).__name__}: {error}"):
+                log.warning("job %s: shard %d failed after its claim was taken over (%s: %s)", job.id, shard.index,
+                            type(error).__name__, error)
+                self._after_lost_claim(job, shard, key)
+                return ShardOutcome(lost=True)
             raise
         finally:
             self.heartbeat.discard(claim)
@@ -421,18 +426,20 @@ class JobSteps:
             repo.complete_shard(session, row, outcome.totals(), key, errors)
             return claims.settle(job) == S.FINALIZING
 
-    def _end_shard(self, shard: Shard, status: ShardStatus, error: str | None = None) -> None:
-        """A shard that stopped without completing: cancelled, or failed with its error (redone on a retry)."""
+    def _end_shard(self, shard: Shard, status: ShardStatus, error: str | None = None) -> bool:
+        """A shard that stopped without completing: cancelled, or failed with its error (redone on a retry).
+        False when its claim was taken over meanwhile (nothing is written)."""
         with self.sessions.begin() as session:
             job = self._job(session)
             row = repo.get_shard_by_id(session, shard.id, for_update=True)
             if row.claim_token != shard.claim_token:
                 log.warning("job %s: shard %d was claimed by another worker; not marking it %s", job.id,
                             shard.index, status)
-                return
+                return False
             row.status, row.error, row.lease_expires_at, row.finished_at = status.value, error, None, utcnow()
             claims.settle(job)
         self.discard_if_ended(job)
+        return True
 
     def refund_attempt(self, shard: Shard) -> None:
         """The shard failed for a transient fault (a service down), not for its work: the attempt does not count."""

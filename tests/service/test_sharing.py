@@ -56,7 +56,7 @@ def test_cancelling_one_of_two_jobs_sharing_a_worker_leaves_the_other_whole(stac
     with ThreadPoolExecutor(2) as pool:  # together: one `tokenmill submit` takes seconds
         (kept, kept_ids), (doomed, _) = pool.map(lambda job: submit_rows(stack, tmp_path, *job), (
             ("kept", 4, "--shard-size", "2", "--max-tokens", "64"),
-            ("doomed", 8, "--shard-size", "2", "--max-tokens", "400")))
+            ("doomed", 16, "--shard-size", "2", "--max-tokens", "400")))  # more rows than end within a cancel
 
     def sharing() -> set[str]:  # a worker running shards of both jobs at once
         running = [s for s in shard_rows(sessions, kept) + shard_rows(sessions, doomed) if s["status"] == "running"]
