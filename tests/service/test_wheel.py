@@ -62,9 +62,10 @@ def fresh_venv(work: Path, wheel: Path) -> Path:
 
 
 def clean_env(**extra: str) -> dict[str, str]:
-    """This environment without what points at the checkout or at another stack (its random S3 keys)."""
+    """This environment without what points at the checkout or at another stack (its random S3 keys, any
+    TOKENMILL_ setting an earlier test left in this process)."""
     dropped = ("PYTHONPATH", "VIRTUAL_ENV", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
-    return {**{k: v for k, v in os.environ.items() if k not in dropped}, **extra}
+    return {**{k: v for k, v in os.environ.items() if k not in dropped and not k.startswith("TOKENMILL_")}, **extra}
 
 
 def test_the_stack_runs_from_a_wheel_in_a_fresh_virtualenv(tmp_path_factory, pg_databases) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from importlib import resources
 from pathlib import Path
 
@@ -81,10 +82,11 @@ def _url(args: argparse.Namespace) -> str:
     """The database a command on existing jobs reads: --database-url, $TOKENMILL_DATABASE_URL, the running
     stack's (from its state directory), else the embedded SQLite file."""
     from storage import db
-    from tokenmill.commands.service import use_stack
+    from tokenmill.commands.service import running_stack_env
 
-    use_stack(args)
-    return db.resolve_url(getattr(args, "database_url", None))
+    if given := getattr(args, "database_url", None) or os.environ.get(db.DATABASE_URL_ENV):
+        return given
+    return running_stack_env(args).get(db.DATABASE_URL_ENV) or db.resolve_url()  # the process env untouched
 
 
 def _database(args: argparse.Namespace) -> str:

@@ -218,16 +218,20 @@ def default_state_dir() -> Path:
     return data_dir() / "stack"
 
 
-def use_stack(args: argparse.Namespace) -> None:
-    """Fill environment variables this shell leaves unset from the running stack's state file, if any."""
+def running_stack_env(args: argparse.Namespace) -> dict[str, str]:
+    """The environment of the running stack (its state file), if any; {} otherwise."""
     import json
 
+    state_file = (getattr(args, "state_dir", None) or default_state_dir()) / "stack.json"
+    return json.loads(state_file.read_text()).get("env", {}) if state_file.exists() else {}
+
+
+def use_stack(args: argparse.Namespace) -> None:
+    """Fill environment variables this shell leaves unset from the running stack's state file, if any."""
     if getattr(args, "stack_command", None) == "up":
         return
-    state_file = (getattr(args, "state_dir", None) or default_state_dir()) / "stack.json"
-    if state_file.exists():
-        for name, value in json.loads(state_file.read_text()).get("env", {}).items():
-            os.environ.setdefault(name, value)
+    for name, value in running_stack_env(args).items():
+        os.environ.setdefault(name, value)
     if getattr(args, "database_url", None):
         os.environ["TOKENMILL_DATABASE_URL"] = args.database_url
 
