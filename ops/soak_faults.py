@@ -111,7 +111,7 @@ def main() -> int:
     print(f"rows lost: {lost}")
     print(f"rows duplicated: {duplicated}")
     print(f"part files outside a manifest: {left_over}")
-    print(f"hosts: {args.hosts} extra (clocks {args.skew:+.0f}/-{args.skew:.0f} s)" if hosts else "hosts: 1")
+    print(f"extra hosts: {args.hosts}, clocks {', '.join(host_offset(i, args.skew) for i in range(args.hosts))}")
     print(f"wall time: {time.monotonic() - started:.0f} s")
     return 0 if lost == duplicated == left_over == 0 and all(s in TERMINAL for s in statuses.values()) else 1
 
@@ -120,12 +120,17 @@ def start_hosts(state_dir: Path, state: dict, count: int, skew: float, work: Pat
     from tokenmill.stack.hosts import start_host_worker
 
     hosts = [start_host_worker(state_dir, state["model"], f"host{i + 1}", work / f"host{i + 1}.log",
-                               f"{'-' if i % 2 == 0 else '+'}{skew:.0f}s", state["env"],
+                               host_offset(i, skew), state["env"],
                                ("--threads", "1", "--kv-cache-memory", "0.25", "--shards-in-flight", "1"))
              for i in range(count)]
     if hosts:
         time.sleep(30)  # their models load
     return hosts
+
+
+def host_offset(index: int, skew: float) -> str:
+    """The clock offset of the index-th simulated host: alternately slow and fast."""
+    return f"{'-' if index % 2 == 0 else '+'}{skew:.0f}s"
 
 
 def inject(fault: str, state_dir: Path, stack_module, host=None) -> None:
