@@ -92,8 +92,7 @@ def main() -> int:
             break
         time.sleep(2)
     for host in hosts:
-        os.killpg(host.pid, signal.SIGCONT)
-        os.killpg(host.pid, signal.SIGTERM)
+        stop_host(host)
     lost = duplicated = left_over = 0
     for job_id, ids in expected.items():
         if statuses.get(job_id) != "completed":
@@ -126,6 +125,19 @@ def start_hosts(state_dir: Path, state: dict, count: int, skew: float, work: Pat
     if hosts:
         time.sleep(30)  # their models load
     return hosts
+
+
+def stop_host(host) -> None:
+    """SIGTERM to the simulated host's process group (resumed first, should it be paused), SIGKILL after 30 s."""
+    import subprocess
+
+    for sig in (signal.SIGCONT, signal.SIGTERM):
+        os.killpg(host.pid, sig)
+    try:
+        host.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(host.pid, signal.SIGKILL)
+        host.wait()
 
 
 def host_offset(index: int, skew: float) -> str:
