@@ -31,11 +31,11 @@ def expire(job: Job) -> None:
     transition(job, S.EXPIRED)
 
 
-def _stop_unfinished(job: Job, statuses) -> None:
+def _stop_unfinished(job: Job, statuses, fence_also: list[Shard] | None = None) -> None:
     stopped = [s for s in job.shards if s.status in statuses]
     for shard in stopped:
         shard.status, shard.lease_expires_at = ShardStatus.CANCELLED.value, None
-    fence(job, stopped)
+    fence(job, stopped + list(fence_also or ()))
 
 
 def give_up(job: Job, shard: Shard) -> None:
@@ -54,9 +54,7 @@ def fail(job: Job, error: str, shards: list[Shard] | None = None) -> bool:
     fenced (their workers write nothing more). True if it failed."""
     if is_terminal(job.status):
         return False
-    _stop_unfinished(job, (ShardStatus.RUNNING,))  # fences the job and them
-    for shard in shards or ():
-        shard.claim_token = (shard.claim_token or 0) + 1
+    _stop_unfinished(job, (ShardStatus.RUNNING,), shards)  # fences the job, them and `shards`
     transition(job, S.FAILED, error=error)
     return True
 

@@ -279,10 +279,11 @@ def _tokens(output: RequestOutput) -> int:
 
 
 def _report(progress: Progress | None, ticket: Ticket, reported: tuple[int, int]) -> tuple[int, int]:
-    now = (ticket.rows_done, ticket.tokens)
-    if progress is not None and now > reported:  # a shard run again from the start reports nothing until it passes
-        progress.advance(now[0] - reported[0], max(0, now[1] - reported[1]))
-    return max(now, reported)
+    # a shard run again from the start (after a failed step) reports nothing until it passes what it reported
+    rows, tokens = max(ticket.rows_done, reported[0]), max(ticket.tokens, reported[1])
+    if progress is not None and (rows, tokens) != reported:
+        progress.advance(rows - reported[0], tokens - reported[1])
+    return rows, tokens
 
 
 _loops: dict[int, EngineLoop] = {}

@@ -77,6 +77,18 @@ def engine_priority(job: Job) -> int:
     return -(job.priority or 0)
 
 
+def discard_if_ended(sessions: sessionmaker[Session], job: Job) -> None:
+    """After a commit: a job that ended without completing keeps only its committed parts."""
+    if job.status not in TERMINAL or job.status == S.COMPLETED or not job.output_uri:
+        return
+    try:
+        with sessions() as session:
+            shards = repo.shards(session, job.id)
+        discard_outputs(open_store(job.output_uri, job.settings.s3), job, shards)
+    except Exception as error:  # the store is down: the next step or retry of the job cleans up
+        log.warning("job %s: could not remove its uncommitted outputs: %s", job.id, error)
+
+
 def request_prefix(job: Job, shard: Shard) -> str:
     """Request ids unique in a shared engine: the whole job id, the shard and the claim (then the row)."""
     return f"{job.id}-{shard.index}-c{shard.claim_token}-"
@@ -119,7 +131,7 @@ class JobSteps:
                     claims.fail(job, error or "failed")
                 else:
                     transition(job, status, error=error)
-        self.discard_if_ended(job)
+        discard_if_ended(self.sessions, job)
         return job
 
     def fail(self, error: str) -> Job:
@@ -127,19 +139,8 @@ class JobSteps:
         with self.sessions.begin() as session:
             job = self._job(session)
             claims.fail(job, error)
-        self.discard_if_ended(job)
+        discard_if_ended(self.sessions, job)
         return job
-
-    def discard_if_ended(self, job: Job) -> None:
-        """After a commit: a job that ended without completing keeps only its committed parts."""
-        if job.status not in TERMINAL or job.status == S.COMPLETED or not job.output_uri:
-            return
-        try:
-            with self.sessions() as session:
-                shards = repo.shards(session, job.id)
-            discard_outputs(open_store(job.output_uri, job.settings.s3), job, shards)
-        except Exception as error:  # the store is down: the next step or retry of the job cleans up
-            log.warning("job %s: could not remove its uncommitted outputs: %s", job.id, error)
 
     def claim_step(self, status: JobStatus, max_attempts: int | None = None) -> bool:
         """Hold the job for one step (validating, finalizing) unless it is past that step or another live
@@ -147,8 +148,9 @@ class JobSteps:
         lease that `heartbeat` renews, and counts an attempt: a step started `max_attempts` times without
         finishing (its worker died each time) fails the job. `release` lets go."""
         with self.sessions.begin() as session:
-            job = self._job(session)
-            if job.status != status or self._step_held(job, db_now(session)):
+            job, now = self._job(session), db_now(session)
+            if job.status != status or self._held_by_another(job.worker, job.lease_expires_at, job.id in STEPS_HERE,
+                                                             now):
                 return False
             if max_attempts is not None and job.attempts >= max_attempts:
                 claims.fail(job, f"{status} was started {job.attempts} time(s) without finishing "
@@ -156,21 +158,23 @@ class JobSteps:
                 log.error("job %s: %s", job.id, job.error)
                 ended = job
             else:
-                self._take_step(job, db_now(session))
+                self._take_step(job, now)
                 ended = None
         if ended is not None:
-            self.discard_if_ended(ended)
+            discard_if_ended(self.sessions, ended)
             return False
         return True
 
-    def _step_held(self, job: Job, now) -> bool:
-        if job.worker == self.worker:
-            return job.id in STEPS_HERE
-        return holder_alive(job.worker, job.lease_expires_at, now)
+    def _held_by_another(self, worker: str | None, lease_expires_at, running_here: bool, now) -> bool:
+        """Is a claim held elsewhere? This process's own holds only while it still runs the work (else its end
+        was never recorded); any other holder while its lease runs."""
+        if worker == self.worker:
+            return running_here
+        return holder_alive(worker, lease_expires_at, now)
 
     def _take_step(self, job: Job, now) -> None:
         job.worker, job.attempts = self.worker, job.attempts + 1
-        job.claim_token = (job.claim_token or 0) + 1
+        repo.fence(job)
         job.lease_expires_at = now + LEASE
         self.step_token = job.claim_token
         with _here_lock:
@@ -245,9 +249,7 @@ class JobSteps:
         try:
             store, key = self._input_location(job)
             fingerprint = store.pin(key)
-            if job.settings.inbox_pin is not None:  # the version the inbox listed, not whatever is there now
-                store.check_pin(key, job.settings.inbox_pin)
-            reader = self._reader_for(job)
+            reader = self._reader_for(job)  # with an inbox pin, only the version the inbox listed
             reader.validate()
             store.check_pin(key, fingerprint)  # not replaced while it was read
             if not started:
@@ -306,7 +308,8 @@ class JobSteps:
                 return ShardClaim("stopped", shard, job)
             if shard.status == ShardStatus.COMPLETED:
                 return ShardClaim("done", shard, job)
-            if shard.status == ShardStatus.RUNNING and self._shard_held(shard, now):
+            if shard.status == ShardStatus.RUNNING and self._held_by_another(
+                    shard.worker, shard.lease_expires_at, shard.id in RUNNING_HERE, now):
                 return ShardClaim("busy", shard, job)
             if shard.attempts >= max_attempts:
                 claims.give_up(job, shard)
@@ -316,14 +319,9 @@ class JobSteps:
                     transition(job, S.IN_PROGRESS)
                 repo.start_shard(shard, self.worker, now + LEASE)
         if gave_up is not None:
-            self.discard_if_ended(gave_up.job)
+            discard_if_ended(self.sessions, gave_up.job)
             return gave_up
         return ShardClaim("run", shard, job)
-
-    def _shard_held(self, shard: Shard, now) -> bool:
-        if shard.worker == self.worker:  # this process: held only while it still runs it
-            return shard.id in RUNNING_HERE
-        return holder_alive(shard.worker, shard.lease_expires_at, now)
 
     def execute_shard(self, job: Job, shard: Shard, engine: Callable[[], LLMEngine]) -> ShardOutcome:
         """Run a shard this process has claimed (status running, its lease ours) in the process's engine loop,
@@ -409,9 +407,9 @@ class JobSteps:
 
     def _record_shard(self, job: Job, shard: Shard, outcome: ShardOutcome, key: str, started: float) -> None:
         outcome.completed_job = self._complete_shard(shard, outcome, key)
-        rows = sum(1 for r in outcome.records if r["choice_index"] == 0)
         log.info("job %s: shard %d (rows %d-%d) completed in %.1f s: %d ok, %d failed", job.id, shard.index,
-                 shard.row_start, shard.row_end - 1, time.perf_counter() - started, rows, len(outcome.errors))
+                 shard.row_start, shard.row_end - 1, time.perf_counter() - started,
+                 outcome.totals()["rows_completed"], len(outcome.errors))
 
     def _complete_shard(self, shard: Shard, outcome: ShardOutcome, key: str) -> bool:
         """Mark the shard completed; True when it was the job's last (the job went to finalizing)."""
@@ -438,7 +436,7 @@ class JobSteps:
                 return False
             row.status, row.error, row.lease_expires_at, row.finished_at = status.value, error, None, utcnow()
             claims.settle(job)
-        self.discard_if_ended(job)
+        discard_if_ended(self.sessions, job)
         return True
 
     def refund_attempt(self, shard: Shard) -> None:
@@ -456,7 +454,7 @@ class JobSteps:
                 claims.mark_cancelled(job)
             log.info("job %s cancelled; %d completed shard(s) kept", job.id,
                      sum(1 for s in job.shards if s.status == ShardStatus.COMPLETED))
-        self.discard_if_ended(job)
+        discard_if_ended(self.sessions, job)
         return job
 
     # -- finalizing ---------------------------------------------------------------------------------
@@ -480,14 +478,15 @@ class JobSteps:
             write_manifest(store, document)
             with self.sessions.begin() as session:
                 job = self._job(session)
-                if job.status == S.FINALIZING and self._step_is_ours(job) \
-                        and self.heartbeat.holds(job_claim(job.id)):
+                if self._holds_finalize(job):
                     transition(job, S.COMPLETED, at=finished_at)
                     return job
-        self.discard_if_ended(job)  # the job ended otherwise meanwhile: no manifest stays
+        discard_if_ended(self.sessions, job)  # the job ended otherwise meanwhile: no manifest stays
         return job
 
     def _still_finalizing(self) -> bool:
         with self.sessions() as session:
-            job = self._job(session, lock=False)
-            return job.status == S.FINALIZING and self._step_is_ours(job) and self.heartbeat.holds(job_claim(job.id))
+            return self._holds_finalize(self._job(session, lock=False))
+
+    def _holds_finalize(self, job: Job) -> bool:
+        return job.status == S.FINALIZING and self._step_is_ours(job) and self.heartbeat.holds(job_claim(job.id))

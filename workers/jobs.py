@@ -15,7 +15,7 @@ from storage.claims import mark_cancelled
 from storage.liveness import db_now, runner_alive
 from storage.models import Job, JobStatus
 from storage.states import CANCELLABLE, transition
-from workers.job_steps import JobSteps, NoProgress, Progress
+from workers.job_steps import NoProgress, Progress, discard_if_ended
 from workers.runner import EngineProvider, JobBusy, JobRunner
 
 __all__ = ["JobBusy", "NoProgress", "Progress", "cancel_job", "run_job"]
@@ -38,7 +38,7 @@ def cancel_job(sessions: sessionmaker[Session], ref: str) -> Job:
             transition(job, S.CANCELLING)
         if not alive:
             mark_cancelled(job)
-    JobSteps(sessions, job.id).discard_if_ended(job)
+    discard_if_ended(sessions, job)
     return job
 
 

@@ -40,15 +40,14 @@ def job_claim(job_id: str) -> Claim:
 class LeaseHeartbeat:
     """Renews the leases of the claims it holds ({claim: token}) on its own thread, every quarter lease,
     whatever the engine or a write is doing. A renewal that finds a claim gone (another claim or a cancel moved
-    the token on) records it in `lost`: that work must stop and write nothing. `outage` is set when a renewal
-    failed because the database was unreachable: a claim lost after one was lost to the outage."""
+    the token on) records it in `lost`: that work must stop and write nothing. A renewal that fails (the
+    database down) is tried again at the next beat; the lease has four."""
 
     def __init__(self, sessions: sessionmaker[Session], claims: dict[Claim, int] | None = None,
                  every_s: float | None = None) -> None:
         self.sessions, self.claims = sessions, dict(claims or {})
         self.every_s = every_s if every_s is not None else LEASE.total_seconds() / 4
         self.lost: set[Claim] = set()
-        self.outage = False
         self._lock, self._stop = threading.Lock(), threading.Event()
         self._thread: threading.Thread | None = None
         self._users = 0
@@ -104,7 +103,6 @@ class LeaseHeartbeat:
                                     claim.id, token)
                         self.lost.add(claim)
         except Exception as error:  # the database is down: try again next beat (the lease has 4 beats)
-            self.outage = self.outage or is_transient(error)
             log.warning("could not renew the leases: %s", error)
 
 

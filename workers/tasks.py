@@ -28,7 +28,7 @@ from storage import repository as repo
 from storage.faults import is_transient
 from storage.models import Job, JobStatus, ShardStatus
 from workers.celery_app import app, config
-from workers.job_steps import JobSteps
+from workers.job_steps import JobSteps, discard_if_ended
 from workers.worker_engine import engine_for
 
 log = logging.getLogger("tokenmill.tasks")
@@ -253,8 +253,7 @@ def sweep() -> dict[str, Any]:
     found = find_lost_work(sessions(), stale=timedelta(seconds=config.sweep_grace_s), queued=queued_tasks,
                            broker_lost=lost)
     for job_id in found.cancelled + found.expired:
-        steps = JobSteps(sessions(), job_id)
-        steps.discard_if_ended(steps.load())
+        discard_if_ended(sessions(), JobSteps(sessions(), job_id).load())
     for job_id, shard_id, model in found.requeue:
         enqueue_shards(job_id, model, [shard_id], head=True)
     for job_id in found.plan:
