@@ -20,7 +20,7 @@ from sqlalchemy.exc import IntegrityError
 
 from ingest.intake import Intake, content_key
 from ingest.spec import MAX_SPEC_BYTES, SpecError, parse_request
-from storage.faults import is_transient
+from storage.faults import crash_point, is_transient
 from storage.models import JobSource, RejectedMessage
 
 log = logging.getLogger("tokenmill.consumer")
@@ -72,6 +72,7 @@ class JobConsumer:
                 log.exception("could not record %s/%d/%d; retrying", record.topic, record.partition, record.offset)
                 consumer.seek(partition, record.offset)
                 return False
+            crash_point("after_consumer_insert")
             consumer.commit({partition: OffsetAndMetadata(record.offset + 1, "", -1)})
         return True
 

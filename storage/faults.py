@@ -5,6 +5,8 @@ the ones after it."""
 from __future__ import annotations
 
 import importlib
+import os
+import signal
 
 THROTTLING_CODES = {"Throttling", "ThrottlingException", "SlowDown", "RequestTimeout", "RequestLimitExceeded",
                     "ServiceUnavailable", "InternalError"}
@@ -51,3 +53,13 @@ def _is_server_side(error: BaseException) -> bool:
         return False
     status = response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
     return status >= 500 or status == 429 or response.get("Error", {}).get("Code") in THROTTLING_CODES
+
+
+CRASH_POINTS = ("after_part_upload", "during_finalize", "after_consumer_insert")
+
+
+def crash_point(name: str) -> None:
+    """Fault-test hook: with TOKENMILL_CRASH_AT=<name> set, this process SIGKILLs itself here, so a test can
+    kill a worker, `tokenmill run` or the consumer at an exact step (no cleanup code runs, as after a power cut)."""
+    if os.environ.get("TOKENMILL_CRASH_AT") == name:
+        os.kill(os.getpid(), signal.SIGKILL)

@@ -21,6 +21,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from storage import claims
 from storage import repository as repo
+from storage.faults import crash_point
 from storage.formats import InputError, InputReader, open_input, write_manifest, write_part
 from storage.liveness import LEASE, db_now, holder_alive, worker_id
 from storage.models import FailedRow, Job, JobStatus, Shard, ShardStatus, utcnow
@@ -344,6 +345,7 @@ class JobSteps:
                     return outcome
                 self._check_input(job)
                 key = self._write_part(job, shard, outcome, claim)
+                crash_point("after_part_upload")
                 self._record_shard(job, shard, outcome, key, started)
         except StaleClaim as lost:
             log.warning("%s; this worker stops it and writes nothing", lost)
@@ -476,6 +478,7 @@ class JobSteps:
             if not self._still_finalizing():
                 return self.load()
             write_manifest(store, document)
+            crash_point("during_finalize")
             with self.sessions.begin() as session:
                 job = self._job(session)
                 if self._holds_finalize(job):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -68,3 +69,34 @@ def part_of(output, index: int):
     """The one part file of shard `index` under output (its key carries the job id and the claim)."""
     (part,) = output.glob(f"part-{index:05d}-*.parquet")
     return part
+
+
+
+def test_sigkill_after_a_part_upload_then_in_finalize_and_the_third_run_finishes(tmp_path: Path) -> None:
+    """Killed (TOKENMILL_CRASH_AT) after a part is uploaded but before its shard commits; run again and killed
+    after the manifest is written but before the job commits `completed`; the third run completes the job, and
+    the outputs hold every custom_id once, the manifest listing exactly the part files there are."""
+    columns = prompt_rows(8)
+    source = write_parquet(tmp_path / "prompts.parquet", columns)
+    output, database = tmp_path / "out", tmp_path / "jobs.db"
+    command = [sys.executable, "-m", "tokenmill", "run", str(source), "--output", str(output),
+               "--database-url", f"sqlite:///{database}", "--shard-size", "4", "--max-tokens", "4",
+               "--kv-cache-memory", "0.25", "--temperature", "0"]
+
+    def killed_at(point: str) -> list[str]:
+        run = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                             env={**os.environ, "TOKENMILL_CRASH_AT": point})
+        assert run.returncode == -signal.SIGKILL, run.stderr[-3000:]
+        with sqlite3.connect(database) as connection:
+            assert connection.execute("SELECT status FROM jobs").fetchall() != [("completed",)]
+        return [status for status, *_ in shard_rows(database).values()]
+
+    statuses = killed_at("after_part_upload")
+    assert list(output.glob("part-*.parquet")) and "completed" not in statuses, "no shard may have committed"
+    assert not (output / "manifest.json").exists()
+    assert killed_at("during_finalize") == ["completed", "completed"] and (output / "manifest.json").exists()
+
+    last = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert last.returncode == 0, last.stderr[-3000:]
+    assert "completed: 8 rows, 8 completed, 0 failed" in last.stdout
+    assert_each_id_once(LocalStore(output), columns["custom_id"])

@@ -275,3 +275,47 @@ def test_a_postgresql_restart_mid_job(stack, private_postgres, tmp_path) -> None
     finally:
         stop_process_group(worker, 30)
         sessions.kw["bind"].dispose()
+
+
+def test_a_consumer_killed_between_its_insert_and_its_offset_commit_makes_one_job(stack, sessions, tmp_path) -> None:
+    """A consumer (a topic and group of its own) SIGKILLed after recording a message but before committing its
+    offset (TOKENMILL_CRASH_AT): the next consumer reads the message again, finds the same job, commits, and the
+    job completes with every custom_id once."""
+    from kafka import KafkaAdminClient, KafkaConsumer, TopicPartition
+    from kafka.admin import NewTopic
+
+    topic, group = f"crash-{uuid.uuid4().hex[:8]}", f"crash-{uuid.uuid4().hex[:8]}"
+    admin = KafkaAdminClient(bootstrap_servers=stack.bootstrap)
+    try:
+        admin.create_topics([NewTopic(topic, num_partitions=1, replication_factor=1)])
+    finally:
+        admin.close()
+    rows = [{"custom_id": f"crash-{i}", "prompt": f"Say {i}."} for i in range(4)]
+    send(stack.bootstrap, topic, {"rows": rows, "output_uri": f"{stack.bucket}/{topic}", "shard_size": 2,
+                                  "sampling": {"max_tokens": 8}})
+    env = {**stack.env, "TOKENMILL_JOBS_TOPIC": topic, "TOKENMILL_CONSUMER_GROUP": group,
+           "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    command = [sys.executable, "-m", "tokenmill", "consumer"]
+    crashed = subprocess.run(command, env={**env, "TOKENMILL_CRASH_AT": "after_consumer_insert"}, cwd=tmp_path,
+                             capture_output=True, text=True, timeout=120)
+    assert crashed.returncode == -signal.SIGKILL, crashed.stderr[-3000:]
+    (job,) = jobs_where(sessions, "source_ref = :ref", ref=f"{topic}/0/0")
+
+    def committed() -> int | None:
+        reader = KafkaConsumer(bootstrap_servers=stack.bootstrap, group_id=group, enable_auto_commit=False)
+        try:
+            return reader.committed(TopicPartition(topic, 0))
+        finally:
+            reader.close()
+
+    assert committed() is None, "the killed consumer must not have committed"
+    second = subprocess.Popen(command, env=env, cwd=tmp_path, stdout=open(tmp_path / "consumer.log", "wb"),
+                              stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_until(lambda: committed() == 1, "the second consumer to commit the message", timeout=60, every=0.5)
+    finally:
+        stop_process_group(second, 30)
+    assert [j["id"] for j in jobs_where(sessions, "source_ref = :ref", ref=f"{topic}/0/0")] == [job["id"]], \
+        "the message made a second job"
+    assert job["id"] in (tmp_path / "consumer.log").read_text(errors="replace"), "the second consumer never read it"
+    assert_completed_once(stack, sessions, job["id"], [row["custom_id"] for row in rows])

@@ -15,14 +15,15 @@ from tests.service.conftest import shard_rows, submit_file, tokenmill, wait_for_
 pytestmark = pytest.mark.real_model
 
 
-def submit_rows(stack, tmp_path, name: str, count: int, *args: str) -> tuple[str, list[str]]:
-    rows = prompt_rows(count, name)
+def submit_rows(stack, tmp_path, name: str, count: int, *args: str, min_tokens: int = 0) -> tuple[str, list[str]]:
+    rows = prompt_rows(count, name) | ({"min_tokens": [min_tokens] * count} if min_tokens else {})
     return submit_file(stack, write_parquet(tmp_path / f"{name}.parquet", rows), *args), rows["custom_id"]
 
 
 def test_the_higher_priority_job_finishes_first(stack, sessions, tmp_path) -> None:
     # 4 shard slots in all: the low job's first shards start, then the high job's shards jump its others
-    low, _ = submit_rows(stack, tmp_path, "low", 12, "--shard-size", "1", "--max-tokens", "128")
+    # the low shards run their full 128 tokens (short answers let them all start before the high job is planned)
+    low, _ = submit_rows(stack, tmp_path, "low", 8, "--shard-size", "1", "--max-tokens", "128", min_tokens=128)
     wait_until(lambda: any(s["status"] == "running" for s in shard_rows(sessions, low)), "the low job to start",
                every=0.1)
     high, _ = submit_rows(stack, tmp_path, "high", 2, "--shard-size", "1", "--max-tokens", "12", "--priority", "5")
@@ -30,7 +31,7 @@ def test_the_higher_priority_job_finishes_first(stack, sessions, tmp_path) -> No
     assert low_job["status"] == high_job["status"] == "completed"
     assert high_job["completed_at"] < low_job["completed_at"]
     last_high_shard = max(s["finished_at"] for s in shard_rows(sessions, high))
-    # in queue order, all twelve low shards (queued first) would start before any high one; its planning also
+    # in queue order, all eight low shards (queued first) would start before any high one; its planning also
     # waits for a free task thread, so a slot or two of low shards go first
     assert sum(s["started_at"] > last_high_shard for s in shard_rows(sessions, low)) >= 1, \
         "the low job's later shards must wait for the high job's"
