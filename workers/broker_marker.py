@@ -31,14 +31,14 @@ def broker_lost(sessions: sessionmaker[Session], broker_url: str) -> bool:
             if first:  # the first sweep of this database
                 marker = ServiceMarker(name="broker", value=uuid.uuid4().hex)
                 session.add(marker)
-            value = marker.value.encode()
-            seen = client.get(KEY)
-            if seen != value:
-                client.set(KEY, value)
+            key = f"{KEY}:{marker.value}"  # one key per database: deployments sharing a Redis keep theirs apart
+            present = bool(client.exists(key))
+            if not present:
+                client.set(key, b"1")
     except Exception as error:
         log.warning("could not check the broker marker: %s", error)
         return False
-    if first or seen == value:
+    if first or present:
         return False
     log.warning("the broker lost its state (its marker is gone): resending all waiting work now")
     return True

@@ -264,7 +264,7 @@ def test_request_ids_carry_the_whole_job_id_and_the_claim() -> None:
     assert request_prefix(first, shard) == "0193a1b2-0000-7000-8000-000000000001-3-c2-"
 
 
-def test_a_flushed_broker_is_noticed_at_the_next_sweep(sqlite_sessions) -> None:
+def test_a_flushed_broker_is_noticed_at_the_next_sweep(sqlite_sessions, tmp_path) -> None:
     """The broker marker, on the real Redis (a database of its own): unseen the first time, then lost once
     after a FLUSHDB, and the sweep sends pending work at once instead of after the grace."""
     import redis
@@ -277,6 +277,10 @@ def test_a_flushed_broker_is_noticed_at_the_next_sweep(sqlite_sessions) -> None:
     assert broker_lost(sqlite_sessions, url) is True
     assert broker_lost(sqlite_sessions, url) is False
     assert broker_lost(sqlite_sessions, "amqp://guest@localhost//") is False  # durable queues: no marker
+    migrate.upgrade(other_url := f"sqlite:///{tmp_path / 'other.db'}")
+    other_database = db.session_factory(db.make_engine(other_url))
+    for _ in range(2):  # another deployment's sweeps on the same Redis: neither sees the other's marker as a loss
+        assert broker_lost(other_database, url) is False and broker_lost(sqlite_sessions, url) is False
 
     job_id = make_job(sqlite_sessions, "s3://b/out", shards=2)
     assert sweep(sqlite_sessions).requeue == []  # just planned: within the grace
