@@ -11,17 +11,18 @@ parts."""
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, NamedTuple, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol, TypeVar
 
 from sqlalchemy import delete, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from storage import claims
 from storage import repository as repo
-from storage.faults import crash_point
+from storage.faults import crash_point, is_transient
 from storage.formats import InputError, InputReader, open_input, write_manifest, write_part
 from storage.liveness import LEASE, db_now, holder_alive, worker_id
 from storage.models import FailedRow, Job, JobStatus, Shard, ShardStatus, utcnow
@@ -36,6 +37,8 @@ if TYPE_CHECKING:
     from engine import LLMEngine
 
 log = logging.getLogger("tokenmill.jobs")
+# how long a shard whose rows are done waits out a database or S3 outage to commit them (rather than redo them)
+OUTAGE_WAIT_S = float(os.environ.get("TOKENMILL_OUTAGE_WAIT_S") or 300)
 
 S = JobStatus
 RUNNING_HERE: set[int] = set()  # the shards this process is running now
@@ -343,10 +346,10 @@ class JobSteps:
                     if not self._end_shard(shard, ShardStatus.CANCELLED):  # stopped because it was taken over
                         raise StaleClaim(f"job {job.id}: shard {shard.index} was claimed by another worker")
                     return outcome
-                self._check_input(job)
-                key = self._write_part(job, shard, outcome, claim)
+                through_outages(lambda: self._check_input(job))
+                key = through_outages(lambda: self._write_part(job, shard, outcome, claim))
                 crash_point("after_part_upload")
-                self._record_shard(job, shard, outcome, key, started)
+                through_outages(lambda: self._record_shard(job, shard, outcome, key, started))
         except StaleClaim as lost:
             log.warning("%s; this worker stops it and writes nothing", lost)
             self._after_lost_claim(job, shard, key)
@@ -493,3 +496,22 @@ class JobSteps:
 
     def _holds_finalize(self, job: Job) -> bool:
         return job.status == S.FINALIZING and self._step_is_ours(job) and self.heartbeat.holds(job_claim(job.id))
+
+
+T = TypeVar("T")
+
+
+def through_outages(step: Callable[[], T]) -> T:
+    """Run one commit step, retrying it with backoff while the database or S3 is down (up to OUTAGE_WAIT_S).
+    Each step is safe to repeat: the part key is the claim's own and the shard's commit replaces its rows."""
+    deadline, delay = time.monotonic() + OUTAGE_WAIT_S, 1.0
+    while True:
+        try:
+            return step()
+        except Exception as error:
+            if not is_transient(error) or time.monotonic() + delay > deadline:
+                raise
+            log.warning("a service is down (%s: %s); trying again in %.0f s", type(error).__name__,
+                        str(error).splitlines()[0][:200], delay)
+            time.sleep(delay)
+            delay = min(delay * 2, 15.0)

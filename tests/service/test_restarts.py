@@ -232,48 +232,72 @@ def private_postgres():
         shutil.rmtree(root, ignore_errors=True)
 
 
-def test_a_postgresql_restart_mid_job(stack, private_postgres, tmp_path) -> None:
-    """A worker of its own (the stack's Redis, its own queues) on a private PostgreSQL restarted while a job
-    runs: the worker waits the outage out, and the job completes with every custom_id once."""
-    from ingest.intake import submit
-    from ingest.spec import validate_request
+def new_topic(bootstrap: str, prefix: str) -> str:
+    from kafka import KafkaAdminClient
+    from kafka.admin import NewTopic
+
+    topic = f"{prefix}-{uuid.uuid4().hex[:8]}"
+    admin = KafkaAdminClient(bootstrap_servers=bootstrap)
+    try:
+        admin.create_topics([NewTopic(topic, num_partitions=1, replication_factor=1)])
+    finally:
+        admin.close()
+    return topic
+
+
+def test_postgresql_down_longer_than_the_lease_with_the_service_running(stack, private_postgres, tmp_path) -> None:
+    """A service of its own on a private PostgreSQL (the stack's Redis and tansu, its own queues and topic): a
+    worker, beat's sweep and the Kafka consumer, with 4 s leases. PostgreSQL stops for 10 s while shards run,
+    and a second job is sent meanwhile: the consumer waits the outage out, the lapsed leases are renewed or taken
+    over, the outage uses no shard attempt, and both jobs complete (finalize included) with every custom_id once."""
     from storage import db, migrate
-    from storage.job_settings import CELERY
 
     url, ctl = private_postgres
     migrate.upgrade(url)
     sessions = db.session_factory(db.make_engine(url))
-    prefix = f"pg-{uuid.uuid4().hex[:6]}."
-    redis = stack.state["env"]["TOKENMILL_BROKER_URL"]
-    env = {**stack.env, "TOKENMILL_DATABASE_URL": url, "TOKENMILL_QUEUE_PREFIX": prefix,
-           "TOKENMILL_TRANSIENT_RETRY_S": "3", "TOKENMILL_KAFKA_BOOTSTRAP": "",
+    prefix, topic = f"pg-{uuid.uuid4().hex[:6]}.", new_topic(stack.bootstrap, "pg")
+    env = {**stack.env, "TOKENMILL_DATABASE_URL": url, "TOKENMILL_QUEUE_PREFIX": prefix, "TOKENMILL_LEASE_S": "4",
+           "TOKENMILL_TRANSIENT_RETRY_S": "2", "TOKENMILL_JOBS_TOPIC": topic, "TOKENMILL_CONSUMER_GROUP": topic,
            "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
-    worker = subprocess.Popen([sys.executable, "-m", "tokenmill", "worker", "--name", f"{prefix}w",
-                               "--threads", "1", "--kv-cache-memory", "0.25"], env=env, cwd=tmp_path,
-                              stdout=open(tmp_path / "worker.log", "wb"), stderr=subprocess.STDOUT,
-                              start_new_session=True)
-    try:
-        columns = prompt_rows(8, "pg-restart")
-        path = write_parquet(tmp_path / "pg.parquet", columns)
-        output = f"{stack.bucket}/pg-restart-{uuid.uuid4().hex[:8]}"
-        new = validate_request({"input_uri": str(path), "output_uri": output, "shard_size": 2,
-                                "sampling": {"max_tokens": 24}}).to_job(executor=CELERY)
-        job = submit(sessions, new).job
-        from celery import Celery
+    tokenmill = [sys.executable, "-m", "tokenmill"]
+    celery = [sys.executable, "-m", "celery", "-A", "workers.celery_app"]
+    commands = {"worker": [*tokenmill, "worker", "--name", f"{prefix}w", "--threads", "2", "--kv-cache-memory", "0.25"],
+                "beat": [*celery, "beat", "--schedule", str(tmp_path / "beat-schedule")],
+                "consumer": [*tokenmill, "consumer"]}
+    processes = {name: subprocess.Popen(command, env=env, cwd=tmp_path, stdout=open(tmp_path / f"{name}.log", "wb"),
+                                        stderr=subprocess.STDOUT, start_new_session=True)
+                 for name, command in commands.items()}
 
-        app = Celery(broker=redis)
-        app.send_task("tokenmill.plan_job", (job.id,), queue=f"{prefix}control")
-        app.close()
-        a_shard_completed(sessions, job.id)
-        ctl("stop")  # down for 5 s while a shard runs: its status polls fail
-        time.sleep(5)
+    def job_from(offset: int) -> dict:
+        found = wait_until(lambda: jobs_where(sessions, "source_ref = :ref", ref=f"{topic}/0/{offset}"),
+                           f"the job of message {offset}", timeout=120)
+        return found[0]
+
+    try:
+        rows = lambda name, count: [{"custom_id": f"{name}-{i}", "prompt": f"Write one sentence about {i}."}
+                                    for i in range(count)]
+        first_rows, second_rows = rows("pg-first", 8), rows("pg-second", 4)
+        spec = lambda rows, name: {"rows": rows, "output_uri": f"{stack.bucket}/{name}-{uuid.uuid4().hex[:8]}",
+                                   "shard_size": 2, "sampling": {"max_tokens": 32, "temperature": 0}}
+        send(stack.bootstrap, topic, spec(first_rows, "pg-first"))
+        first = job_from(0)
+        a_shard_completed(sessions, first["id"])
+        ctl("stop")  # longer than a lease: the running shards' leases lapse while their heartbeats cannot reach it
+        send(stack.bootstrap, topic, spec(second_rows, "pg-second"))
+        time.sleep(10)
         ctl("start")
-        job = wait_for_job(sessions, job.id, timeout=240)
-        assert job["status"] == "completed", job["error"]
-        assert_each_id_once(stack.store(output), columns["custom_id"])
-        assert "OperationalError" in (tmp_path / "worker.log").read_text(errors="replace"), "no task met the outage"
+        second = job_from(1)
+        for job, columns in ((first, first_rows), (second, second_rows)):
+            done = wait_for_job(sessions, job["id"], timeout=300)
+            assert done["status"] == "completed", done["error"]
+            assert_each_id_once(stack.store(done["output_uri"]), [row["custom_id"] for row in columns])
+            assert all(s["attempts"] == 1 for s in shard_rows(sessions, job["id"])), "the outage used an attempt"
+        logs = {name: (tmp_path / f"{name}.log").read_text(errors="replace") for name in commands}
+        assert "OperationalError" in logs["worker"], "no task met the outage"
+        assert "could not record" in logs["consumer"], "the consumer did not meet the outage"
     finally:
-        stop_process_group(worker, 30)
+        for process in processes.values():
+            stop_process_group(process, 30)
         sessions.kw["bind"].dispose()
 
 
@@ -281,15 +305,9 @@ def test_a_consumer_killed_between_its_insert_and_its_offset_commit_makes_one_jo
     """A consumer (a topic and group of its own) SIGKILLed after recording a message but before committing its
     offset (TOKENMILL_CRASH_AT): the next consumer reads the message again, finds the same job, commits, and the
     job completes with every custom_id once."""
-    from kafka import KafkaAdminClient, KafkaConsumer, TopicPartition
-    from kafka.admin import NewTopic
+    from kafka import KafkaConsumer, TopicPartition
 
-    topic, group = f"crash-{uuid.uuid4().hex[:8]}", f"crash-{uuid.uuid4().hex[:8]}"
-    admin = KafkaAdminClient(bootstrap_servers=stack.bootstrap)
-    try:
-        admin.create_topics([NewTopic(topic, num_partitions=1, replication_factor=1)])
-    finally:
-        admin.close()
+    topic = group = new_topic(stack.bootstrap, "crash")
     rows = [{"custom_id": f"crash-{i}", "prompt": f"Say {i}."} for i in range(4)]
     send(stack.bootstrap, topic, {"rows": rows, "output_uri": f"{stack.bucket}/{topic}", "shard_size": 2,
                                   "sampling": {"max_tokens": 8}})
