@@ -147,15 +147,29 @@ class Intake:
         salt; `executor` is who runs it (the Celery workers, or this process: `tokenmill api` alone);
         `input_pin` is the version of the input the front door saw (the inbox's listed ETag), the only one the
         job may read."""
+        return self.record(self.prepare(request, source=source, source_ref=source_ref, default_key=default_key,
+                                        tenant=tenant, executor=executor, input_pin=input_pin))
+
+    def prepare(self, request: JobRequest, *, source: str, source_ref: str, default_key: str,
+                tenant: str = "", executor: str = CELERY, input_pin: dict | None = None) -> NewJob:
+        """`accept` short of the database: the job this request asks for (its inline rows stored), or SpecError."""
         request, key = self.admit(request, source=source, default_key=default_key, tenant=tenant)
         if request.rows is not None:
             request = request.model_copy(update={"input_uri": self._store_rows(request.rows, key), "rows": None})
         try:
             new = request.to_job(executor=executor, source=source, source_ref=source_ref, default_key=key, s3=self.s3)
-            if input_pin is not None:
-                new.settings = new.settings.model_copy(update={"inbox_pin": input_pin})
+        except ValueError as error:  # e.g. an unsafe output URI
+            raise SpecError(str(error)) from None
+        if input_pin is not None:
+            new.settings = new.settings.model_copy(update={"inbox_pin": input_pin})
+        return new
+
+    def record(self, new: NewJob) -> Submission:
+        """Store a prepared job (or find it again by its key) and hand it to the workers; SpecError for a job id
+        already taken."""
+        try:
             submission = submit(self.sessions, new, reopen=False)
-        except ValueError as error:  # e.g. an unsafe output URI, a job id already taken
+        except ValueError as error:
             raise SpecError(str(error)) from None
         if submission.job.status == JobStatus.VALIDATING:  # also when an earlier arrival was not handed out
             self.dispatch(submission.job.id)

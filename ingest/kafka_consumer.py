@@ -19,7 +19,7 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
 from ingest.intake import Intake, content_key
-from ingest.spec import MAX_SPEC_BYTES, SpecError, parse_request
+from ingest.spec import MAX_SPEC_BYTES, NewJob, SpecError, parse_request
 from storage.faults import crash_point, is_transient
 from storage.models import JobSource, RejectedMessage
 
@@ -80,10 +80,7 @@ class JobConsumer:
         """Record one message durably: the job's id, or 'rejected'. Raises only transient errors."""
         ref = f"{record.topic}/{record.partition}/{record.offset}"
         try:
-            request = parse_request(record.value, max_bytes=self.max_bytes)
-            submission = self.intake.accept(request, source=JobSource.KAFKA.value, source_ref=ref,
-                                            default_key=content_key("kafka", request.model_dump_json()),
-                                            tenant=f"{record.topic}/{_text(record.key or b'')[:PAYLOAD_LIMIT]}")
+            submission = self.intake.record(self.job_of(record))
         except SpecError as error:
             return self._rejected(record, ref, str(error))
         except Exception as error:
@@ -93,6 +90,14 @@ class JobConsumer:
             return self._rejected(record, ref, f"cannot become a job: {type(error).__name__}: {error}")
         log.info("%s: job %s (%s)", ref, submission.job.id, submission.outcome)
         return submission.job.id
+
+    def job_of(self, record) -> NewJob:
+        """The job a message asks for, short of the database; SpecError names why it cannot run."""
+        request = parse_request(record.value, max_bytes=self.max_bytes)
+        return self.intake.prepare(request, source=JobSource.KAFKA.value,
+                                   source_ref=f"{record.topic}/{record.partition}/{record.offset}",
+                                   default_key=content_key("kafka", request.model_dump_json()),
+                                   tenant=f"{record.topic}/{_text(record.key or b'')[:PAYLOAD_LIMIT]}")
 
     def _rejected(self, record, ref: str, error: str) -> str:
         self._reject(record, error)

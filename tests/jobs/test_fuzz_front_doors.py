@@ -17,12 +17,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sqlalchemy import select
 
-from ingest.intake import Intake, content_key
+from ingest.intake import Intake
 from ingest.kafka_consumer import JobConsumer
 from ingest.policy import FrontDoorPolicy
 from ingest.s3_watcher import InboxEntry, InboxWatcher
-from ingest.spec import NewJob, SpecError, parse_request
-from storage.job_settings import CELERY
+from ingest.spec import NewJob, SpecError
 from storage.models import Job, RejectedMessage
 from storage.objectstore import S3Options, UnsafeURI, is_under
 
@@ -141,32 +140,27 @@ def check_jobs_inside(intake: Intake, policy: FrontDoorPolicy) -> int:
     return len(jobs)
 
 
-def way_in(intake: Intake, value: bytes | None, key: bytes | None) -> NewJob | None:
-    """What the consumer does with a message short of storing anything: the job it would create, or None when
-    it refuses the message (a SpecError naming the problem)."""
-    try:
-        request = parse_request(value, max_bytes=64 << 10)
-        request, job_key = intake.admit(request, source="kafka", default_key=content_key("kafka", value or b""),
-                                        tenant=f"jobs/{key!r}")
-        if request.rows is not None:
-            request = request.model_copy(update={"input_uri": f"{intake.inline_uri}/rows.parquet", "rows": None})
-        return request.to_job(executor=CELERY, default_key=job_key)
-    except SpecError as error:
-        assert str(error)
-        return None
-
-
 def test_random_kafka_values_are_each_a_job_inside_the_allow_list_or_refused(fuzz_intake) -> None:
-    """The 10,000: parsing, validation and the allow-lists, without the database."""
+    """The 10,000 through the consumer's own `job_of` (what `handle` stores): parsing, validation, the
+    allow-lists and inline rows, short of the database (the 500 below go through `handle` whole)."""
     intake, allowed, outside = fuzz_intake
+    consumer = JobConsumer(intake, "unused:9092", "jobs", "group", max_bytes=64 << 10)
     counts = {"job": 0, "refused": 0}
+    offsets = iter(range(10**9))
+
+    def job_of(value: bytes | None, key: bytes | None) -> NewJob | None:
+        try:
+            return consumer.job_of(Record("jobs", 0, next(offsets), value, key))
+        except SpecError as error:
+            assert str(error)
+            return None
 
     @settings(max_examples=EXAMPLES // BATCH, deadline=None, database=None, derandomize=True,
               suppress_health_check=list(HealthCheck))
     @given(messages=batches(kafka_values(allowed, outside)))
     def check(messages: list[tuple[bytes | None, bytes | None]]) -> None:
         for value, key in messages:
-            new = way_in(intake, value, key)  # raises nothing but assertion errors
+            new = job_of(value, key)  # raises nothing but assertion errors
             counts["job" if new else "refused"] += 1
             if new is not None:
                 assert any(is_under(new.input_uri, p) for p in intake.policy.inputs), new.input_uri
