@@ -239,18 +239,28 @@ def test_an_s3_timeout_while_validating_is_transient_not_a_corrupt_file(tmp_path
     assert not isinstance(raised.value, InputError) and is_transient(raised.value), raised.value
 
 
-def test_validation_reads_only_the_version_the_inbox_listed(sqlite_sessions, tmp_path) -> None:
-    """The inbox pins the version it listed: an object replaced before planning fails that job with the
-    reason (the replacement is a new object version, and the inbox makes it a job of its own)."""
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_validation_reads_only_the_version_the_inbox_listed(sqlite_sessions, tmp_path, request, where) -> None:
+    """The inbox pins the version it listed (a local file's size, mtime and hash; an S3 object's ETag, read
+    with If-Match on SeaweedFS): an object re-uploaded before planning fails that job with the reason (the
+    replacement is a new object version, and the inbox makes it a job of its own)."""
     from tests.jobs.jobhelpers import prompt_rows, write_parquet
 
     path = write_parquet(tmp_path / "in.parquet", prompt_rows(3))
-    listed = open_store(str(tmp_path)).fingerprint("in.parquet")
+    options = request.getfixturevalue("seaweedfs") if where == "s3" else None
+    folder = f"{request.getfixturevalue('s3_prefix')}/inbox" if where == "s3" else str(tmp_path)
+    store = open_store(folder, options)
+    if where == "s3":
+        store.put_file("in.parquet", path)
+    listed = store.fingerprint("in.parquet")
     write_parquet(path, prompt_rows(5, prefix="replaced"))
+    if where == "s3":
+        store.put_file("in.parquet", path)
     with sqlite_sessions.begin() as session:
-        job = Job(idempotency_key=f"k-{uuid.uuid4()}", status="validating", model="m", input_uri=str(path),
-                  output_uri=str(tmp_path / "out"), created_at=utcnow(), validating_at=utcnow(),
-                  settings=JobSettings(executor=CELERY, inbox_pin=listed))
+        job = Job(idempotency_key=f"k-{uuid.uuid4()}", status="validating", model="m",
+                  input_uri=f"{folder}/in.parquet", output_uri=str(tmp_path / "out"), created_at=utcnow(),
+                  validating_at=utcnow(),
+                  settings=JobSettings(executor=CELERY, inbox_pin=listed, **({"s3": options} if options else {})))
         session.add(job)
     failed = JobSteps(sqlite_sessions, job.id).validate()
     assert failed.status == "failed" and "changed" in failed.error, failed.error
