@@ -1,6 +1,7 @@
 """The command line: every command explains itself; model and generate work on the real model."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -65,11 +66,61 @@ def test_bad_arguments_fail_with_a_message():
 def test_bench_throughput_short_run_prints_all_systems(tmp_path):
     out = tmp_path / "bench.json"
     proc = run_cli("bench", "throughput", "--num-prompts", "4", "--min-tokens", "4", "--max-tokens", "8",
-                   "--dtypes", "float32", "--json", str(out), "--no-plots", "--batch1-tokens", "0", timeout=600)
+                   "--dtypes", "float32", "--json", str(out), "--no-plots", "--batch1-tokens", "0", "--profile",
+                   timeout=600)
     assert proc.returncode == 0, proc.stderr
     for system in ("HF static batching", "HF continuous batching", "tokenmill", "dense matmul floor"):
         assert system in proc.stdout
+    assert "% of limit" in proc.stdout and "the model's matmuls alone reach" in proc.stdout
+    profile = re.search(r"where the step time goes: (\d+) steps", proc.stdout)
+    assert profile and int(profile.group(1)) >= 8, proc.stdout  # at least one step per output token
+    for category in ("GEMMs", "attention", "norms, RoPE, activation", "sampling", "scheduler, batch building"):
+        assert category in proc.stdout
     rows = json.loads(out.read_text())
     assert [r["system"] for r in rows] == ["HF static batching", "HF continuous batching", "tokenmill",
                                            "dense matmul floor"]
     assert all(r["tokens_per_second"] > 0 for r in rows)
+
+
+@pytest.mark.real_model
+def test_bench_peak_times_the_models_gemm_shapes_and_prints_the_limit(tmp_path):
+    out = tmp_path / "peak.json"
+    proc = run_cli("bench", "peak", "--dtypes", "float32", "--json", str(out), timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    for shape in ("qkv (960 x 576)", "o (576 x 576)", "gate_up (3072 x 576)", "down (576 x 1536)",
+                  "lm_head (49152 x 576)", "square 2048 matmul"):
+        assert shape in proc.stdout
+    (result,) = json.loads(out.read_text())
+    assert result["dtype"] == "float32" and 0.2e9 < result["flops_per_token"] < 0.3e9
+    assert result["limit"] == max(result["limits"].values()) > 0
+
+
+def test_the_step_profile_counts_self_time_so_its_shares_add_up() -> None:
+    import time as clock
+
+    from tokenmill.bench.profile import StepProfile
+
+    class Engine:
+        def step(self):
+            clock.sleep(0.02)
+            self.inner()
+
+        def inner(self):
+            clock.sleep(0.03)
+
+        def outside(self):
+            clock.sleep(0.01)
+
+    profile = StepProfile()
+    profile.wrap(Engine, "step", "host", step=True)
+    profile.wrap(Engine, "inner", "gemm")
+    profile.wrap(Engine, "outside", "gemm")
+    engine = Engine()
+    engine.outside()  # outside a step: not counted
+    for _ in range(2):
+        engine.step()
+    profile.undo()
+    assert profile.steps == 2 and set(profile.seconds) == {"host", "gemm"}
+    # the inner call's 0.06 s is not counted in its caller's share too (that would be 0.10 s)
+    assert 0.04 <= profile.seconds["host"] < 0.09 and 0.06 <= profile.seconds["gemm"] < 0.11
+    assert not hasattr(Engine.step, "__wrapped__"), "undo leaves the original"

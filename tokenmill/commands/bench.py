@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 
 from tokenmill.bench.tables import batch1_table, speedup, throughput_table
 from tokenmill.options import add_engine_options, engine_kwargs
@@ -33,6 +34,10 @@ def register(commands: argparse._SubParsersAction) -> None:
     tp.add_argument("--threads", type=int, default=2, help="torch CPU threads for every system (default: 2)")
     add_against_options(tp)
     tp.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    tp.add_argument("--profile", action="store_true",
+                    help="also print where tokenmill's step time goes: GEMMs, attention, norms/RoPE/activation, "
+                         "sampling, other model ops, and the scheduler, batch building and Python (timers on the "
+                         "engine's functions, for the tokenmill run)")
     tp.add_argument("--schema", nargs="?", const="builtin", metavar="FILE",
                     help="also run tokenmill with every request constrained to this JSON schema (without FILE: a "
                          "built-in list-of-records schema) and print the cost of the token masks")
@@ -89,6 +94,21 @@ def register(commands: argparse._SubParsersAction) -> None:
     sp.add_argument("--threads", type=int, default=2, help="torch CPU threads (default: 2)")
     sp.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     sp.set_defaults(handler=run_spec)
+
+    pk = benches.add_parser(
+        "peak", help="the model's GEMM shapes timed on this machine, and the tok/s limit they set",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Times F.linear at the model's own shapes (fused QKV, O, fused gate/up, down, LM head) at "
+                    "16, 64 and 256 rows, and a square 2048 matmul, in each dtype. The limit is the most tokens "
+                    "per second a decode step of these matmuls alone reaches: no engine gets there (attention, "
+                    "norms and sampling come on top). `bench throughput` prints each system's share of it.")
+    pk.add_argument("--model", default="smollm2-135m", help="model name or directory (default: smollm2-135m)")
+    pk.add_argument("--dtypes", default="float32,bfloat16",
+                    help="comma-separated (default: float32,bfloat16; bfloat16 is skipped on a CPU without "
+                         "avx512_bf16 or AMX, where torch emulates it)")
+    pk.add_argument("--threads", type=int, default=2, help="torch CPU threads (default: 2)")
+    pk.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    pk.set_defaults(handler=run_peak)
 
     cap = benches.add_parser(
         "capacity", help="requests that fit in a KV budget: contiguous reservation vs paged blocks",
@@ -197,8 +217,9 @@ def run_throughput(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
     from engine.model_loader import resolve_model
+    from tokenmill.bench import peak, vllm_compare
     from tokenmill.bench import throughput as tp
-    from tokenmill.bench import vllm_compare
+    from tokenmill.bench.profile import profiled
     from tokenmill.bench.workload import mixed_chat_workload
 
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
@@ -212,7 +233,7 @@ def run_throughput(args: argparse.Namespace) -> int:
     batches = [] if args.no_plots else sweep_batches(args)
     torch.set_num_threads(args.threads)
     logging.getLogger("ContinuousBatchingLogger").setLevel(logging.WARNING)
-    console = Console(width=max(Console().width, 150))
+    console = Console(width=max(Console().width, 175))
     console.print(f"machine: {vllm_compare.cpu_description()}")
     vllm = against_vllm(args, console)
     model_dir = resolve_model(args.model)
@@ -225,7 +246,12 @@ def run_throughput(args: argparse.Namespace) -> int:
     latencies: dict[str, list[tp.RequestLatency]] = {}
     batch1: list[tuple[str, str, float]] = []  # (system, dtype, seconds per output token)
     batch1_prompt = (workload.prompts[0], args.batch1_tokens) if args.batch1_tokens > 1 else None
+    limits = {}
     for dtype in dtypes:
+        if peak.native(dtype):
+            limits[dtype] = peak.limit_only(model_dir, dtype)
+            console.print(f"{dtype}: the model's matmuls alone reach {limits[dtype]:.0f} tok/s on this machine "
+                          "(the limit; `tokenmill bench peak` shows its shapes)")
         steps, tokenmill_ids = [], None
         for system in systems:
             console.print(f"running {system} ({dtype}) ...")
@@ -234,7 +260,10 @@ def run_throughput(args: argparse.Namespace) -> int:
             elif system == "hf-continuous":
                 results.append(tp.hf_continuous(model_dir, workload, dtype))
             elif system == "tokenmill":
-                run = tp.tokenmill_run(str(model_dir), workload, dtype, num_threads=args.threads)
+                with profiled() if args.profile else contextlib.nullcontext() as profile:
+                    run = tp.tokenmill_run(str(model_dir), workload, dtype, num_threads=args.threads)
+                if profile is not None:
+                    console.print(profile.table(f"tokenmill {dtype}: where the step time goes"))
                 steps, tokenmill_ids = run.steps, run.output_token_ids
                 results.append(run.result)
                 latencies[f"tokenmill {dtype}"] = run.latencies
@@ -263,7 +292,7 @@ def run_throughput(args: argparse.Namespace) -> int:
             if tokenmill_ids:
                 same, total = vllm_compare.agreement(tokenmill_ids, run.output_token_ids)
                 console.print(f"{dtype}: {same}/{total} outputs identical between tokenmill and vLLM (greedy)")
-    console.print(throughput_table(results))
+    console.print(throughput_table(results, limits))
     if batch1:
         console.print(batch1_table(batch1, args.batch1_tokens))
     if args.json:
@@ -271,6 +300,35 @@ def run_throughput(args: argparse.Namespace) -> int:
             json.dump([{**r.__dict__, "tokens_per_second": r.tokens_per_second} for r in results], f, indent=2)
     if batches:
         write_throughput_plots(args, model_dir, dtypes, batches, latencies, console)
+    return 0
+
+
+def run_peak(args: argparse.Namespace) -> int:
+    import json
+
+    import torch
+    from rich.console import Console
+
+    from engine.model_loader import resolve_model
+    from tokenmill.bench import peak, vllm_compare
+    from tokenmill.bench import throughput as tp
+
+    dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    for dtype in dtypes:
+        if dtype not in tp.DTYPES:
+            raise ValueError(f"unsupported dtype {dtype!r}; choose from {sorted(tp.DTYPES)}")
+    torch.set_num_threads(args.threads)
+    console = Console(width=max(Console().width, 120))
+    console.print(f"machine: {vllm_compare.cpu_description()}, {args.threads} threads")
+    model_dir = resolve_model(args.model)
+    for dtype in [d for d in dtypes if not peak.native(d)]:
+        console.print(f"{dtype} skipped: this CPU has no native {dtype} (avx512_bf16 or AMX)")
+    peaks = [peak.measure(model_dir, dtype) for dtype in dtypes if peak.native(dtype)]
+    console.print(peak.peak_table(peaks))
+    console.print(peak.limit_table(peaks))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([{**p.__dict__, "limit": p.limit} for p in peaks], f, indent=2)
     return 0
 
 
