@@ -39,6 +39,8 @@ class EngineConfig:
     seed: int = 0
     num_threads: int | None = None  # torch CPU threads; default: torch's own choice
     speculative_config: dict[str, Any] | None = None
+    # A request's output is bit-identical however it is batched (fixed-shape GEMMs, one attention path); slower
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         self.validate()

@@ -112,6 +112,20 @@ class LLMEngine:
         self.spec = self._spec_decoders.get(key) if key else None
         self._spec_key = key
 
+    def set_batch_invariant(self, on: bool | None) -> None:
+        """Batch-invariant mode for the requests that follow (a job's own setting; None: the engine's
+        `batch_invariant`). Only while idle; the prefix cache is dropped, its blocks were computed the other way."""
+        on = self.config.batch_invariant if on is None else on
+        if on == self.runner.batch_invariant:
+            return
+        if self.has_unfinished_requests():
+            raise RuntimeError("batch-invariant mode can only be switched while no request is running")
+        self.runner.set_batch_invariant(on)
+        self.kv_manager.pool.reset_prefix_cache()
+
+    def batch_invariance_matches(self, on: bool | None) -> bool:
+        return (self.config.batch_invariant if on is None else on) == self.runner.batch_invariant
+
     def _new_decoder(self, config: SpeculativeConfig) -> SpecDecoder:
         """A decoder that reuses the draft proposer (model and KV pool) of a kept decoder with the same draft.
         At most MAX_SPEC_DECODERS decoders and MAX_DRAFT_PROPOSERS distinct drafts are kept: the least

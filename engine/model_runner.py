@@ -14,6 +14,7 @@ from engine.batch import BatchItem, PoolZeroing, build_step_batch
 from engine.config import EngineConfig
 from engine.memory_plan import plan_kv_cache
 from engine.model_loader import load_model, pick_device, pick_dtype
+from engine.models.cpu_gemm import INVARIANT_ROWS
 from engine.models.llama import head_dim_of
 from engine.sampler import Sampler
 from engine.step_types import ModelRunnerOutput, SampleLayout, SchedulerOutput
@@ -52,6 +53,14 @@ class ModelRunner:
             taken = torch.cuda.memory_reserved(self.device) - reserved
             log.info("CUDA graphs reserved %.0f MiB (planned %.0f MiB)", taken / 2**20,
                      self.kv_plan.graph_pool_bytes / 2**20)
+        self.batch_invariant = False
+        self.set_batch_invariant(config.batch_invariant)  # after the graphs: they replay only with it off
+
+    def set_batch_invariant(self, on: bool) -> None:
+        """Fixed-shape GEMMs and one attention path (see engine/models/cpu_gemm.py, engine/attention/), on or off."""
+        self.attention.set_batch_invariant(on)
+        self.model.set_row_tile(INVARIANT_ROWS if on else 0)
+        self.sampler.batch_invariant = self.batch_invariant = on
 
     @property
     def num_blocks(self) -> int:
@@ -110,7 +119,7 @@ class ModelRunner:
             self.copy_blocks(plan.block_copies)
         layout = SampleLayout.of(plan)
         batch = self.prepare(plan, layout)
-        if self.graphs is not None and self.graphs.can_run(batch):  # decode-only step: replay a CUDA graph
+        if self.graphs is not None and not self.batch_invariant and self.graphs.can_run(batch):  # replay a decode
             hidden = self.graphs.run(batch)
         else:
             self.attention.begin_step(batch)

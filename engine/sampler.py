@@ -3,6 +3,8 @@ draft verification and logprobs; per-request seeded streams.
 
 Sampling uses the exponential race (argmax of p / E with E ~ Exp(1)), which draws exactly from p;
 a request with a seed draws its E from its own generator, so its text does not depend on the batch.
+In batch-invariant mode a seeded request's E for its n-th output token comes from a stream seeded by (seed, n), so
+verifying drafts samples each position exactly as decoding without them would (see `sample_positions`).
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ class Sampler:
         self.generators: dict[int, torch.Generator] = {}  # seq_id -> its seeded stream
         self.stop_token_ids = stop_token_ids
         self.structured = structured
+        self.batch_invariant = False  # seeded noise keyed by output position (set by the model runner)
 
     def release(self, seq_ids: Iterable[int]) -> None:
         """Forget finished sequences' streams and grammar matchers."""
@@ -121,9 +124,19 @@ class Sampler:
         """Exp(1) noise, one row per sequence, each from that sequence's stream."""
         noise = torch.empty(len(seqs), width).exponential_(generator=self.generator)
         for row, seq in enumerate(seqs):
-            if seq.sample_seed is not None:
+            if seq.sample_seed is not None and self.batch_invariant:
+                noise[row] = position_noise(seq.sample_seed, seq.num_output_tokens, width)
+            elif seq.sample_seed is not None:
                 noise[row].exponential_(generator=self.generator_of(seq))
         return noise
+
+    def sample_positions(self, logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
+        """Batch-invariant mode, a seeded sequence: logits [m, vocab] of its next m positions -> the token it samples
+        at each, as it would one step at a time."""
+        probs = self.probabilities(logits, [seq.params] * logits.shape[0])
+        noise = torch.stack([position_noise(seq.sample_seed, seq.num_output_tokens + i, logits.shape[-1])
+                             for i in range(logits.shape[0])])
+        return (probs / noise).argmax(dim=-1)
 
     def uniform(self, seqs: list[Sequence], width: int) -> torch.Tensor:
         """U(0, 1) draws, one row per sequence, each from that sequence's stream."""
@@ -132,6 +145,12 @@ class Sampler:
             if seq.sample_seed is not None:
                 draws[row] = torch.rand(width, generator=self.generator_of(seq))
         return draws
+
+
+def position_noise(seed: int, index: int, width: int) -> torch.Tensor:
+    """Exp(1) noise for output token `index` of a request seeded `seed`: the same however the tokens are batched."""
+    generator = torch.Generator().manual_seed((seed * 0x9E3779B97F4A7C15 + index) % (1 << 63))
+    return torch.empty(width).exponential_(generator=generator)
 
 
 def record_logprobs(logprobs: torch.Tensor, layout: SampleLayout,

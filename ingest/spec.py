@@ -6,7 +6,8 @@
      "shard_size": 500, "priority": 0, "openai_output": false,
      "idempotency_key": "...", "job_id": "<uuid>",                  # both optional
      "completion_window": "24h",                                      # the deadline (s, m, h or d; <= 30 days)
-     "served_model_names": ["gpt-4o-mini"]}                           # aliases an OpenAI row's model may name
+     "served_model_names": ["gpt-4o-mini"],                           # aliases an OpenAI row's model may name
+     "batch_invariant": true}                                         # outputs independent of the batch (slower)
 
 Only `output_uri` and one of `input_uri` / `rows` are required (the S3 inbox supplies both). Unknown fields
 are refused, so a typo does not silently run with defaults.
@@ -26,7 +27,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator, model_validator
 
 from engine.config import DEFAULT_MODEL, EngineConfig
 from engine.spec_decode.config import SpeculativeConfig
@@ -84,6 +85,8 @@ class JobRequest(BaseModel):
     sampling: dict[str, Any] = Field(default_factory=dict)
     engine: dict[str, Any] = Field(default_factory=dict)  # only `tokenmill run` honours these (see to_job)
     speculative_config: dict[str, Any] | None = None  # {"method": "ngram", "num_speculative_tokens": 5, ...}
+    # each row's output bit-identical however it is batched or sharded (None: the engine's own setting)
+    batch_invariant: StrictBool | None = None
     shard_size: ShardSize = DEFAULT_SHARD_SIZE
     priority: int = Field(default=0, gt=-PRIORITY_BOUND, lt=PRIORITY_BOUND)
     openai_output: bool = False
@@ -164,6 +167,7 @@ class JobRequest(BaseModel):
             if (self.speculative_config or {}).get("model") is not None:
                 check_model_name("speculative_config.model", self.speculative_config["model"])
         settings = JobSettings(sampling=self.sampling, engine=self.engine, speculative_config=self.speculative_config,
+                               batch_invariant=self.batch_invariant,
                                shard_size=self.shard_size, limits=limits or Limits.from_env(), s3=s3 or S3Options(),
                                openai_output=self.openai_output, executor=executor, cache_salt=self.cache_salt,
                                completion_window=self.completion_window,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_serializer
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_serializer
 from sqlalchemy import JSON
 from sqlalchemy.engine import Dialect
 from sqlalchemy.types import TypeDecorator
@@ -39,6 +39,7 @@ class JobSettings(BaseModel):
     sampling: dict[str, Any] = Field(default_factory=dict)  # SamplingParams defaults; rows may override
     engine: dict[str, Any] = Field(default_factory=dict)  # EngineConfig settings (local jobs only)
     speculative_config: dict[str, Any] | None = None  # the job's speculative decoding (None: the engine's own)
+    batch_invariant: StrictBool | None = None  # outputs independent of the batch (None: the engine's own setting)
     shard_size: ShardSize = DEFAULT_SHARD_SIZE
     limits: Limits = Field(default_factory=Limits)
     s3: S3Options = Field(default_factory=S3Options)

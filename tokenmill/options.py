@@ -41,6 +41,9 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--attention-backend", choices=BACKENDS, default="auto",
                        help="paged attention implementation (auto: triton on CUDA, torch on CPU)")
     group.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's choice)")
+    group.add_argument("--batch-invariant", action="store_true",
+                       help="a request's output bit-identical however it is batched (fixed-shape GEMMs, one "
+                            "attention path; slower, see the README)")
     group.add_argument("--speculative-method", choices=("ngram", "draft", "self"),
                        help="speculative decoding proposer: ngram (prompt lookup), draft (--draft-model) or self "
                             "(the model's own first layers); adaptive, so large batches are not slowed (default: off)")
@@ -55,7 +58,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=not args.no_prefix_caching,
         admission_lookahead=args.admission_lookahead, scheduling_policy=args.scheduling_policy,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
-        attention_backend=args.attention_backend, num_threads=args.threads,
+        attention_backend=args.attention_backend, num_threads=args.threads, batch_invariant=args.batch_invariant,
     )
     if args.kv_cache_memory is not None:
         kwargs["kv_cache_memory"] = int(args.kv_cache_memory * 2**30)

@@ -48,14 +48,16 @@ def shards_in_flight(max_num_seqs: int, rows_per_shard: int, kv_rows: int | None
 
 @dataclass
 class RowSettings:
-    """How a job's rows run: its sampling defaults, engine request priority, prefix-cache salt and speculative
-    decoding setting (None: the engine's own), and the model names its OpenAI rows may give (none: any)."""
+    """How a job's rows run: its sampling defaults, engine request priority, prefix-cache salt, speculative
+    decoding and batch-invariant settings (None: the engine's own), and the model names its OpenAI rows may give
+    (none: any)."""
 
     defaults: dict[str, Any]
     priority: int = 0
     cache_salt: str | None = None
     speculative: dict[str, Any] | None = None
     models: frozenset[str] = frozenset()
+    batch_invariant: bool | None = None
 
 
 @dataclass(eq=False)
@@ -176,16 +178,18 @@ class EngineLoop:
         ticket.request_ids.clear()
 
     def _admit(self) -> None:
-        """Admit waiting shards in order. One with another speculative setting waits until the engine drained
-        (the engine switches it only while idle); a suspect shard runs alone."""
+        """Admit waiting shards in order. One with another speculative or batch-invariant setting waits until the
+        engine drained (the engine switches them only while idle); a suspect shard runs alone."""
         while self.waiting:
             ticket = self.waiting[0]
             try:
                 if self.active and (ticket.suspect or any(t.suspect for t in self.active)
-                                    or not self.engine.speculation_matches(ticket.settings.speculative)):
+                                    or not self.engine.speculation_matches(ticket.settings.speculative)
+                                    or not self.engine.batch_invariance_matches(ticket.settings.batch_invariant)):
                     return
                 self.waiting.popleft()
                 self.engine.set_speculative_config(ticket.settings.speculative)
+                self.engine.set_batch_invariant(ticket.settings.batch_invariant)
                 self.active.append(ticket)
                 self._feed(ticket)
             except Exception as error:  # this shard alone fails

@@ -377,7 +377,7 @@ class JobSteps:
         if watch.should_stop():  # a shard never starts on a job that stopped
             return ShardOutcome(cancelled=True)
         settings = RowSettings(job.settings.sampling, engine_priority(job), job.settings.cache_salt,
-                               job.settings.speculative_config, served_models(job))
+                               job.settings.speculative_config, served_models(job), job.settings.batch_invariant)
         rows = self._read_rows(job, shard)  # read here, not on the engine thread
         return loop_for(engine).run(settings, rows, request_prefix(job, shard), watch.should_stop, self.progress)
 

@@ -56,6 +56,10 @@ class AttentionBackend:
     """Paged attention over one KV pool. `begin_step` once per step, then `forward` per layer."""
 
     name = "base"
+    batch_invariant = False  # every query through one path whose result does not depend on the batch
+
+    def set_batch_invariant(self, on: bool) -> None:
+        self.batch_invariant = on
 
     def __init__(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], num_q_heads: int):
         self.k_caches = k_caches
@@ -71,6 +75,23 @@ class AttentionBackend:
         """q: [T, Hq*D], k/v: [T, Hkv*D] for this step's tokens -> attention output [T, Hq*D].
         Writes k/v into the pool at the step's slots first."""
         raise NotImplementedError
+
+
+def sequence_tables(batch: StepBatch) -> tuple[torch.Tensor, list[int]]:
+    """Every sequence's block table, decodes first, padded to one width, and each one's query length."""
+    tables = [batch.decode_block_tables[:batch.num_decodes]]
+    query_lens = [1] * batch.num_decodes
+    if batch.prefill is not None:
+        tables.append(batch.prefill.block_tables)
+        query_lens += batch.prefill.query_lens
+    width = max(t.shape[1] for t in tables)
+    return torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1])) for t in tables]), query_lens
+
+
+def per_token_tables(batch: StepBatch) -> torch.Tensor:
+    """Each token's own sequence's block table, [num_tokens, max_blocks]."""
+    tables, query_lens = sequence_tables(batch)
+    return tables.repeat_interleave(torch.tensor(query_lens, device=tables.device), dim=0)
 
 
 def allocate_kv_pool(num_layers: int, num_kv_heads: int, num_blocks: int, block_size: int, head_dim: int,

@@ -5,6 +5,9 @@ pads queries to the group's longest, and runs one masked attention per layer: no
 When the group shares leading blocks (a common prompt prefix), those are read once for the whole group
 and attended with one dense matmul (cascade attention), then merged with each sequence's own suffix
 through the log-sum-exp of both parts.
+
+Batch-invariant mode sends every token, decode or prefill, through the CPU decode kernel as one query over its own
+sequence's blocks up to its position: blocks in table order, the same arithmetic whatever else is in the step.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention import cpu_kernel
-from engine.attention.base import AttentionBackend, PrefillGroup, StepBatch, shared_prefix_blocks
+from engine.attention.base import AttentionBackend, PrefillGroup, StepBatch, per_token_tables, shared_prefix_blocks
 
 MIN_SHARED_BLOCKS = 4  # below this, reading the shared prefix per sequence costs less than a second pass
 
@@ -114,12 +117,14 @@ class TorchAttention(AttentionBackend):
         pool_slots = self.num_blocks * self.block_size
         self.write_index = (heads[:, None] * pool_slots + batch.slot_mapping[None, :]).reshape(-1)
         self.groups: list[_Group] = []
-        if batch.num_decodes and self._use_kernel(device):
+        if self.batch_invariant:
+            self.groups.append(self._invariant_group(batch))
+        elif batch.num_decodes and self._use_kernel(device):
             self.groups.append(self._kernel_group(batch, heads))
         elif batch.num_decodes:
             runs = decode_groups(batch.decode_context_lens_list, self.block_size) or [(0, batch.num_decodes)]
             self.groups.extend(self._decode_group(batch, heads, first, end) for first, end in runs)
-        if batch.prefill is not None:
+        if batch.prefill is not None and not self.batch_invariant:
             group = batch.prefill
             runs = prefill_runs(group.query_lens, group.context_lens)
             start = batch.num_decodes
@@ -127,6 +132,20 @@ class TorchAttention(AttentionBackend):
                 run = group if len(runs) == 1 else self._prefill_run(group, first, end)
                 self.groups.append(self._prefill_group(run, start, heads))
                 start += sum(run.query_lens)
+
+    def set_batch_invariant(self, on: bool) -> None:
+        pool = self.k_caches[0]
+        if on and not (pool.device.type == "cpu" and cpu_kernel.available(pool.dtype)):
+            raise RuntimeError("batch_invariant with the torch backend needs the CPU attention kernel: a CPU pool, a "
+                               "C compiler (cc), float32 or bfloat16, and TOKENMILL_CPU_ATTENTION_KERNEL unset; on "
+                               "CUDA use attention_backend='triton'")
+        super().set_batch_invariant(on)
+
+    def _invariant_group(self, batch: StepBatch) -> _Group:
+        """All tokens as decode-kernel queries: each attends its sequence's keys [0, position]."""
+        num = batch.input_ids.shape[0]
+        return _Group(0, num, num, 1, 0, None, None, None, None, kernel_tables=per_token_tables(batch).to(
+            torch.int32).contiguous(), kernel_context_lens=(batch.positions + 1).to(torch.int32))
 
     def _rows(self, block_tables: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
         return (heads[:, None, None] * self.num_blocks + block_tables[None]).reshape(-1)

@@ -2,13 +2,15 @@
 
 Per layer: one kernel writes the step's K/V into the pool, one attends the decode tokens, one the prefill
 tokens. A decode-only step reads nothing from the host after `begin_step`, so it can be replayed as a CUDA graph.
+Batch-invariant mode runs every token through the prefill kernel (a decode is a query of length 1), with one set
+of tile sizes: key tiles from position 0 in fixed steps, whatever the step holds.
 """
 
 from __future__ import annotations
 
 import torch
 
-from engine.attention.base import AttentionBackend, StepBatch
+from engine.attention.base import AttentionBackend, PrefillGroup, StepBatch, sequence_tables
 
 try:
     from engine.attention import triton_kernels as kernels
@@ -36,15 +38,25 @@ class TritonAttention(AttentionBackend):
         self.decode_tables = batch.decode_block_tables
         self.decode_context_lens = batch.decode_context_lens
         self.prefill = batch.prefill
-        if batch.prefill is None:
+        if self.batch_invariant and batch.num_decodes:  # decodes join the prefills as queries of length 1
+            self.prefill = self._all_as_prefill(batch)
+            self.num_decodes = 0
+        if self.prefill is None:
             return
         device = batch.slot_mapping.device
         starts = [0]
-        for length in batch.prefill.query_lens:
+        for length in self.prefill.query_lens:
             starts.append(starts[-1] + length)
         self.query_starts = torch.tensor(starts, dtype=torch.long, device=device)
-        self.prefill_context_lens = torch.tensor(batch.prefill.context_lens, dtype=torch.long, device=device)
-        self.max_query_len = max(batch.prefill.query_lens)
+        self.prefill_context_lens = torch.tensor(self.prefill.context_lens, dtype=torch.long, device=device)
+        self.max_query_len = max(self.prefill.query_lens)
+
+    @staticmethod
+    def _all_as_prefill(batch: StepBatch) -> PrefillGroup:
+        decode_lens = batch.decode_context_lens_list or batch.decode_context_lens.tolist()
+        context_lens = list(decode_lens) + (batch.prefill.context_lens if batch.prefill else [])
+        tables, query_lens = sequence_tables(batch)
+        return PrefillGroup(query_lens, context_lens, tables)
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         k_pool, v_pool = self.k_caches[layer], self.v_caches[layer]

@@ -3,7 +3,10 @@ call, as vLLM's CPU build does. bfloat16 runs through oneDNN. float32 runs throu
 `F.linear`, bit for bit) or oneDNN, whichever is faster for that weight's shape on this CPU, timed once per
 shape when the model loads at a decode batch of 4 and of 64 rows: on AMD EPYCs (AVX2 and AVX-512) oneDNN ran
 the 49152-row LM head twice as fast as MKL, and on AVX-512 the layers' projections 1.2-3x as fast. Where the
-ops are missing, `F.linear` runs."""
+ops are missing, `F.linear` runs.
+
+Batch-invariant mode (`row_tile`): every call runs in tiles of exactly `INVARIANT_ROWS` rows, the last one padded,
+on a kernel fixed per dtype (not timed), so a row's result never depends on how many rows came with it."""
 
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ import functools
 import logging
 import os
 import time
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -20,14 +24,25 @@ log = logging.getLogger("tokenmill.cpu_gemm")
 PACK_ROWS = 64  # the batch size the packed layout is tuned for; any number of rows runs
 ONEDNN_MARGIN = 1.1  # float32 takes oneDNN only this much faster than MKL: a clear win, the same on every run
 TIMED_ROWS = (4, PACK_ROWS)  # a small and a full decode batch
+INVARIANT_ROWS = 64  # rows of every GEMM call in batch-invariant mode
 
 
 def _mkldnn_ok() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
+def row_tiled(linear: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, tile: int) -> torch.Tensor:
+    """linear(x) computed `tile` rows at a time, the last tile padded with zeros: the GEMM always sees one shape."""
+    rows = x.shape[0]
+    padded = F.pad(x, (0, 0, 0, -rows % tile)) if rows % tile else x.contiguous()
+    parts = [linear(padded[start:start + tile]) for start in range(0, padded.shape[0], tile)]
+    return (parts[0] if len(parts) == 1 else torch.cat(parts))[:rows]
+
+
 class PackedWeight:
     """`weight` (and `bias`) as a function x -> x @ weight.T + bias, through a prepacked kernel."""
+
+    row_tile = 0  # > 0: batch-invariant, every call in tiles of this many rows
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self.weight, self.bias, self.packed = weight, bias, None
@@ -41,6 +56,19 @@ class PackedWeight:
             self.packed = _pack(weight.detach(), self.kind)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.row_tile and x.dim() == 2:
+            return row_tiled(self._linear, x, self.row_tile)
+        return self._linear(x)
+
+    def set_row_tile(self, tile: int) -> None:
+        """Batch-invariant mode on (`tile` rows per call) or off (0). On, float32 leaves the timed kernel choice
+        (it may differ between processes) for a fixed one, repacking the weight if needed."""
+        self.row_tile = tile
+        if tile and self.packed is not None and self.kind != (fixed := fixed_float32_kernel()) \
+                and self.weight.dtype == torch.float32:
+            self.kind, self.packed = fixed, _pack(self.weight.detach(), fixed)
+
+    def _linear(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None or x.dim() != 2 or x.dtype != self.weight.dtype:
             return F.linear(x, self.weight, self.bias)
         if self.kind == "onednn":
@@ -68,6 +96,11 @@ def float32_kernel(out_features: int, in_features: int) -> str:
             raise ValueError(f"TOKENMILL_FLOAT32_GEMM must be mkl or onednn, not {forced!r}")
         return forced
     return fastest_float32_kernel(out_features, in_features)
+
+
+def fixed_float32_kernel() -> str:
+    """The float32 kernel of batch-invariant mode: `TOKENMILL_FLOAT32_GEMM`, else oneDNN where it runs, else MKL."""
+    return os.environ.get("TOKENMILL_FLOAT32_GEMM") or ("onednn" if _mkldnn_ok() else "mkl")
 
 
 @functools.cache
@@ -100,9 +133,19 @@ class Linear(torch.nn.Linear):
     are loaded and cast: packing copies them)."""
 
     packed: PackedWeight | None = None
+    row_tile = 0  # batch-invariant mode without a packed kernel (e.g. CUDA): F.linear in tiles of this many rows
 
     def pack(self) -> None:
         self.packed = PackedWeight(self.weight, self.bias)
 
+    def set_row_tile(self, tile: int) -> None:
+        self.row_tile = tile
+        if self.packed is not None:
+            self.packed.set_row_tile(tile)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias) if self.packed is None else self.packed(x)
+        if self.packed is not None:
+            return self.packed(x)
+        if self.row_tile and x.dim() == 2:
+            return row_tiled(lambda chunk: F.linear(chunk, self.weight, self.bias), x, self.row_tile)
+        return F.linear(x, self.weight, self.bias)

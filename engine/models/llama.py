@@ -176,6 +176,15 @@ class LlamaForCausalLM(nn.Module):
             self.fused_ops = cpu_kernel.layer_ops(self.embed_tokens.weight.dtype)
             self.rope_tables_f32 = (self.rope_cos.float(), self.rope_sin.float())  # exact: cast from float32
 
+    def set_row_tile(self, tile: int) -> None:
+        """Batch-invariant mode (`tile` > 0): every projection and the LM head in GEMMs of exactly `tile` rows."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.set_row_tile(tile)
+        if self.packed_head is None:  # not packed (e.g. CUDA): F.linear, tiled the same way
+            self.packed_head = PackedWeight(self.lm_head_weight)
+        self.packed_head.set_row_tile(tile)
+
     def load_hf_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load Hugging Face parameter names, fusing q/k/v and gate/up as they arrive."""
         params = dict(self.named_parameters())

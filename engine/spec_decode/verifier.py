@@ -24,10 +24,15 @@ def verify_drafts(logits: list[torch.Tensor], seqs: list[Sequence], drafts: list
     sequences accept exactly the target's argmax; sampled ones go through exact rejection sampling. Returns
     each sequence's new tokens."""
     out: dict[int, list[int]] = {}
+    by_position = [i for i, s in enumerate(seqs)
+                   if s.params.temperature > 0 and s.sample_seed is not None and sampler.batch_invariant]
     greedy = [i for i, s in enumerate(seqs) if s.params.temperature == 0]
-    sampled = [i for i, s in enumerate(seqs) if s.params.temperature > 0]
+    sampled = [i for i, s in enumerate(seqs) if s.params.temperature > 0 and i not in by_position]
     if greedy:
         _collect(out, greedy, *_verify_greedy([logits[i] for i in greedy], [drafts[i] for i in greedy]))
+    if by_position:  # each position sampled as without drafts; the drafts up to the first miss are kept
+        tokens = [sampler.sample_positions(logits[i], seqs[i]) for i in by_position]
+        _collect(out, by_position, *_verify_tokens(tokens, [drafts[i] for i in by_position]))
     if sampled:
         _collect(out, sampled, *_verify_sampled([logits[i] for i in sampled], [seqs[i] for i in sampled],
                                                 [drafts[i] for i in sampled], [draft_probs[i] for i in sampled],
@@ -47,9 +52,13 @@ def _padded(drafts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, int]:
 
 
 def _verify_greedy(logits: list[torch.Tensor], drafts: list[list[int]]):
+    return _verify_tokens([row.max(dim=-1).indices for row in logits], drafts)
+
+
+def _verify_tokens(target_tokens: list[torch.Tensor], drafts: list[list[int]]):
+    """Accept each sequence's drafts while they equal the target's own token at that position."""
     padded, num_drafts, k = _padded(drafts)
-    argmax = pad_rows([row.max(dim=-1).indices for row in logits], k + 1)
-    return greedy_verify(argmax, padded, num_drafts)
+    return greedy_verify(pad_rows(target_tokens, k + 1), padded, num_drafts)
 
 
 def _verify_sampled(logits: list[torch.Tensor], seqs: list[Sequence], drafts: list[list[int]],

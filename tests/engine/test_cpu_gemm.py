@@ -5,7 +5,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.models.cpu_gemm import PackedWeight, fastest_float32_kernel, float32_kernel
+from engine.models.cpu_gemm import (
+    INVARIANT_ROWS,
+    Linear,
+    PackedWeight,
+    fastest_float32_kernel,
+    fixed_float32_kernel,
+    float32_kernel,
+)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -47,3 +54,23 @@ def test_the_float32_kernel_is_timed_once_per_shape_and_can_be_forced(monkeypatc
     monkeypatch.setenv("TOKENMILL_FLOAT32_GEMM", "blas")
     with pytest.raises(ValueError, match="mkl or onednn"):
         float32_kernel(64, 32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "f_linear"])
+def test_row_tiles_give_a_row_the_same_result_in_any_batch(dtype, packed):
+    """Batch-invariant mode: a row alone, at any place of a tile, or among hundreds, bit for bit."""
+    generator = torch.Generator().manual_seed(2)
+    linear = Linear(576, 1536, bias=True).to(dtype)
+    if packed:
+        linear.pack()
+    linear.set_row_tile(INVARIANT_ROWS)
+    x = torch.randn(300, 576, generator=generator).to(dtype)
+    full = linear(x)
+    assert full.shape == (300, 1536)
+    for first, end in ((0, 1), (5, 6), (17, 90), (63, 65), (100, 300), (299, 300)):
+        assert torch.equal(linear(x[first:end]), full[first:end]), (first, end)
+    shifted = torch.cat([torch.randn(7, 576, generator=generator).to(dtype), x[:20]])
+    assert torch.equal(linear(shifted)[7:], full[:20])
+    if packed and dtype == torch.float32:
+        assert linear.packed.kind == fixed_float32_kernel()

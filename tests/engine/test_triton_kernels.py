@@ -20,6 +20,7 @@ if not CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported; only Triton reads it
 import triton  # noqa: E402, F401  (in the dev extra: a missing triton fails here, never skips)
 
+from engine.attention import cpu_kernel  # noqa: E402
 from engine.attention import triton_kernels as tk  # noqa: E402
 from engine.attention.base import PrefillGroup, StepBatch  # noqa: E402
 from engine.attention.torch_backend import TorchAttention  # noqa: E402
@@ -211,3 +212,50 @@ def test_clear_errors_without_interpreter_or_triton():
         proc = subprocess.run([sys.executable, "-c", script, mode], env=env, cwd=ROOT, capture_output=True,
                               text=True, timeout=120)
         assert proc.stdout.startswith(expected), proc.stdout + proc.stderr
+
+
+
+def one_sequence_step(table: torch.Tensor, block_size: int, query_len: int, context_len: int) -> StepBatch:
+    """A step of one sequence alone: the last `query_len` of its `context_len` positions, a decode when one."""
+    positions = torch.arange(context_len - query_len, context_len, device=DEVICE)
+    decode = query_len == 1
+    return StepBatch(input_ids=torch.zeros(query_len, dtype=torch.long, device=DEVICE), positions=positions,
+                     slot_mapping=table[positions // block_size] * block_size + positions % block_size,
+                     num_decodes=int(decode), decode_context_lens=torch.tensor([context_len] * decode, device=DEVICE),
+                     decode_block_tables=table[None] if decode else padded([[0]]),
+                     decode_max_context_len=context_len if decode else 0,
+                     prefill=None if decode else PrefillGroup([query_len], [context_len], table[None]),
+                     sample_indices=torch.arange(query_len, device=DEVICE))
+
+
+@pytest.mark.parametrize("backend", [TritonAttention, TorchAttention], ids=["triton", "torch"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_batch_invariant_mode_gives_a_query_the_same_output_alone_or_batched(backend, dtype):
+    """Every query of a mixed step, and each prefill's last query as a decode of its own, bit-identical. Triton
+    only on CUDA: the interpreter's tl.dot is numpy's matmul, whose rows depend on the other rows' values."""
+    if backend is TorchAttention and (CUDA or not cpu_kernel.available(dtype)):
+        pytest.skip("the torch backend's batch-invariant path is the CPU kernel")
+    if backend is TritonAttention and not CUDA:
+        pytest.skip("under Triton's interpreter a row of tl.dot depends on the other rows (numpy's matmul)")
+    case = Case("invariant", 6, 2, 16, 4, (7, 12), ((5, 10), (3, 3), (2, 19)), dtype=dtype)
+    generator = torch.Generator().manual_seed(5)
+    batch, num_blocks = build_step(case, generator)
+    seqs = [(1, n) for n in case.decode_lens] + list(case.prefills)  # (query_len, context_len)
+    batch.positions = torch.cat([torch.arange(c - q, c) for q, c in seqs]).to(DEVICE)
+    k_pool, v_pool = random_pools(case, num_blocks, generator)
+    qkv = torch.randn(len(batch.positions), 10 * 16, generator=generator).to(DEVICE, dtype)
+    q, k, v = qkv.split([6 * 16, 2 * 16, 2 * 16], dim=1)
+    attention = backend([k_pool], [v_pool], 6)
+    attention.set_batch_invariant(True)
+    attention.begin_step(batch)
+    batched = attention.forward(0, q, k, v)
+    tables = list(batch.decode_block_tables[:batch.num_decodes]) + list(batch.prefill.block_tables)
+    first = 0
+    for table, (query_len, context_len) in zip(tables, seqs, strict=True):
+        rows = slice(first, first + query_len)
+        attention.begin_step(one_sequence_step(table, case.block_size, query_len, context_len))
+        assert torch.equal(attention.forward(0, q[rows], k[rows], v[rows]), batched[rows])
+        attention.begin_step(one_sequence_step(table, case.block_size, 1, context_len))  # its last query alone
+        last = slice(rows.stop - 1, rows.stop)
+        assert torch.equal(attention.forward(0, q[last], k[last], v[last]), batched[last])
+        first += query_len

@@ -63,7 +63,7 @@ def loop(llm_engine) -> EngineLoop:
 
 def test_two_jobs_shards_share_the_engine_with_their_solo_outputs(loop, llm_engine) -> None:
     a, b = rows("a", 5, 6), rows("b", 4, 3)
-    execution = RowSettings(GREEDY)
+    execution = RowSettings(GREEDY, batch_invariant=True)  # solo and shared batches: the job's setting pins them
     solo = {name: texts(loop.run(execution, shard_rows, f"solo-{name}-")) for name, shard_rows in (("a", a), ("b", b))}
     steps = []
     llm_engine.step_observers.append(lambda finished: steps.append(llm_engine.num_unfinished_requests))
@@ -74,6 +74,9 @@ def test_two_jobs_shards_share_the_engine_with_their_solo_outputs(loop, llm_engi
     assert {name: texts(outcome) for name, outcome in together.items()} == solo
     assert max(steps) > max(len(a), len(b)), "both shards' rows must be in the engine at once"
     assert not llm_engine.has_unfinished_requests() and not loop.pending
+    assert llm_engine.runner.batch_invariant  # switched on for the job's shards
+    llm_engine.set_batch_invariant(None)  # back to the engine's own setting for other tests
+    assert not llm_engine.runner.batch_invariant
 
 
 def test_cancelling_one_shard_aborts_its_rows_and_the_other_completes(loop, llm_engine) -> None:

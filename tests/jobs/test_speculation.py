@@ -1,5 +1,5 @@
 """A job's own speculative decoding: set in its spec, applied to the worker's engine for its shards,
-counted per shard and reported in the manifest."""
+counted per shard and reported in the manifest. A job's batch-invariant setting travels the same way."""
 
 from __future__ import annotations
 
@@ -45,3 +45,13 @@ def test_a_job_spec_with_a_bad_speculative_config_is_refused():
     request = parse_request('{"input_uri": "s3://b/in.parquet", "output_uri": "s3://b/out", '
                             '"speculative_config": {"method": "ngram", "num_speculative_tokens": 3}}')
     assert request.speculative_config == {"method": "ngram", "num_speculative_tokens": 3}
+
+
+def test_a_job_spec_carries_batch_invariant_to_its_settings():
+    spec = '{"input_uri": "s3://b/in.parquet", "output_uri": "s3://b/out"%s}'
+    with pytest.raises(SpecError, match="batch_invariant"):
+        parse_request(spec % ', "batch_invariant": "yes"')
+    assert parse_request(spec % "").to_job(executor="celery").settings.batch_invariant is None  # the engine's own
+    settings = parse_request(spec % ', "batch_invariant": true').to_job(executor="celery").settings
+    assert settings.batch_invariant is True
+    assert settings.to_json()["batch_invariant"] is True

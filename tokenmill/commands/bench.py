@@ -9,6 +9,7 @@ from tokenmill.bench.tables import batch1_table, speedup, throughput_table
 from tokenmill.options import add_engine_options, engine_kwargs
 
 SYSTEMS = ("hf-static", "hf-continuous", "tokenmill", "floor")
+OPTIONAL_SYSTEMS = ("tokenmill-invariant",)  # run only when named: tokenmill with batch_invariant=True
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -29,7 +30,9 @@ def register(commands: argparse._SubParsersAction) -> None:
     tp.add_argument("--min-tokens", type=int, default=16, help="shortest forced output (default: 16)")
     tp.add_argument("--max-tokens", type=int, default=192, help="longest forced output (default: 192)")
     tp.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated (default: float32,bfloat16)")
-    tp.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {','.join(SYSTEMS)}")
+    tp.add_argument("--systems", default=",".join(SYSTEMS),
+                    help=f"comma-separated subset of {','.join(SYSTEMS + OPTIONAL_SYSTEMS)} "
+                         f"(default: {','.join(SYSTEMS)})")
     tp.add_argument("--static-batch-size", type=int, default=16, help="HF static batch size (default: 16)")
     tp.add_argument("--threads", type=int, default=2, help="torch CPU threads for every system (default: 2)")
     add_against_options(tp)
@@ -223,9 +226,9 @@ def run_throughput(args: argparse.Namespace) -> int:
     from tokenmill.bench.workload import mixed_chat_workload
 
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    unknown = set(systems) - set(SYSTEMS)
+    unknown = set(systems) - set(SYSTEMS + OPTIONAL_SYSTEMS)
     if unknown:
-        raise ValueError(f"unknown system(s) {sorted(unknown)}; choose from {SYSTEMS}")
+        raise ValueError(f"unknown system(s) {sorted(unknown)}; choose from {SYSTEMS + OPTIONAL_SYSTEMS}")
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
     for dtype in dtypes:
         if dtype not in tp.DTYPES:
@@ -280,6 +283,15 @@ def run_throughput(args: argparse.Namespace) -> int:
                 if batch1_prompt:
                     batch1.append(("tokenmill", dtype, vllm_compare.tokenmill_batch1_tpot(
                         str(model_dir), dtype, *batch1_prompt, num_threads=args.threads)))
+            elif system == "tokenmill-invariant":
+                invariant = tp.tokenmill_run(str(model_dir), workload, dtype, "tokenmill batch-invariant",
+                                             batch_invariant=True, num_threads=args.threads).result
+                results.append(invariant)
+                plain = next((r for r in results if r.system == "tokenmill" and r.dtype == dtype), None)
+                if plain is not None:
+                    console.print(f"{dtype}: batch-invariant mode costs "
+                                  f"{1 - invariant.tokens_per_second / plain.tokens_per_second:.1%} of throughput "
+                                  f"({plain.tokens_per_second:.1f} -> {invariant.tokens_per_second:.1f} tok/s)")
             elif system == "floor" and steps:
                 results.append(tp.dense_matmul_floor(model_dir, steps, dtype))
         if vllm is not None:

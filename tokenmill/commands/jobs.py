@@ -198,6 +198,7 @@ def _new_job(args: argparse.Namespace):
                                     output_uri=args.output or default_output(args.input), model=args.model,
                                     sampling=sampling_kwargs(args), engine=engine,
                                     speculative_config=engine.get("speculative_config"),
+                                    batch_invariant=engine["batch_invariant"] or None,
                                     shard_size=args.shard_size or DEFAULT_SHARD_SIZE,
                                     openai_output=args.openai_output,
                                     served_model_names=args.served_model_name))

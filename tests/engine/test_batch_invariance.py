@@ -1,0 +1,111 @@
+"""Batch-invariant mode on the real model, in bfloat16 and float32: a request's token ids and logprobs are
+bit-identical alone or among 64 others, chunked or whole, from the prefix cache or computed, with speculation on
+or off, with one thread or two, greedy or seeded sampling. Each run after the first uses its own cache salt, so it
+computes its prompt unless the test means it to hit the prefix cache."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.models.cpu_gemm import INVARIANT_ROWS, Linear, fixed_float32_kernel
+
+PROMPT = "The three primary colors are red, yellow and"
+REPEATING = "one two three four five six, one two three four five six, one two three four five six, one two"
+GREEDY = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=2)
+SEEDED = SamplingParams(max_tokens=4, temperature=0.9, top_p=0.95, seed=11, ignore_eos=True, logprobs=2)
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3}
+salts = (f"run-{i}" for i in itertools.count())
+
+
+@pytest.fixture(scope="module", params=["bfloat16", "float32"])
+def llm(request, model_dir):
+    return LLM(str(model_dir), dtype=request.param, batch_invariant=True, num_threads=2, max_model_len=256,
+               kv_cache_memory=96 << 20, max_num_seqs=80)
+
+
+def result(output) -> tuple[list[int], list[dict[int, tuple[float, int]]]]:
+    """Token ids and, per token, {token: (logprob, rank)}: compared exactly."""
+    sample = output.outputs[0]
+    return sample.token_ids, [{t: (lp.logprob, lp.rank) for t, lp in step.items()} for step in sample.logprobs]
+
+
+def generate(llm, prompts, params, salt=None) -> list:
+    return [result(o) for o in llm.generate(prompts, params, cache_salt=salt or next(salts))]
+
+
+def others(llm, count: int) -> list[list[int]]:
+    """`count` short prompts of varied lengths (2 to 9 tokens), none sharing PROMPT's first block."""
+    ids = llm.get_tokenizer().encode("Write a short story about a lighthouse keeper and the sea at night")
+    return [[1] + ids[i % 5:i % 5 + 1 + i % 8] for i in range(count)]
+
+
+def test_alone_or_among_64_others(llm):
+    alone = [generate(llm, [PROMPT], params)[0] for params in (GREEDY, SEEDED)]
+    crowd = others(llm, 64)
+    batched = generate(llm, crowd[:40] + [PROMPT, PROMPT] + crowd[40:], [GREEDY] * 40 + [GREEDY, SEEDED]
+                       + [SEEDED] * 24)
+    assert batched[40:42] == alone
+    assert all(len(tokens) == 4 and len(steps) == 4 for tokens, steps in alone)
+
+
+def test_chunked_or_whole_prefill(llm):
+    (whole,) = generate(llm, [PROMPT], GREEDY)
+    limits = llm.engine.scheduler.limits
+    limits.long_prefill_token_threshold = 3  # the prompt in chunks of 3 tokens, beside the crowd's decodes
+    try:
+        chunked = generate(llm, [PROMPT] + others(llm, 4), GREEDY)
+    finally:
+        limits.long_prefill_token_threshold = 0
+    assert chunked[0] == whole
+
+
+def test_served_from_the_prefix_cache_or_computed(llm):
+    prompt = llm.get_tokenizer().encode(PROMPT + " blue. " * 6)  # a few full blocks to cache
+    outs = llm.generate([prompt], GREEDY, cache_salt="shared")
+    (again,) = llm.generate([prompt], GREEDY, cache_salt="shared")
+    assert outs[0].num_cached_tokens == 0 and again.num_cached_tokens >= 16
+    # a longer prompt over the cached one: part cached, part computed, decoded beside another request
+    longer = prompt + llm.get_tokenizer().encode(" Then green.")
+    (computed,) = generate(llm, [longer], GREEDY)
+    cached = llm.generate([longer, others(llm, 1)[0]], GREEDY, cache_salt="shared")
+    assert cached[0].num_cached_tokens >= 16
+    assert result(again) == result(outs[0])
+    assert result(cached[0]) == computed
+
+
+def test_speculation_on_or_off(llm):
+    prompts = [REPEATING, REPEATING]  # n-gram drafts from the prompt's own repeats
+    params = [GREEDY, SEEDED]
+    plain = generate(llm, prompts, params)
+    engine = llm.engine
+    engine.set_speculative_config(NGRAM)
+    engine.spec.control.lookahead = lambda num_decoding: 3  # verify 3 drafts every step
+    try:
+        speculated = generate(llm, prompts, params)
+        assert engine.spec.stats.drafted_by_position[0] > 0 and engine.spec.stats.acceptance_rate > 0
+    finally:
+        engine.set_speculative_config(None)
+    assert speculated == plain
+
+
+def test_one_thread_or_two(llm):
+    (two,) = generate(llm, [PROMPT], GREEDY)
+    torch.set_num_threads(1)
+    try:
+        one = generate(llm, [PROMPT] + others(llm, 2), GREEDY)[0]
+    finally:
+        torch.set_num_threads(2)
+    assert one == two
+
+
+def test_every_gemm_has_one_shape_and_a_kernel_fixed_by_dtype(llm):
+    """Other worker processes run the same kernels: float32's is not the one timed fastest in this process."""
+    model = llm.engine.runner.model
+    packed = [m.packed for m in model.modules() if isinstance(m, Linear)] + [model.packed_head]
+    assert all(p.row_tile == INVARIANT_ROWS for p in packed)
+    if model.embed_tokens.weight.dtype == torch.float32:
+        assert {p.kind for p in packed} == {fixed_float32_kernel()}
