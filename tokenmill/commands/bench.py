@@ -31,6 +31,9 @@ def register(commands: argparse._SubParsersAction) -> None:
     tp.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {','.join(SYSTEMS)}")
     tp.add_argument("--static-batch-size", type=int, default=16, help="HF static batch size (default: 16)")
     tp.add_argument("--threads", type=int, default=2, help="torch CPU threads for every system (default: 2)")
+    tp.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
+                    help="tokenmill's model sharded over N processes, sharing --threads between them; prints the "
+                         "share of step time in all-reduce (on CPU: the overhead, not a speed-up) (default: 1)")
     add_against_options(tp)
     tp.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     tp.add_argument("--schema", nargs="?", const="builtin", metavar="FILE",
@@ -188,6 +191,14 @@ def bench_schema(path: str):
                                          "required": ["records"], "additionalProperties": False})
 
 
+def tokenmill_parallelism(args: argparse.Namespace) -> dict:
+    """tokenmill's engine settings for `--threads` and `--tensor-parallel-size`: the threads shared out over the
+    ranks, so every run uses the same cores."""
+    size = args.tensor_parallel_size
+    label = {"label": f"tokenmill TP={size}"} if size > 1 else {}
+    return {"num_threads": max(1, args.threads // size), "tensor_parallel_size": size, **label}
+
+
 def run_throughput(args: argparse.Namespace) -> int:
     import json
     import logging
@@ -234,13 +245,13 @@ def run_throughput(args: argparse.Namespace) -> int:
             elif system == "hf-continuous":
                 results.append(tp.hf_continuous(model_dir, workload, dtype))
             elif system == "tokenmill":
-                run = tp.tokenmill_run(str(model_dir), workload, dtype, num_threads=args.threads)
+                run = tp.tokenmill_run(str(model_dir), workload, dtype, **tokenmill_parallelism(args))
                 steps, tokenmill_ids = run.steps, run.output_token_ids
                 results.append(run.result)
                 latencies[f"tokenmill {dtype}"] = run.latencies
                 if args.schema:
                     constrained = tp.tokenmill_run(str(model_dir), workload, dtype, "tokenmill + JSON schema",
-                                                   structured=bench_schema(args.schema), num_threads=args.threads)
+                                                   structured=bench_schema(args.schema), **tokenmill_parallelism(args))
                     results.append(constrained.result)
                     cost = 1 - constrained.result.tokens_per_second / run.result.tokens_per_second
                     change = f"{abs(cost):.1%} {'lower' if cost >= 0 else 'higher'}"
