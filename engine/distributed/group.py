@@ -33,16 +33,11 @@ class TensorParallelGroup:
         self.all_reduce_calls = 0
         self.check: Callable[[], None] | None = None  # rank 0: raises RankFailure when another rank has exited
         if device.type == "cuda":
+            torch.cuda.set_device(device)
             self.compute = dist.ProcessGroupNCCL(dist.PrefixStore("nccl", store), rank, world_size)
         else:
             self.compute = _gloo(dist.PrefixStore("compute", store), rank, world_size, COLLECTIVE_TIMEOUT)
         self.control = _gloo(dist.PrefixStore("control", store), rank, world_size, IDLE_TIMEOUT)
-
-    @classmethod
-    def join(cls, rank: int, world_size: int, port: int, device: torch.device) -> TensorParallelGroup:
-        """Join the group whose rank 0 serves the store on 127.0.0.1:`port`."""
-        store = dist.TCPStore("127.0.0.1", port, world_size, False, timeout=COLLECTIVE_TIMEOUT)
-        return cls(rank, world_size, store, device)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of every rank's `x`, in place."""

@@ -38,14 +38,14 @@ def vocab_per_rank(vocab_size: int, world_size: int) -> int:
 
 
 def shard_config(hf_config, world_size: int):
-    """The config of one rank's shard: 1/N of the heads, KV heads, intermediate size and (padded) vocabulary."""
+    """The config of one rank's shard: 1/N of the heads, KV heads and intermediate size. The vocabulary stays
+    whole here (callers compare it with a draft model's); `swap_parallel_modules` splits it."""
     check_divisible(hf_config, world_size)
     shard = copy.deepcopy(hf_config)
     shard.head_dim = head_dim_of(hf_config)  # kept: derived from hidden_size / heads, it would change
     shard.num_attention_heads = hf_config.num_attention_heads // world_size
     shard.num_key_value_heads = hf_config.num_key_value_heads // world_size
     shard.intermediate_size = hf_config.intermediate_size // world_size
-    shard.vocab_size = vocab_per_rank(hf_config.vocab_size, world_size)
     return shard
 
 
@@ -75,17 +75,19 @@ class VocabParallelEmbedding(nn.Embedding):
 
 
 def swap_parallel_modules(model: LlamaForCausalLM, group: TensorParallelGroup) -> None:
-    """Replace the row-parallel projections and the embedding of a shard built on the meta device."""
+    """Replace the row-parallel projections, the embedding and the LM head of a shard built on the meta device."""
     for layer in model.layers:
         for name in ROW_PARALLEL:
             old = getattr(layer, name)
             new = RowParallelLinear(old.in_features, old.out_features, bias=old.bias is not None, device="meta")
             new.group = group
             setattr(layer, name, new)
-    old = model.embed_tokens
-    embedding = VocabParallelEmbedding(old.num_embeddings, old.embedding_dim, device="meta")
-    embedding.group, embedding.first = group, group.rank * old.num_embeddings
+    vocab = vocab_per_rank(model.config.vocab_size, group.world_size)
+    embedding = VocabParallelEmbedding(vocab, model.config.hidden_size, device="meta")
+    embedding.group, embedding.first = group, group.rank * vocab
     model.embed_tokens = embedding
+    if model.lm_head is not None:  # untied: its own vocabulary rows (rank 0 gathers the logits)
+        model.lm_head = Linear(model.config.hidden_size, vocab, bias=False, device="meta")
 
 
 def shard_weights(files: list[Path], hf_config, rank: int, world_size: int):
