@@ -1,7 +1,7 @@
-"""Tensor parallelism on CPU (gloo): greedy float32 output of TP=N is TP=1's, token for token, with prefix caching,
-chunked prefill, n-gram speculation, structured outputs and logprobs on; a flip is allowed only where TP=1's
-logits nearly tie (the all-reduce sums in another order). Each rank holds its shard only; a model N does not
-divide is refused; a rank that dies takes the engine down, and no rank outlives rank 0."""
+"""Tensor parallelism on CPU (gloo): greedy float32 output of TP=N is TP=1's, token for token, with prefix
+caching, chunked prefill, speculation (n-gram, draft model), structured outputs and logprobs on; a flip is allowed
+only where TP=1's logits nearly tie (the all-reduce sums in another order). Each rank holds its shard only; a model
+N does not divide is refused; a rank that dies takes the engine down, and no rank outlives rank 0."""
 
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength
 FEATURES = dict(dtype="float32", num_threads=1, max_model_len=512, max_num_seqs=8, max_num_batched_tokens=32,
                 enable_prefix_caching=True, enable_chunked_prefill=True,
                 speculative_config={"method": "ngram", "num_speculative_tokens": 3, "max_verify_tokens": 8})
+# a flip at a near-tie is allowed (the all-reduce sums in another order); how many there were is printed
 
 
 def compare_with_tp1(reference, outputs) -> tuple[list[str], int]:
@@ -112,14 +113,20 @@ def tiny_dir(tmp_path_factory, tokenizer):
     return path
 
 
+def tiny_features(tiny_dir) -> dict:
+    """Draft-model speculation, the model drafting for itself (whole, on rank 0): drafts on every step."""
+    return {**FEATURES, "speculative_config": {"method": "draft", "model": str(tiny_dir), "num_speculative_tokens": 3,
+                                               "max_verify_tokens": 8}}
+
+
 @pytest.fixture(scope="module")
 def tiny_tp1(tiny_dir):
-    return LLM(str(tiny_dir), **FEATURES)
+    return LLM(str(tiny_dir), **tiny_features(tiny_dir))
 
 
 @pytest.fixture(scope="module")
 def tiny_tp2(tiny_dir):
-    llm = LLM(str(tiny_dir), tensor_parallel_size=2, **FEATURES)
+    llm = LLM(str(tiny_dir), tensor_parallel_size=2, **tiny_features(tiny_dir))
     yield llm
     llm.engine.shutdown()
 
