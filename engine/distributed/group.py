@@ -31,6 +31,7 @@ class TensorParallelGroup:
         self.active = False
         self.all_reduce_seconds = 0.0  # rank 0's time in the layers' all-reduces, for the benchmark
         self.all_reduce_calls = 0
+        self.send_seconds = 0.0  # rank 0's time broadcasting steps
         self.check: Callable[[], None] | None = None  # rank 0: raises RankFailure when another rank has exited
         if device.type == "cuda":
             torch.cuda.set_device(device)
@@ -68,9 +69,11 @@ class TensorParallelGroup:
         """Rank 0: broadcast a picklable message (a step, or None to stop) to the other ranks."""
         if self.check is not None:
             self.check()
+        started = time.perf_counter()
         data = torch.frombuffer(bytearray(pickle.dumps(message)), dtype=torch.uint8)
         self._broadcast(torch.tensor([data.numel()], dtype=torch.long))
         self._broadcast(data)
+        self.send_seconds += time.perf_counter() - started
 
     def receive(self) -> Any:
         """Other ranks: the next message of rank 0 (waits while the engine idles)."""
