@@ -122,9 +122,11 @@ class ModelRunner:
                                    + plan.spec_token_ids.get(seq.seq_id, [])))
         batch, rows = self.prepare(items)
         step = StepInput(plan.block_copies, items, layout.batch_rows(rows))
-        if self.tp is not None:
+        if self.tp is None:
+            logits = self.run(step, batch)
+        else:
             self.tp.send(step.for_ranks())
-        logits = self.run(step, batch)
+            logits = self.tp.fail_stop(self.run, step, batch)
         if logits is None:
             return ModelRunnerOutput()
         return ModelRunnerOutput.of(self.sampler.sample(layout, logits))

@@ -57,6 +57,17 @@ class TensorParallelGroup:
         _wait(self.compute.gather(outputs, [x], options))
         return torch.cat(outputs[0], dim=-1) if self.rank == 0 else None
 
+    def fail_stop(self, run: Callable[..., Any], *args: Any) -> Any:
+        """Rank 0: `run` a step the other ranks run too. Should it fail partway, the ranks are out of step (some
+        wait in a collective it never reached): that is a `RankFailure`, the engine is down."""
+        try:
+            return run(*args)
+        except RankFailure:
+            raise
+        except Exception as error:
+            raise RankFailure(f"rank 0 failed in the middle of a step, leaving the other ranks out of step: "
+                              f"{type(error).__name__}: {error}") from error
+
     def min_int(self, value: int) -> int:
         """The least of every rank's `value`."""
         tensor = torch.tensor([value], dtype=torch.long)
