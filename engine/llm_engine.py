@@ -6,6 +6,7 @@ import itertools
 import json
 import logging
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -14,6 +15,7 @@ from typing import Any
 from engine.block_pool import KVCacheManager
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer, find_stop
+from engine.distributed.group import RankFailure
 from engine.metrics import EngineStats
 from engine.model_loader import resolve_model
 from engine.model_runner import ModelRunner
@@ -68,7 +70,20 @@ class LLMEngine:
         eos = eos_token_ids(self.model_dir, self.tokenizer)
         self.structured = StructuredOutputs(self.tokenizer, hf_config.vocab_size, eos)
         self.sampler = Sampler(config.seed, frozenset(eos), self.structured)
-        self.runner = ModelRunner(config, self.model_dir, hf_config, self.max_model_len, self.sampler)
+        self.ranks = None  # the other tensor-parallel ranks' processes (engine/distributed/)
+        if config.tensor_parallel_size > 1:
+            from engine.distributed.ranks import Ranks
+            from engine.distributed.sharding import check_divisible
+
+            check_divisible(hf_config, config.tensor_parallel_size)
+            self.ranks = Ranks.start(config, self.model_dir, self.max_model_len)
+            weakref.finalize(self, self.ranks.stop)
+        try:
+            self.runner = ModelRunner(config, self.model_dir, hf_config, self.max_model_len, self.sampler,
+                                      self.ranks.group if self.ranks else None)
+        except BaseException:
+            self.shutdown()
+            raise
         kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
                             watermark_blocks=max(1, self.runner.num_blocks // 100))
         limits = SchedulerLimits(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
@@ -130,6 +145,9 @@ class LLMEngine:
         """A decoder that reuses the draft proposer (model and KV pool) of a kept decoder with the same draft.
         At most MAX_SPEC_DECODERS decoders and MAX_DRAFT_PROPOSERS distinct drafts are kept: the least
         recently used go first (the engine's own, from its config, is never dropped)."""
+        if config.method == "self" and self.ranks is not None:
+            raise ValueError("self-speculation runs the target's own sharded layers, which tensor parallelism "
+                             "does not support: use method ngram or draft (a draft model runs whole on rank 0)")
         wanted = draft_key(config)
         decoders = self._spec_decoders
         shared = next((d.draft for d in decoders.values() if wanted is not None and draft_key(d.config) == wanted),
@@ -152,6 +170,11 @@ class LLMEngine:
                            runner.device, runner.kv_plan.draft_bytes_per_block, runner.make_backend, runner.tensor,
                            self.sampler)
         return SpecDecoder(config, setup, draft=shared)
+
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks (they also stop when this process ends)."""
+        if self.ranks is not None:
+            self.ranks.stop()
 
     @classmethod
     def from_engine_args(cls, **kwargs: Any) -> LLMEngine:
@@ -237,7 +260,11 @@ class LLMEngine:
         if self.spec:
             plan.spec_token_ids, plan.spec_draft_probs = self.spec.propose(plan)
         ran = time.perf_counter()
-        output = self.runner.execute(plan)
+        try:
+            output = self.runner.execute(plan)
+        except RankFailure:  # a tensor-parallel rank is gone: the engine is down, the other ranks stop too
+            self.shutdown()
+            raise
         if self.spec:
             self._record_spec(*self.spec.observe(plan, output, time.perf_counter() - ran))
         finished = self.scheduler.update(plan, output, self._stop_strings(plan, output))

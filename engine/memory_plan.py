@@ -190,7 +190,8 @@ def plan_kv_cache(runner) -> KVPlan:
             budget = int(total * config.memory_utilization)
             kv_budget = budget - other - fixed
         else:
-            budget = weights + int(available_host_memory() * 0.8)  # the weights are loaded already
+            ranks = runner.tp.world_size if getattr(runner, "tp", None) else 1  # tensor-parallel ranks share the host
+            budget = weights + int(available_host_memory() * 0.8 / ranks)  # the weights are loaded already
             kv_budget = min(config.cpu_kv_cache_space, budget - fixed)
         num_blocks = min(kv_budget // (per_block + draft_per_block), needed_blocks)
         if num_blocks < 2:

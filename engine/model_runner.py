@@ -5,7 +5,9 @@ the pool's size `memory_plan`'s and sampling the `Sampler`'s."""
 from __future__ import annotations
 
 import logging
+from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -17,28 +19,41 @@ from engine.model_loader import load_model, pick_device, pick_dtype
 from engine.models.cpu_gemm import INVARIANT_ROWS
 from engine.models.llama import head_dim_of
 from engine.sampler import Sampler
-from engine.step_types import ModelRunnerOutput, SampleLayout, SchedulerOutput
+from engine.step_types import ModelRunnerOutput, SampleLayout, SchedulerOutput, StepInput
+
+if TYPE_CHECKING:
+    from engine.distributed.group import TensorParallelGroup
 
 log = logging.getLogger("tokenmill.engine")
 
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_dir: Path, hf_config, max_model_len: int,
-                 sampler: Sampler | None = None) -> None:
+                 sampler: Sampler | None = None, tp: TensorParallelGroup | None = None) -> None:
+        """`tp`: this rank's group when the model is sharded over ranks (engine/distributed/)."""
         self.config = config
-        self.device = pick_device(config.device)
+        self.tp = tp
+        self.device = pick_device(config.device) if tp is None else tp.device
         self.dtype = pick_dtype(config.dtype, self.device)
         if config.num_threads and self.device.type == "cpu":
             torch.set_num_threads(config.num_threads)
         self.block_size = config.block_size
         self.max_model_len = max_model_len
-        self.model = load_model(model_dir, hf_config, max_model_len, self.dtype, self.device)
+        if tp is None:
+            self.model = load_model(model_dir, hf_config, max_model_len, self.dtype, self.device)
+        else:
+            from engine.distributed.sharding import load_shard
+
+            self.model = load_shard(model_dir, hf_config, max_model_len, self.dtype, self.device, tp)
+        shard = self.model.config  # this rank's heads and KV heads
         self.num_layers = hf_config.num_hidden_layers
-        self.num_kv_heads = hf_config.num_key_value_heads
-        self.num_heads = hf_config.num_attention_heads
-        self.head_dim = head_dim_of(hf_config)
+        self.num_kv_heads = shard.num_key_value_heads
+        self.num_heads = shard.num_attention_heads
+        self.head_dim = head_dim_of(shard)
         self.vocab_size = hf_config.vocab_size
         self.kv_plan = plan_kv_cache(self)
+        if tp is not None:  # every rank's pool has as many blocks as the smallest plan allows
+            self.kv_plan.num_blocks = tp.min_int(self.kv_plan.num_blocks)
         k, v = allocate_kv_pool(self.num_layers, self.num_kv_heads, self.kv_plan.num_blocks, self.block_size,
                                 self.head_dim, self.dtype, self.device)
         self.attention = self.make_backend(k, v)
@@ -57,7 +72,11 @@ class ModelRunner:
         self.set_batch_invariant(config.batch_invariant)  # after the graphs: they replay only with it off
 
     def set_batch_invariant(self, on: bool) -> None:
-        """Fixed-shape GEMMs and one attention path (see engine/models/cpu_gemm.py, engine/attention/), on or off."""
+        """Fixed-shape GEMMs and one attention path (see engine/models/cpu_gemm.py, engine/attention/), on or off.
+        A tensor-parallel engine keeps the mode it started with: the other ranks set theirs at start."""
+        if self.tp is not None and on != self.config.batch_invariant:
+            raise ValueError("a tensor-parallel engine runs in the batch-invariant mode it started with "
+                             f"({self.config.batch_invariant}); start its worker with the mode its jobs ask for")
         self.attention.set_batch_invariant(on)
         self.model.set_row_tile(INVARIANT_ROWS if on else 0)
         self.sampler.batch_invariant = self.batch_invariant = on
@@ -81,21 +100,13 @@ class ModelRunner:
 
     def uses_cuda_graphs(self) -> bool:
         backend = self.config.attention_backend
-        return (self.device.type == "cuda" and not self.config.enforce_eager
+        return (self.device.type == "cuda" and not self.config.enforce_eager and self.tp is None
                 and backend in ("auto", "triton"))
 
-    def prepare(self, plan: SchedulerOutput, layout: SampleLayout) -> StepBatch:
-        """The flat batch (drafts ride along after each decoding sequence's token), with the logits rows
-        of `layout` as `sample_indices`."""
-        items = []
-        for seq, num_new, _ in plan.scheduled:
-            start = seq.num_computed_tokens
-            items.append(BatchItem(seq, start, seq.token_ids[start:start + num_new]
-                                   + plan.spec_token_ids.get(seq.seq_id, [])))
+    def prepare(self, items: list[BatchItem]) -> tuple[StepBatch, dict]:
+        """The flat batch of `items` (its `sample_indices` still empty) and each sequence's rows in it."""
         self.zeroing.cover(items)
-        batch, rows = build_step_batch(items, self.block_size, self.tensor)
-        batch.sample_indices = self.tensor(layout.batch_rows(rows))
-        return batch
+        return build_step_batch(items, self.block_size, self.tensor)
 
     def tensor(self, values) -> torch.Tensor:
         """A long tensor on the device."""
@@ -114,17 +125,61 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step; returns each sampled sequence's new tokens by id: one sampled token, or the accepted
-        drafts and then one recovered or bonus token."""
-        if plan.block_copies:
-            self.copy_blocks(plan.block_copies)
+        drafts and then one recovered or bonus token. The flat batch holds the drafts after each decoding
+        sequence's token."""
         layout = SampleLayout.of(plan)
-        batch = self.prepare(plan, layout)
-        if self.graphs is not None and not self.batch_invariant and self.graphs.can_run(batch):  # replay a decode
-            hidden = self.graphs.run(batch)
+        items = []
+        for seq, num_new, _ in plan.scheduled:
+            start = seq.num_computed_tokens
+            items.append(BatchItem(seq, start, seq.token_ids[start:start + num_new]
+                                   + plan.spec_token_ids.get(seq.seq_id, [])))
+        batch, rows = self.prepare(items)
+        step = StepInput(plan.block_copies, items, layout.batch_rows(rows))
+        if self.tp is None:
+            logits = self.run(step, batch)
         else:
-            self.attention.begin_step(batch)
-            hidden = self.model(batch.input_ids, batch.positions, self.attention.forward)
-        if not layout.seqs:
+            self.tp.send(step.for_ranks())
+            logits = self.tp.fail_stop(self.run, step, batch)
+        if logits is None:
             return ModelRunnerOutput()
-        logits = self.model.compute_logits(hidden.index_select(0, batch.sample_indices))
         return ModelRunnerOutput.of(self.sampler.sample(layout, logits))
+
+    def run_remote(self, step: StepInput) -> None:
+        """Another rank: rank 0's step, run alongside it."""
+        with torch.inference_mode():
+            self.run(step)
+
+    def run(self, step: StepInput, batch: StepBatch | None = None) -> torch.Tensor | None:
+        """Copy blocks, run the model over the step's items (`batch`: their flat batch, when built already);
+        the logits of its sample rows (None without any, and on ranks other than 0)."""
+        if step.block_copies:
+            self.copy_blocks(step.block_copies)
+        if batch is None:
+            batch, _ = self.prepare(step.items)
+        batch.sample_indices = self.tensor(step.sample_rows)
+        with collectives(self.tp):
+            if self.graphs is not None and not self.batch_invariant and self.graphs.can_run(batch):  # replay a decode
+                hidden = self.graphs.run(batch)
+            else:
+                self.attention.begin_step(batch)
+                hidden = self.model(batch.input_ids, batch.positions, self.attention.forward)
+            if not step.sample_rows:
+                return None
+            logits = self.model.compute_logits(hidden.index_select(0, batch.sample_indices))
+            if self.tp is not None:  # each rank holds a slice of the vocabulary
+                logits = self.tp.gather_columns(logits)
+                return None if logits is None else logits[:, :self.vocab_size]
+            return logits
+
+
+@contextmanager
+def collectives(tp: TensorParallelGroup | None):
+    """The layers' all-reduces run inside (every rank runs the same step)."""
+    if tp is None:
+        yield
+        return
+    tp.active = True
+    try:
+        yield
+    finally:
+        tp.active = False

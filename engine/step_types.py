@@ -99,6 +99,27 @@ class SampleLayout:
         return out
 
 
+class SeqBlocks(NamedTuple):
+    """What the model needs of a sequence: its id and block table (sent to the other tensor-parallel ranks)."""
+
+    seq_id: int
+    block_table: list[int]
+
+
+class StepInput(NamedTuple):
+    """What the model runs in one step: copy-on-write block copies, each sequence's tokens this step
+    (`batch.BatchItem`s) and the flat-batch rows whose logits are sampled."""
+
+    block_copies: list[tuple[int, int]]
+    items: list
+    sample_rows: list[int]
+
+    def for_ranks(self) -> StepInput:
+        """This step as plain data, the sequences reduced to their ids and block tables."""
+        return self._replace(items=[item.__class__(SeqBlocks(item.seq.seq_id, item.seq.block_table), item.start,
+                                                   item.token_ids) for item in self.items])
+
+
 @dataclass
 class SamplerOutput:
     """Per sequence id: the accepted drafts then one sampled token, and the logprobs of those tokens when asked."""

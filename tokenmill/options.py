@@ -40,7 +40,11 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
                             "prefills and decodes (default: 0, off, as vLLM with one partial prefill)")
     group.add_argument("--attention-backend", choices=BACKENDS, default="auto",
                        help="paged attention implementation (auto: triton on CUDA, torch on CPU)")
-    group.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's choice)")
+    group.add_argument("--threads", type=int, help="CPU threads for torch, per rank (default: torch's choice; with "
+                                                   "tensor parallelism on CPU, the cores shared out over the ranks)")
+    group.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
+                       help="shard the model over N processes (GPUs on CUDA; on CPU this costs time, it does not "
+                            "save any) (default: 1)")
     group.add_argument("--batch-invariant", action="store_true",
                        help="a request's output bit-identical however it is batched (fixed-shape GEMMs, one "
                             "attention path; slower, see the README)")
@@ -59,6 +63,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         admission_lookahead=args.admission_lookahead, scheduling_policy=args.scheduling_policy,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         attention_backend=args.attention_backend, num_threads=args.threads, batch_invariant=args.batch_invariant,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
     if args.kv_cache_memory is not None:
         kwargs["kv_cache_memory"] = int(args.kv_cache_memory * 2**30)

@@ -235,7 +235,15 @@ class EngineLoop:
 
     def _step_failed(self, error: BaseException) -> None:
         """A step raised. Alone in the engine, the shard fails (its task counts the attempt). With others, no one
-        can tell whose row did it: every shard in the engine starts over, one at a time, without an attempt."""
+        can tell whose row did it: every shard in the engine starts over, one at a time, without an attempt. A
+        tensor-parallel rank that died leaves no engine: the process ends, so other workers take its shards over."""
+        from engine.distributed.group import RankFailure
+
+        if isinstance(error, RankFailure):
+            log.critical("the engine is down (%s); ending this process so that the leases of its %d shard(s) lapse "
+                         "and other workers take them over", error, len(self.active))
+            self.on_stuck()
+            return
         if len(self.active) == 1:
             log.exception("engine step failed; failing the one shard in the engine", exc_info=error)
             self._fail(self.active[0], error)

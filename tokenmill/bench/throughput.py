@@ -142,6 +142,9 @@ def tokenmill_run(model: str, workload: Workload, dtype: str, label: str = "toke
     llm.generate(workload.prompts[:2], SamplingParams(max_tokens=2, temperature=0))  # warm-up
     llm.engine.kv_manager.pool.reset_prefix_cache()
     before = llm.engine.get_stats().snapshot()
+    ranks = llm.engine.ranks
+    reduce_before, calls_before, send_before = ((ranks.group.all_reduce_seconds, ranks.group.all_reduce_calls,
+                                                 ranks.group.send_seconds) if ranks else (0, 0, 0))
     runner.execute = recording_execute
     mask_seconds = [0.0]
     if structured is not None:  # compiled before the clock starts, as a job's _prepare does
@@ -168,6 +171,13 @@ def tokenmill_run(model: str, workload: Workload, dtype: str, label: str = "toke
     prefill = stats["computed_prefill_tokens"] - before["computed_prefill_tokens"]
     preemptions = stats["num_preemptions"] - before["num_preemptions"]
     note = f"{len(steps)} steps, {preemptions} preemptions"
+    if llm.engine.ranks is not None:  # rank 0's all-reduce time (waits for the slowest rank included)
+        group = llm.engine.ranks.group
+        step_seconds = stats["step_time_total"] - before["step_time_total"]
+        note += (f", all-reduce {(group.all_reduce_seconds - reduce_before) / step_seconds:.1%} of step time "
+                 f"({group.all_reduce_calls - calls_before} calls), step broadcast "
+                 f"{(group.send_seconds - send_before) / step_seconds:.1%}")
+        llm.engine.shutdown()
     if structured is not None:
         note += f", masks {mask_seconds[0]:.1f} s ({mask_seconds[0] / seconds:.1%})"
     del llm

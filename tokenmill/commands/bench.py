@@ -35,6 +35,10 @@ def register(commands: argparse._SubParsersAction) -> None:
                          f"(default: {','.join(SYSTEMS)})")
     tp.add_argument("--static-batch-size", type=int, default=16, help="HF static batch size (default: 16)")
     tp.add_argument("--threads", type=int, default=2, help="torch CPU threads for every system (default: 2)")
+    tp.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
+                    help="also run tokenmill with its model sharded over N processes (sharing --threads between "
+                         "them) beside TP=1, and print the share of step time in all-reduce (on CPU this measures "
+                         "the overhead, not a speed-up) (default: 1)")
     add_against_options(tp)
     tp.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     tp.add_argument("--profile", action="store_true",
@@ -211,6 +215,12 @@ def bench_schema(path: str):
                                          "required": ["records"], "additionalProperties": False})
 
 
+def tokenmill_parallelism(args: argparse.Namespace, size: int = 1) -> dict:
+    """tokenmill's engine settings for `--threads` over `size` tensor-parallel ranks: the threads shared out over
+    the ranks, so every run uses the same cores."""
+    return {"num_threads": max(1, args.threads // size), "tensor_parallel_size": size}
+
+
 def run_throughput(args: argparse.Namespace) -> int:
     import json
     import logging
@@ -264,11 +274,21 @@ def run_throughput(args: argparse.Namespace) -> int:
                 results.append(tp.hf_continuous(model_dir, workload, dtype))
             elif system == "tokenmill":
                 with profiled() if args.profile else contextlib.nullcontext() as profile:
-                    run = tp.tokenmill_run(str(model_dir), workload, dtype, num_threads=args.threads)
+                    run = tp.tokenmill_run(str(model_dir), workload, dtype, **tokenmill_parallelism(args))
                 if profile is not None:
                     console.print(profile.table(f"tokenmill {dtype}: where the step time goes"))
                 steps, tokenmill_ids = run.steps, run.output_token_ids
                 results.append(run.result)
+                if args.tensor_parallel_size > 1:  # the same workload over N ranks, beside TP=1
+                    size = args.tensor_parallel_size
+                    console.print(f"running tokenmill TP={size} ({dtype}) ...")
+                    sharded = tp.tokenmill_run(str(model_dir), workload, dtype, f"tokenmill TP={size}",
+                                               **tokenmill_parallelism(args, size))
+                    results.append(sharded.result)
+                    same = sum(a == b for a, b in zip(tokenmill_ids, sharded.output_token_ids, strict=True))
+                    console.print(f"{dtype}: TP={size} {sharded.result.tokens_per_second:.1f} tok/s vs TP=1 "
+                                  f"{run.result.tokens_per_second:.1f} ({sharded.result.note}); "
+                                  f"{same}/{len(tokenmill_ids)} outputs identical to TP=1")
                 latencies[f"tokenmill {dtype}"] = run.latencies
                 if args.schema:
                     constrained = tp.tokenmill_run(str(model_dir), workload, dtype, "tokenmill + JSON schema",
