@@ -23,10 +23,11 @@ _loading = threading.Lock()  # a worker's task threads and its preloading thread
 
 
 def load_engine(settings: dict[str, Any]) -> LLMEngine:
-    """The default factory: the real engine."""
-    from engine import EngineConfig, LLMEngine
+    """The default factory: the real engine (an embedding model's `EmbeddingEngine`, else an `LLMEngine`)."""
+    from engine import EngineConfig
+    from engine.embedding_engine import create_engine
 
-    return LLMEngine(EngineConfig.from_kwargs(**settings))
+    return create_engine(EngineConfig.from_kwargs(**settings))
 
 
 def process_engine() -> LLMEngine:

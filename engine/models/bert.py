@@ -101,7 +101,8 @@ class BertEncoder(nn.Module):
             loaded.add(target)
         for (index, kind), parts in qkv_parts.items():
             if set(parts) != {"query", "key", "value"}:
-                raise ValueError(f"layer {index}: attention {kind} is missing {sorted({'query', 'key', 'value'} - set(parts))}")
+                missing = sorted({"query", "key", "value"} - set(parts))
+                raise ValueError(f"layer {index}: attention {kind} is missing {missing}")
             target = f"layers.{index}.qkv.{kind}"
             params[target].data.copy_(torch.cat([parts["query"], parts["key"], parts["value"]]))
             loaded.add(target)
