@@ -62,9 +62,10 @@ class BertEncoder(nn.Module):
         if getattr(config, "position_embedding_type", "absolute") != "absolute":
             raise ValueError(f"unsupported position_embedding_type {config.position_embedding_type!r} (absolute only)")
         size = config.hidden_size
-        self.word_embeddings = nn.Embedding(config.vocab_size, size)
-        self.position_embeddings = nn.Embedding(config.max_position_embeddings, size)
-        self.token_type_embeddings = nn.Embedding(config.type_vocab_size, size)
+        # plain tables: nn.Embedding's random init on the meta device would import torch._dynamo (seconds)
+        self.word_embeddings = _table(config.vocab_size, size)
+        self.position_embeddings = _table(config.max_position_embeddings, size)
+        self.token_type_embeddings = _table(config.type_vocab_size, size)
         self.embed_norm = nn.LayerNorm(size, eps=config.layer_norm_eps)
         self.layers = nn.ModuleList(EncoderLayer(config) for _ in range(config.num_hidden_layers))
         self.hidden_size = size
@@ -73,7 +74,8 @@ class BertEncoder(nn.Module):
                 pooling: str) -> torch.Tensor:
         """token_ids, positions: [tokens]; groups: (first token, rows, length) of each run of equal-length rows.
         Returns [rows, hidden] float32 pooled vectors, in the rows' order."""
-        x = self.word_embeddings(token_ids) + self.position_embeddings(positions) + self.token_type_embeddings.weight[0]
+        x = F.embedding(token_ids, self.word_embeddings.weight)
+        x = x + F.embedding(positions, self.position_embeddings.weight) + self.token_type_embeddings.weight[0]
         x = self.embed_norm(x)
         for layer in self.layers:
             x = layer(x, groups)
@@ -114,6 +116,12 @@ class BertEncoder(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack()
+
+
+def _table(rows: int, size: int) -> nn.Module:
+    table = nn.Module()
+    table.weight = nn.Parameter(torch.empty(rows, size))
+    return table
 
 
 _LAYER_NAMES = {
