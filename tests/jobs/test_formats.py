@@ -155,7 +155,7 @@ def test_jsonl_chat_and_completions(tmp_path: Path) -> None:
 
 def test_jsonl_row_level_problems(tmp_path: Path) -> None:
     lines = ["{not json", "[1, 2]", json.dumps({"url": "/v1/completions", "body": {"prompt": "x"}}),
-             batch_line("bad-url", url="/v1/embeddings"), batch_line("ok-1"),
+             batch_line("bad-url", url="/v1/audio/speech"), batch_line("ok-1"),
              json.dumps({"custom_id": "get2", "method": "GET", "url": "/v1/completions", "body": {"prompt": "x"}}),
              batch_line("no-msgs", messages=None), batch_line("bad-msg", messages=[{"role": "user"}]),
              json.dumps({"custom_id": "no-body", "method": "POST", "url": "/v1/completions"}),
