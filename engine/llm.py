@@ -46,9 +46,9 @@ class LLM:
         ids = [f"embed-{id(prompts):x}-{i}" for i in range(len(prompts))]
         results: dict[str, EmbeddingRequestOutput] = {}
         try:
-            for i, (request_id, tokens) in enumerate(zip(ids, token_ids, strict=True)):
+            for i in sorted(range(len(ids)), key=lambda i: len(token_ids[i])):  # steps of like lengths
                 try:
-                    engine.add_request(request_id, tokens, params)
+                    engine.add_request(ids[i], token_ids[i], params)
                 except ValueError as problem:
                     raise ValueError(f"prompt {i}: {problem}") from None
             progress = _progress(use_tqdm, len(prompts), "embedding")

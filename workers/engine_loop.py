@@ -220,9 +220,11 @@ class EngineLoop:
         self._finish_if_done(ticket)
 
     def _feed_embeddings(self, ticket: Ticket) -> None:
-        """Embedding rows: one engine request per input (request id: prefix, row, '.', input index)."""
+        """Embedding rows: one engine request per input (request id: prefix, row, '.', input index), added
+        shortest first, so that each engine step holds inputs of like lengths."""
         ticket.outcome.embedding_size = self.engine.embedding_size
         settings = ticket.settings
+        inputs = []
         for item in ticket.rows:
             prepared = item if isinstance(item, RowError) else prepare_embedding_row(
                 self.engine, item, settings.truncate_inputs, settings.models)
@@ -230,11 +232,13 @@ class EngineLoop:
                 ticket.outcome.errors.append(prepared)
                 ticket.rows_done += 1
                 continue
-            for index, token_ids in enumerate(prepared.token_ids):
-                request_id = f"{ticket.prefix}{item.row}.{index}"
-                self.engine.add_request(request_id, token_ids, prepared.params)
-                self.pending[request_id] = (ticket, item, (prepared, index))
-                ticket.request_ids.add(request_id)
+            inputs += [(len(token_ids), index, token_ids, item, prepared)
+                       for index, token_ids in enumerate(prepared.token_ids)]
+        for _, index, token_ids, item, prepared in sorted(inputs, key=lambda entry: entry[0]):
+            request_id = f"{ticket.prefix}{item.row}.{index}"
+            self.engine.add_request(request_id, token_ids, prepared.params)
+            self.pending[request_id] = (ticket, item, (prepared, index))
+            ticket.request_ids.add(request_id)
         ticket.fed = True
         self._finish_if_done(ticket)
 
