@@ -232,7 +232,13 @@ def _serving_metrics(port: int, sessions):
     registry = new_registry()
     registry.register(JobMetricsCollector(db.sql_query(sessions)))
     start_metrics_server(registry, port)
-    return lambda settings: EngineMetrics(_load_engine(settings), registry=registry).attach().engine
+    def load(settings: dict):
+        engine = _load_engine(settings)
+        if getattr(engine, "embedding_size", None) is not None:  # an embedding engine: job metrics only
+            return engine
+        return EngineMetrics(engine, registry=registry).attach().engine
+
+    return load
 
 
 def run(args: argparse.Namespace) -> int:
