@@ -11,6 +11,7 @@ from engine import LLM, PoolingParams
 from tokenmill.bench.sentences import held_out_sentences
 
 MODEL = "all-minilm-l6-v2"
+pytestmark = pytest.mark.real_model  # the bundled embedding model
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,7 @@ from tokenmill.bench.sentences import held_out_sentences
 from workers.jobs import run_job
 
 MODEL = "all-minilm-l6-v2"
+pytestmark = pytest.mark.real_model  # the bundled embedding model
 LONG_TEXT = " ".join(held_out_sentences(40, seed=3))  # over 256 tokens
 
 
