@@ -186,18 +186,23 @@ def run_embed(args: argparse.Namespace) -> int:
     model_dir = resolve_model(args.model)
     texts = held_out_sentences(args.num_sentences, seed=args.seed)
     results = []
+    def done(*new) -> None:
+        for result in new:
+            results.append(result)
+            rate = f"{result.sentences_per_s:.1f} sentences/s" if result.seconds else result.note
+            console.print(f"{result.system} {result.dtype}: {rate}")
+
     for dtype in dtypes:
         ours, vectors = embed.run_tokenmill(args.model, texts, dtype, args.threads, args.batch_tokens)
-        results.append(ours)
-        console.print(f"tokenmill {dtype}: {ours.sentences_per_s:.1f} sentences/s")
+        done(ours)
         st_results, st_vectors = embed.run_sentence_transformers(model_dir, texts, dtype, ours.tokens)
         for result in st_results:
             result.min_cosine = embed.min_cosine(vectors, st_vectors)
-        results += st_results
+        done(*st_results)
         vllm, vllm_vectors = embed.run_vllm(model_dir, texts, dtype, args.threads, ours.tokens, args.vllm_venv)
         if vllm_vectors is not None:
             vllm.min_cosine = embed.min_cosine(vectors, vllm_vectors)
-        results.append(vllm)
+        done(vllm)
     title = (f"embedding throughput: {len(texts)} held-out sentences of mixed length, {ours.tokens} tokens, "
              f"model {args.model}")
     console.print(embed.embed_table(results, title))
