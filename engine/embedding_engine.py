@@ -17,7 +17,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.model_loader import pick_device, pick_dtype, resolve_model
-from engine.models.bert import SUPPORTED_MODEL_TYPES, BertEncoder
+from engine.models.bert import SUPPORTED_MODEL_TYPES, BertEncoder, PackedBatch
 from engine.outputs import EmbeddingOutput, EmbeddingRequestOutput
 from engine.pooling import PoolingConfig, PoolingParams
 
@@ -176,24 +176,13 @@ class EmbeddingEngine:
 
     @torch.inference_mode()
     def embed_token_ids(self, rows: list[list[int]]) -> torch.Tensor:
-        """[rows, hidden] float32 pooled (not yet normalised) vectors of token-id rows, in their order; rows of
-        one length run side by side, with no padding."""
+        """[rows, hidden] float32 pooled (not yet normalised) vectors of token-id rows, in their order; run as
+        one packed batch ordered by length (see `engine.models.bert`)."""
         order = sorted(range(len(rows)), key=lambda i: len(rows[i]))
-        flat, positions, groups = [], [], []
-        start = 0
-        for i in order:
-            length = len(rows[i])
-            flat.extend(rows[i])
-            if groups and groups[-1][2] == length:
-                groups[-1][1] += 1
-            else:
-                groups.append([start, 1, length])
-            start += length
-        positions = torch.cat([torch.arange(length).repeat(count) for _, count, length in groups])
-        token_ids = torch.tensor(flat, dtype=torch.long, device=self.device)
-        pooled = self.model(token_ids, positions.to(self.device), [tuple(g) for g in groups], self.pooling.mode)
+        batch = PackedBatch.of([rows[i] for i in order], self.device)
+        pooled = self.model(batch, self.pooling.mode)
         self.num_batches += 1
-        self.num_tokens += len(flat)
+        self.num_tokens += len(batch.token_ids)
         result = torch.empty_like(pooled)
         result[torch.tensor(order, device=pooled.device)] = pooled
         return result.cpu()

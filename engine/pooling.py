@@ -52,13 +52,17 @@ def _read_json(path: Path) -> dict | list | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-def pool(hidden: torch.Tensor, length: int, mode: str) -> torch.Tensor:
-    """hidden: [rows, length, size], rows of one length (no padding) -> [rows, size]."""
-    if mode == "mean":
-        return hidden.mean(dim=1)
+def pool(hidden: torch.Tensor, row_of_token: torch.Tensor, row_starts: torch.Tensor, lengths: torch.Tensor,
+         mode: str) -> torch.Tensor:
+    """hidden: [tokens, size], rows packed one after another -> [rows, size] float32, without padding."""
+    import torch
+
     if mode == "cls":
-        return hidden[:, 0]
-    return hidden[:, length - 1]
+        return hidden[row_starts].float()
+    if mode == "last":
+        return hidden[row_starts + lengths - 1].float()
+    sums = hidden.new_zeros(len(lengths), hidden.shape[1], dtype=torch.float32)
+    return sums.index_add_(0, row_of_token, hidden.float()) / lengths[:, None]
 
 
 @dataclass(frozen=True)

@@ -1,14 +1,16 @@
-"""BERT-style encoder (BERT, MiniLM, ...) over one packed token batch: no padding, no KV cache.
+"""BERT-style encoder (BERT, MiniLM, ...) over one packed token batch: no KV cache, no padding in the
+projections, the MLP or LayerNorm, which run on the flat tokens.
 
-The batch is rows ordered by length; rows of one length lie side by side, so attention runs on each run of
-equal-length rows as one dense [rows, heads, length, head_dim] call without a mask (bidirectional, and no token
-ever sees another row's). Everything else (embeddings, projections, MLP, LayerNorm) runs on the flat tokens.
-Numerics follow Hugging Face's `BertModel` (post-LayerNorm, exact-erf GELU).
+The batch is rows ordered by length. Attention runs per bucket of rows of like length (the longest at most
+`BUCKET_SLACK` times the shortest) as one [rows, heads, longest, head_dim] call: a bucket of one length needs no
+mask; otherwise its rows are padded to the longest for that call alone, with a key mask (bidirectional, and no
+token ever sees another row's). Numerics follow Hugging Face's `BertModel` (post-LayerNorm, exact-erf GELU).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +20,7 @@ from engine.models.cpu_gemm import Linear
 from engine.pooling import pool
 
 SUPPORTED_MODEL_TYPES = ("bert",)
+BUCKET_SLACK = 1.5  # a bucket's longest row over its shortest: padding in attention against calls per layer
 ACTIVATIONS = {"gelu": lambda x: F.gelu(x), "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
                "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu}
 
@@ -38,17 +41,73 @@ class EncoderLayer(nn.Module):
             raise ValueError(f"unsupported hidden_act {config.hidden_act!r}; supported: {', '.join(ACTIVATIONS)}")
         self.act = ACTIVATIONS[config.hidden_act]
 
-    def forward(self, x: torch.Tensor, groups: list[tuple[int, int, int]]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
         qkv = self.qkv(x)
-        context = torch.empty_like(x)
-        heads, dim = self.num_heads, self.head_dim
-        for start, rows, length in groups:  # rows of one length: [rows * length] tokens from start
-            end = start + rows * length
-            q, k, v = qkv[start:end].view(rows, length, 3, heads, dim).permute(2, 0, 3, 1, 4)
-            out = F.scaled_dot_product_attention(q, k, v)  # [rows, heads, length, dim]
-            context[start:end] = out.transpose(1, 2).reshape(rows * length, heads * dim)
+        pieces = [self._attend(qkv[b.start:b.end], b) for b in batch.buckets]
+        context = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
         x = self.attn_norm(self.attn_out(context) + x)
         return self.out_norm(self.down(self.act(self.up(x))) + x)
+
+    def _attend(self, qkv: torch.Tensor, bucket: Bucket) -> torch.Tensor:
+        """[tokens, 3 * size] of one bucket's rows -> [tokens, size]."""
+        rows, longest, size = bucket.rows, bucket.longest, qkv.shape[1] // 3
+        if bucket.pad_index is not None:
+            padded = qkv.new_zeros(rows * longest, qkv.shape[1])
+            padded[bucket.pad_index] = qkv
+            qkv = padded
+        q, k, v = qkv.view(rows, longest, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bucket.mask)  # [rows, heads, longest, dim]
+        out = out.transpose(1, 2).reshape(rows * longest, size)
+        return out if bucket.pad_index is None else out[bucket.pad_index]
+
+
+@dataclass
+class Bucket:
+    start: int  # its tokens in the packed batch: [start, end)
+    end: int
+    rows: int
+    longest: int
+    pad_index: torch.Tensor | None  # where each token sits in the padded [rows * longest]; None: no padding
+    mask: torch.Tensor | None  # [rows, 1, 1, longest], True for real keys
+
+
+@dataclass
+class PackedBatch:
+    """Rows (ordered by length) as one flat token batch, and what attention and pooling need to keep them apart."""
+
+    token_ids: torch.Tensor  # [tokens]
+    positions: torch.Tensor  # [tokens]
+    row_of_token: torch.Tensor  # [tokens]
+    row_starts: torch.Tensor  # [rows]
+    lengths: torch.Tensor  # [rows]
+    buckets: list[Bucket]
+
+    @classmethod
+    def of(cls, rows: list[list[int]], device: torch.device) -> PackedBatch:
+        """rows: token ids, shortest first."""
+        lengths = [len(r) for r in rows]
+        buckets, start, first = [], 0, 0
+        for i in range(1, len(rows) + 1):
+            if i == len(rows) or lengths[i] > BUCKET_SLACK * lengths[first]:
+                buckets.append(_bucket(lengths[first:i], start, device))
+                start, first = buckets[-1].end, i
+        lengths_t = torch.tensor(lengths)
+        starts = torch.cumsum(lengths_t, 0) - lengths_t
+        row_of_token = torch.repeat_interleave(torch.arange(len(rows)), lengths_t)
+        positions = torch.arange(int(lengths_t.sum())) - starts[row_of_token]
+        token_ids = torch.tensor([t for r in rows for t in r], dtype=torch.long)
+        return cls(token_ids.to(device), positions.to(device), row_of_token.to(device), starts.to(device),
+                   lengths_t.to(device), buckets)
+
+
+def _bucket(lengths: list[int], start: int, device: torch.device) -> Bucket:
+    rows, longest, tokens = len(lengths), max(lengths), sum(lengths)
+    if all(n == longest for n in lengths):
+        return Bucket(start, start + tokens, rows, longest, None, None)
+    lengths_t = torch.tensor(lengths)
+    real = torch.arange(longest)[None, :] < lengths_t[:, None]  # [rows, longest]
+    pad_index = real.flatten().nonzero().squeeze(1)
+    return Bucket(start, start + tokens, rows, longest, pad_index.to(device), real[:, None, None, :].to(device))
 
 
 class BertEncoder(nn.Module):
@@ -70,18 +129,14 @@ class BertEncoder(nn.Module):
         self.layers = nn.ModuleList(EncoderLayer(config) for _ in range(config.num_hidden_layers))
         self.hidden_size = size
 
-    def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, groups: list[tuple[int, int, int]],
-                pooling: str) -> torch.Tensor:
-        """token_ids, positions: [tokens]; groups: (first token, rows, length) of each run of equal-length rows.
-        Returns [rows, hidden] float32 pooled vectors, in the rows' order."""
-        x = F.embedding(token_ids, self.word_embeddings.weight)
-        x = x + F.embedding(positions, self.position_embeddings.weight) + self.token_type_embeddings.weight[0]
+    def forward(self, batch: PackedBatch, pooling: str) -> torch.Tensor:
+        """Returns [rows, hidden] float32 pooled vectors, in the batch's row order."""
+        x = F.embedding(batch.token_ids, self.word_embeddings.weight)
+        x = x + F.embedding(batch.positions, self.position_embeddings.weight) + self.token_type_embeddings.weight[0]
         x = self.embed_norm(x)
         for layer in self.layers:
-            x = layer(x, groups)
-        pooled = [pool(x[start:start + rows * length].view(rows, length, -1).float(), length, pooling)
-                  for start, rows, length in groups]
-        return torch.cat(pooled)
+            x = layer(x, batch)
+        return pool(x, batch.row_of_token, batch.row_starts, batch.lengths, pooling)
 
     def load_hf_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Hugging Face `BertModel` (or `BertFor*` with a `bert.` prefix) names; the pooler head is not used."""
