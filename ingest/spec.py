@@ -7,7 +7,12 @@
      "idempotency_key": "...", "job_id": "<uuid>",                  # both optional
      "completion_window": "24h",                                      # the deadline (s, m, h or d; <= 30 days)
      "served_model_names": ["gpt-4o-mini"],                           # aliases an OpenAI row's model may name
-     "batch_invariant": true}                                         # outputs independent of the batch (slower)
+     "batch_invariant": true,                                         # outputs independent of the batch (slower)
+     "task": "embed", "truncate_inputs": false}                       # embedding jobs (see below)
+
+`task` is `generate` (the default) or `embed`: an embedding model's job, whose Parquet input has a `text` column
+(OpenAI JSONL rows say `/v1/embeddings` themselves); `truncate_inputs` cuts inputs longer than the model's
+max_seq_length instead of failing their rows.
 
 Only `output_uri` and one of `input_uri` / `rows` are required (the S3 inbox supplies both). Unknown fields
 are refused, so a typo does not silently run with defaults.
@@ -25,7 +30,7 @@ import math
 import re
 import uuid
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator, model_validator
 
@@ -97,6 +102,8 @@ class JobRequest(BaseModel):
     # other names an OpenAI row's `model` may give for this job's model (vLLM's --served-model-name)
     served_model_names: list[Annotated[str, Field(min_length=1, max_length=256)]] = Field(default_factory=list,
                                                                                          max_length=16)
+    task: Literal["generate", "embed"] = "generate"
+    truncate_inputs: bool = False
 
     @field_validator("completion_window")
     @classmethod
@@ -171,7 +178,8 @@ class JobRequest(BaseModel):
                                shard_size=self.shard_size, limits=limits or Limits.from_env(), s3=s3 or S3Options(),
                                openai_output=self.openai_output, executor=executor, cache_salt=self.cache_salt,
                                completion_window=self.completion_window,
-                               served_model_names=self.served_model_names)
+                               served_model_names=self.served_model_names, task=self.task,
+                               truncate_inputs=self.truncate_inputs)
         return NewJob(input_uri=self.input_uri, output_uri=self.output_uri, model=self.model, settings=settings,
                       source=source, source_ref=source_ref, priority=self.priority,
                       idempotency_key=self.idempotency_key or default_key,

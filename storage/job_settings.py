@@ -48,6 +48,8 @@ class JobSettings(BaseModel):
     cache_salt: str | None = None  # rows share prefix-cache blocks only with rows of the same salt
     served_model_names: list[str] = Field(default_factory=list)  # aliases an OpenAI row's `model` may name
     completion_window: CompletionWindow = DEFAULT_COMPLETION_WINDOW  # past it the sweep ends the job `expired`
+    task: Literal["generate", "embed"] = "generate"  # embed: a Parquet input's `text` column is embedded
+    truncate_inputs: bool = False  # embedding inputs over the model's max_seq_length are cut (else the row fails)
     input_fingerprint: dict[str, Any] | None = None  # set when the input is validated
     inbox_pin: dict[str, Any] | None = None  # the version the inbox listed (its ETag): validation reads only it
     input_format: str | None = None

@@ -26,7 +26,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from storage.formats import Request, RowError
-from workers.shards import ShardOutcome, collect_row, prepare_row
+from workers.shards import (
+    EmbeddingRow,
+    ShardOutcome,
+    collect_row,
+    is_embedding_engine,
+    prepare_embedding_row,
+    prepare_row,
+)
 
 if TYPE_CHECKING:
     from engine import LLMEngine, RequestOutput
@@ -58,6 +65,7 @@ class RowSettings:
     speculative: dict[str, Any] | None = None
     models: frozenset[str] = frozenset()
     batch_invariant: bool | None = None
+    truncate_inputs: bool = False  # embedding rows: cut inputs over the model's max_seq_length (else they fail)
 
 
 @dataclass(eq=False)
@@ -91,7 +99,8 @@ class EngineLoop:
         self.inbox: queue.Queue[tuple[str, Ticket]] = queue.Queue()
         self.waiting: deque[Ticket] = deque()  # submitted, not yet admitted
         self.active: list[Ticket] = []  # admitted, oldest first
-        self.pending: dict[str, tuple[Ticket, Request, int | None]] = {}
+        # request id -> its shard, row, and the row's logprobs top-k (generation) or (EmbeddingRow, input index)
+        self.pending: dict[str, tuple[Ticket, Request, Any]] = {}
         self._spec_seen = (0, 0)
         self.progressed = time.monotonic()  # the last engine step that returned, or the last idle moment
         self.watchdog_s, self.on_stuck = watchdog_s, on_stuck or _exit_stuck
@@ -196,6 +205,9 @@ class EngineLoop:
                 self._fail(ticket, error)
 
     def _feed(self, ticket: Ticket) -> None:
+        if is_embedding_engine(self.engine):
+            self._feed_embeddings(ticket)
+            return
         settings = ticket.settings
         for item in ticket.rows:
             prepared = item if isinstance(item, RowError) else prepare_row(self.engine, settings.defaults, item,
@@ -207,6 +219,29 @@ class EngineLoop:
             request_id = f"{ticket.prefix}{item.row}"
             self.engine.add_request(request_id, *prepared, settings.priority, settings.cache_salt)
             self.pending[request_id] = (ticket, item, prepared[1].logprobs)
+            ticket.request_ids.add(request_id)
+        ticket.fed = True
+        self._finish_if_done(ticket)
+
+    def _feed_embeddings(self, ticket: Ticket) -> None:
+        """Embedding rows: one engine request per input (request id: prefix, row, '.', input index), added
+        shortest first, so that each engine step holds inputs of like lengths."""
+        ticket.outcome.embedding_size = self.engine.embedding_size
+        settings = ticket.settings
+        inputs = []
+        for item in ticket.rows:
+            prepared = item if isinstance(item, RowError) else prepare_embedding_row(
+                self.engine, item, settings.truncate_inputs, settings.models)
+            if isinstance(prepared, RowError):
+                ticket.outcome.errors.append(prepared)
+                ticket.rows_done += 1
+                continue
+            inputs += [(len(token_ids), index, token_ids, item, prepared)
+                       for index, token_ids in enumerate(prepared.token_ids)]
+        for _, index, token_ids, item, prepared in sorted(inputs, key=lambda entry: entry[0]):
+            request_id = f"{ticket.prefix}{item.row}.{index}"
+            self.engine.add_request(request_id, token_ids, prepared.params)
+            self.pending[request_id] = (ticket, item, (prepared, index))
             ticket.request_ids.add(request_id)
         ticket.fed = True
         self._finish_if_done(ticket)
@@ -223,12 +258,17 @@ class EngineLoop:
             entry = self.pending.pop(output.request_id, None)
             if entry is None:
                 continue
-            ticket, request, top_k = entry
+            ticket, request, extra = entry
             ticket.request_ids.discard(output.request_id)
             try:
-                collect_row(ticket.outcome, request, output, top_k)
-                ticket.rows_done += 1
-                ticket.tokens += _tokens(output)
+                if isinstance(extra, tuple) and isinstance(extra[0], EmbeddingRow):
+                    ticket.tokens += len(output.prompt_token_ids)
+                    if extra[0].collect(ticket.outcome, extra[1], output):
+                        ticket.rows_done += 1
+                else:
+                    collect_row(ticket.outcome, request, output, extra)
+                    ticket.rows_done += 1
+                    ticket.tokens += _tokens(output)
                 self._finish_if_done(ticket)
             except Exception as error:
                 self._fail(ticket, error)

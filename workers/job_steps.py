@@ -221,7 +221,8 @@ class JobSteps:
         with self._reader_lock:
             if self._reader is None:
                 pin = job.settings.input_fingerprint if job.status != S.VALIDATING else job.settings.inbox_pin
-                self._reader = open_input(*self._input_location(job), job.settings.limits, pin=pin)
+                self._reader = open_input(*self._input_location(job), job.settings.limits, pin=pin,
+                                          task=job.settings.task)
             return self._reader
 
     def _read_rows(self, job: Job, shard: Shard) -> list:
@@ -377,7 +378,8 @@ class JobSteps:
         if watch.should_stop():  # a shard never starts on a job that stopped
             return ShardOutcome(cancelled=True)
         settings = RowSettings(job.settings.sampling, engine_priority(job), job.settings.cache_salt,
-                               job.settings.speculative_config, served_models(job), job.settings.batch_invariant)
+                               job.settings.speculative_config, served_models(job), job.settings.batch_invariant,
+                               job.settings.truncate_inputs)
         rows = self._read_rows(job, shard)  # read here, not on the engine thread
         return loop_for(engine).run(settings, rows, request_prefix(job, shard), watch.should_stop, self.progress)
 
@@ -405,7 +407,7 @@ class JobSteps:
             if session.scalar(select(Shard.claim_token).where(Shard.id == shard.id)) != shard.claim_token:
                 raise StaleClaim(f"job {job.id}: shard {shard.index} was claimed by another worker")
         key = write_part(open_store(job.output_uri, job.settings.s3), shard.index, outcome.records, job.id,
-                         shard.claim_token)
+                         shard.claim_token, outcome.embedding_size)
         if not self.heartbeat.holds(claim):
             raise StaleClaim(f"job {job.id}: shard {shard.index} was claimed by another worker during its write")
         return key

@@ -51,9 +51,10 @@ class LocalExecutor:
     def engine(self, _job_engine_settings: dict[str, Any] | None = None) -> LLMEngine:
         """The process's engine, loaded on first use (a job's own engine settings are refused at intake)."""
         if self._engine is None:
-            from engine import EngineConfig, LLMEngine
+            from engine import EngineConfig
+            from engine.embedding_engine import create_engine
 
-            self._engine = LLMEngine(EngineConfig.from_kwargs(**self.engine_settings))
+            self._engine = create_engine(EngineConfig.from_kwargs(**self.engine_settings))
         return self._engine
 
     def _run(self) -> None:

@@ -1,6 +1,8 @@
 """A shard's rows as the engine takes them and gives them back: `prepare_row` renders and tokenizes a row and
 applies its sampling overrides (or gives its error), `collect_row` turns the engine's output into part-file
-records; `ShardOutcome` gathers a shard's records and errors. The engine loop (`workers.engine_loop`) runs them."""
+records; `ShardOutcome` gathers a shard's records and errors. Embedding rows (`/v1/embeddings`, on an embedding
+model's engine) go through `prepare_embedding_row` and `EmbeddingRow`. The engine loop (`workers.engine_loop`)
+runs them."""
 
 from __future__ import annotations
 
@@ -9,10 +11,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ingest.sampling import ResponseFormatError, check_for_model, sampling_params
-from storage.formats import CHAT, Request, RowError
+from storage.formats import CHAT, EMBEDDINGS, Request, RowError
 
 if TYPE_CHECKING:
-    from engine import LLMEngine, RequestOutput, SamplingParams
+    from engine import EmbeddingRequestOutput, LLMEngine, RequestOutput, SamplingParams
     from storage.models import Job
 
 
@@ -25,14 +27,23 @@ class ShardOutcome:
     spec_accepted_tokens: int = 0
     completed_job: bool = False  # this shard was the job's last to complete: the job is now finalizing
     lost: bool = False  # another worker claimed the shard meanwhile: this one stopped and wrote nothing
+    embedding_size: int | None = None  # set when an embedding model ran it: its records are embeddings
 
     def totals(self) -> dict[str, int]:
+        if self.embedding_size is not None:  # a record per input; a row's inputs all count
+            rows = sum(1 for r in self.records if r["input_index"] == 0)
+            prompt, completion, cached = sum(r["prompt_tokens"] for r in self.records), 0, 0
+        else:  # a record per choice (n)
+            rows = sum(1 for r in self.records if r["choice_index"] == 0)
+            prompt = sum(r["prompt_tokens"] for r in self.records if r["choice_index"] == 0)
+            completion = sum(r["completion_tokens"] for r in self.records)
+            cached = sum(r["cached_tokens"] for r in self.records if r["choice_index"] == 0)
         return {
-            "rows_completed": sum(1 for r in self.records if r["choice_index"] == 0),  # a record per choice (n)
+            "rows_completed": rows,
             "rows_failed": len(self.errors),
-            "prompt_tokens": sum(r["prompt_tokens"] for r in self.records if r["choice_index"] == 0),
-            "completion_tokens": sum(r["completion_tokens"] for r in self.records),
-            "cached_tokens": sum(r["cached_tokens"] for r in self.records if r["choice_index"] == 0),
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "cached_tokens": cached,
             "spec_draft_tokens": self.spec_draft_tokens,
             "spec_accepted_tokens": self.spec_accepted_tokens,
         }
@@ -49,6 +60,12 @@ def prepare_row(engine: LLMEngine, defaults: dict[str, Any], request: Request, m
     if models and request.model is not None and request.model not in models:
         return error("model_not_found", f"The model {request.model!r} does not exist here; this job serves "
                                         f"{', '.join(map(repr, sorted(models)))}")
+    if is_embedding_engine(engine) or request.endpoint == EMBEDDINGS:
+        return error("invalid_request", f"{request.endpoint} needs a model that generates text; "
+                                        f"{engine.config.model!r} embeds (use /v1/embeddings)"
+                     if is_embedding_engine(engine) else
+                     f"model {engine.config.model!r} generates text and has no embeddings: /v1/embeddings "
+                     f"needs an embedding model (e.g. all-minilm-l6-v2)")
     try:
         params = sampling_params(defaults, request.params)
         check_for_model(params, engine.runner.vocab_size)
@@ -71,6 +88,77 @@ def prepare_row(engine: LLMEngine, defaults: dict[str, Any], request: Request, m
     if too_long := context_length_error(len(token_ids), params.max_tokens, engine.max_model_len):
         return error("context_length_exceeded", too_long)
     return token_ids, params
+
+
+def is_embedding_engine(engine) -> bool:
+    return getattr(engine, "embedding_size", None) is not None
+
+
+@dataclass
+class EmbeddingRow:
+    """An embeddings row in the engine: its inputs' token ids go in as one request each; its records are
+    written once every input has its vector."""
+
+    request: Request
+    token_ids: list[list[int]]
+    params: Any  # engine.pooling.PoolingParams
+    vectors: dict[int, tuple[list[float], int, float | None]] = field(default_factory=dict)
+    failed: bool = False
+
+    def collect(self, outcome: ShardOutcome, index: int, output: EmbeddingRequestOutput) -> bool:
+        """Keep one input's vector; True (and the row's records or error in `outcome`) once the row is done."""
+        request = self.request
+        if self.failed:
+            return False
+        if output.error:
+            self.failed = True
+            outcome.errors.append(RowError(request.row, request.custom_id, "engine_error", output.error))
+            return True
+        latency = None if output.arrival_time is None else _ms(output.arrival_time, output.finish_time)
+        self.vectors[index] = (output.outputs.embedding, len(output.prompt_token_ids), latency)
+        if len(self.vectors) < len(self.token_ids):
+            return False
+        outcome.records.extend({
+            "custom_id": request.custom_id, "embedding": vector, "prompt_tokens": tokens, "latency_ms": latency,
+            "row_index": request.row, "input_index": i, "endpoint": EMBEDDINGS,
+            "encoding_format": request.params.get("encoding_format", "float"),
+        } for i, (vector, tokens, latency) in sorted(self.vectors.items()))
+        return True
+
+
+def prepare_embedding_row(engine, request: Request, truncate: bool, models: Collection[str] = ()
+                          ) -> EmbeddingRow | RowError:
+    """An embeddings row as the engine runs it (its inputs tokenized, over-long ones cut when `truncate`), or
+    its error: an input over the model's max_seq_length, `dimensions` the model cannot give, a generation
+    row sent to an embedding model."""
+    from engine.pooling import PoolingParams
+
+    def error(code: str, message: str) -> RowError:
+        return RowError(request.row, request.custom_id, code, message)
+
+    if request.endpoint != EMBEDDINGS:
+        return prepare_row(engine, {}, request, models)  # fails it: this engine embeds
+    if models and request.model is not None and request.model not in models:
+        return error("model_not_found", f"The model {request.model!r} does not exist here; this job serves "
+                                        f"{', '.join(map(repr, sorted(models)))}")
+    try:
+        params = PoolingParams(dimensions=request.params.get("dimensions"), truncate=truncate)
+        engine.check_params(params)
+    except ValueError as problem:
+        return error("invalid_parameter", str(problem))
+    texts = [text for text in request.inputs if isinstance(text, str)]
+    try:
+        encoded = iter(engine.encode_batch(texts, truncate=truncate))
+        token_ids = [next(encoded) if isinstance(item, str) else engine.encode(item) for item in request.inputs]
+    except Exception as problem:
+        return error("invalid_input", f"could not tokenize the row: {problem}")
+    for i, ids in enumerate(token_ids):
+        if truncate and len(ids) > engine.max_model_len:
+            token_ids[i] = ids[:engine.max_model_len - 1] + ids[-1:]
+        elif too_long := engine.length_error(len(ids)):
+            where = f"input[{i}]: " if len(token_ids) > 1 else ""
+            return error("context_length_exceeded", where + too_long)
+    return EmbeddingRow(request, token_ids, params)
 
 
 def _tokenize(engine: LLMEngine, request: Request) -> list[int]:

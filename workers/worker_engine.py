@@ -23,10 +23,11 @@ _loading = threading.Lock()  # a worker's task threads and its preloading thread
 
 
 def load_engine(settings: dict[str, Any]) -> LLMEngine:
-    """The default factory: the real engine."""
-    from engine import EngineConfig, LLMEngine
+    """The default factory: the real engine (an embedding model's `EmbeddingEngine`, else an `LLMEngine`)."""
+    from engine import EngineConfig
+    from engine.embedding_engine import create_engine
 
-    return LLMEngine(EngineConfig.from_kwargs(**settings))
+    return create_engine(EngineConfig.from_kwargs(**settings))
 
 
 def process_engine() -> LLMEngine:
@@ -44,7 +45,9 @@ def _load() -> LLMEngine:
     started = time.perf_counter()
     _loaded = factory(spec.settings)
     log.info("loaded %s in %.1f s with %s", spec.model, time.perf_counter() - started, spec.settings)
-    if port := os.environ.get("TOKENMILL_METRICS_PORT"):  # this pool process's engine, one port per worker
+    if getattr(_loaded, "embedding_size", None) is not None:  # an embedding engine: no KV or scheduler gauges
+        log.info("%s is an embedding model: no engine metrics are served", spec.model)
+    elif port := os.environ.get("TOKENMILL_METRICS_PORT"):  # this pool process's engine, one port per worker
         from engine.prometheus import EngineMetrics, start_metrics_server
 
         addr = os.environ.get("TOKENMILL_METRICS_ADDR", "127.0.0.1")

@@ -12,6 +12,7 @@ from storage.formats.outputs import (
     MANIFEST_KEY,
     PART_SCHEMA,
     batch_output_line,
+    embedding_part_schema,
     error_record,
     part_key,
     read_part,
@@ -20,14 +21,14 @@ from storage.formats.outputs import (
     write_part,
 )
 from storage.formats.parquet import MAGIC, ParquetInput
-from storage.formats.rows import CHAT, COMPLETIONS, ENDPOINTS, InputError, Limits, Request, RowError
+from storage.formats.rows import CHAT, COMPLETIONS, EMBEDDINGS, ENDPOINTS, InputError, Limits, Request, RowError
 from storage.objectstore import ObjectStore
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
 
 __all__ = [
-    "BATCH_OUTPUT_KEY", "CHAT", "COMPLETIONS", "ENDPOINTS", "ERRORS_KEY", "MANIFEST_KEY", "PART_SCHEMA",
-    "InputError", "InputReader", "JsonlInput", "Limits", "ParquetInput", "Request", "RowError",
+    "BATCH_OUTPUT_KEY", "CHAT", "COMPLETIONS", "EMBEDDINGS", "ENDPOINTS", "ERRORS_KEY", "MANIFEST_KEY", "PART_SCHEMA",
+    "embedding_part_schema", "InputError", "InputReader", "JsonlInput", "Limits", "ParquetInput", "Request", "RowError",
     "batch_output_line", "error_record", "open_input", "part_key", "read_part", "write_jsonl", "write_manifest",
     "write_part",
 ]
@@ -46,9 +47,11 @@ class InputReader(Protocol):
     def close(self) -> None: ...
 
 
-def open_input(store: ObjectStore, key: str, limits: Limits | None = None, pin: dict | None = None) -> InputReader:
-    """A reader for store/key: JSONL by suffix (.jsonl, .ndjson, .json) or by a leading '{', else Parquet. With
-    `pin` (the input's version at validation) it reads that version or raises `InputChanged`."""
+def open_input(store: ObjectStore, key: str, limits: Limits | None = None, pin: dict | None = None,
+               task: str = "generate") -> InputReader:
+    """A reader for store/key: JSONL by suffix (.jsonl, .ndjson, .json) or by a leading '{', else Parquet (whose
+    columns depend on the job's `task`: generate or embed). With `pin` (the input's version at validation) it
+    reads that version or raises `InputChanged`."""
     limits = limits or Limits()
     try:
         size = store.size(key)
@@ -58,7 +61,7 @@ def open_input(store: ObjectStore, key: str, limits: Limits | None = None, pin: 
     try:
         if key.lower().endswith(JSONL_SUFFIXES) or _starts_like_json(file):
             return JsonlInput(file, limits, size, name=key)
-        return ParquetInput(file, limits, name=key)
+        return ParquetInput(file, limits, name=key, task=task)
     except BaseException:
         file.close()
         raise

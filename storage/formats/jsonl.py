@@ -1,4 +1,5 @@
-"""OpenAI Batch JSONL input: one `{"custom_id", "method": "POST", "url", "body"}` object per line.
+"""OpenAI Batch JSONL input: one `{"custom_id", "method": "POST", "url", "body"}` object per line; `url` is
+/v1/chat/completions, /v1/completions or /v1/embeddings.
 
 One streaming pass (`validate`) counts the rows, enforces the size limits, rejects duplicate custom_ids and
 remembers where each row starts, so a shard later seeks straight to its first row.
@@ -13,6 +14,7 @@ from typing import IO, Any
 
 from storage.formats.rows import (
     CHAT,
+    EMBEDDINGS,
     ENDPOINTS,
     InputError,
     Limits,
@@ -20,6 +22,7 @@ from storage.formats.rows import (
     RowError,
     check_custom_id,
     check_unsupported,
+    parse_embedding_body,
     parse_messages,
     parse_prompt,
     pick_params,
@@ -109,6 +112,8 @@ def parse_line(row: int, line: bytes) -> Request | RowError:
         return RowError(row, custom_id, "invalid_request", f"url must be one of {', '.join(ENDPOINTS)}, got {url!r}")
     if not isinstance(body, dict):
         return RowError(row, custom_id, "invalid_request", "body must be a JSON object")
+    if url == EMBEDDINGS:
+        return parse_embedding_body(row, custom_id, body)
     if unsupported := check_unsupported(row, custom_id, body):
         return unsupported
     params, model = pick_params(body), body.get("model")

@@ -15,7 +15,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from storage.formats.rows import CHAT, RowError
+from storage.formats.rows import CHAT, EMBEDDINGS, RowError
 from storage.objectstore import ObjectStore
 
 ERRORS_KEY = "errors.jsonl"
@@ -38,6 +38,22 @@ PART_SCHEMA = pa.schema([
 ])
 
 
+def embedding_part_schema(size: int | None) -> pa.Schema:
+    """An embedding job's part rows: one per input (a row of the OpenAI endpoint may hold several, `input_index`);
+    `embedding` is a fixed-size list of float32 (a variable one when rows asked for other `dimensions`)."""
+    vector = pa.list_(pa.float32(), size) if size else pa.list_(pa.float32())
+    return pa.schema([
+        pa.field("custom_id", pa.string(), nullable=False),
+        pa.field("embedding", vector),
+        pa.field("prompt_tokens", pa.int32()),
+        pa.field("latency_ms", pa.float64()),  # from entering the engine to its vector
+        pa.field("row_index", pa.int64()),  # 0-based row of the input
+        pa.field("input_index", pa.int32()),  # which of the row's inputs
+        pa.field("endpoint", pa.string()),  # /v1/embeddings
+        pa.field("encoding_format", pa.string()),  # float | base64: how batch_output.jsonl writes it
+    ])
+
+
 def part_key(index: int, job_id: str, claim: int) -> str:
     """A shard's part file, unique to the job and the claim: a stale worker (of this job, or of an earlier job on
     the same prefix) can neither replace the part the database committed (the shard row's `output_key`) nor
@@ -45,10 +61,18 @@ def part_key(index: int, job_id: str, claim: int) -> str:
     return f"part-{index:05d}-{job_id}-c{claim}.parquet"
 
 
-def write_part(store: ObjectStore, index: int, records: list[dict[str, Any]], job_id: str, claim: int) -> str:
-    """One shard's results, in input order, written once (atomically) under its claim's key. Returns the key."""
-    records = sorted(records, key=lambda r: (r["row_index"], r["choice_index"]))
-    table = pa.Table.from_pylist(records, schema=PART_SCHEMA)
+def write_part(store: ObjectStore, index: int, records: list[dict[str, Any]], job_id: str, claim: int,
+               embedding_size: int | None = None) -> str:
+    """One shard's results, in input order, written once (atomically) under its claim's key. Returns the key.
+    `embedding_size`: an embedding job's part (the model's vector size)."""
+    if embedding_size is None:
+        schema = PART_SCHEMA
+        records = sorted(records, key=lambda r: (r["row_index"], r["choice_index"]))
+    else:
+        same = all(len(r["embedding"]) == embedding_size for r in records)
+        schema = embedding_part_schema(embedding_size if same else None)
+        records = sorted(records, key=lambda r: (r["row_index"], r["input_index"]))
+    table = pa.Table.from_pylist(records, schema=schema)
     sink = pa.BufferOutputStream()
     pq.write_table(table, sink, compression="zstd")
     key = part_key(index, job_id, claim)
@@ -100,8 +124,26 @@ def batch_output_line(job_id: str, model: str, record: dict[str, Any] | list[dic
     if "code" in record:
         return {"id": line_id, "custom_id": record["custom_id"], "response": None,
                 "error": {"code": record["code"], "message": record["message"]}}
+    body = _embeddings_body(model, records) if record["endpoint"] == EMBEDDINGS else _completion_body(model, records)
     return {"id": line_id, "custom_id": record["custom_id"], "error": None,
-            "response": {"status_code": 200, "request_id": line_id, "body": _completion_body(model, records)}}
+            "response": {"status_code": 200, "request_id": line_id, "body": body}}
+
+
+def _embeddings_body(model: str, records: list[dict[str, Any]]) -> dict[str, Any]:
+    """OpenAI's embeddings response: one `data` item per input, in input order."""
+    import base64
+
+    import numpy as np
+
+    def vector(record: dict[str, Any]) -> list[float] | str:
+        if record["encoding_format"] == "base64":  # little-endian float32 bytes, as OpenAI's
+            return base64.b64encode(np.asarray(record["embedding"], dtype="<f4").tobytes()).decode()
+        return record["embedding"]
+
+    tokens = sum(r["prompt_tokens"] for r in records)
+    return {"object": "list", "model": model,
+            "data": [{"object": "embedding", "index": r["input_index"], "embedding": vector(r)} for r in records],
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
 
 def _choice(record: dict[str, Any], chat: bool) -> dict[str, Any]:

@@ -1,7 +1,8 @@
 """Parquet input: footer and schema checks first, then row groups streamed one at a time.
 
 Columns: `custom_id` (string) and exactly one of `prompt` (string) or `messages` (list of struct{role,
-content}); optional per-row sampling columns (see `rows.PARAM_NAMES`).
+content}); optional per-row sampling columns (see `rows.PARAM_NAMES`). An embedding job (task `embed`) reads
+`custom_id` and `text` (string) instead, one vector per row.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from storage.faults import is_transient
 from storage.formats.rows import (
     CHAT,
     COMPLETIONS,
+    EMBEDDINGS,
     PARAM_NAMES,
     UNSUPPORTED_PARAMS,
     InputError,
@@ -37,8 +39,8 @@ BATCH_ROWS = 1024
 class ParquetInput:
     format = "parquet"
 
-    def __init__(self, file: IO[bytes], limits: Limits, name: str = "input") -> None:
-        self.file, self.limits, self.name = file, limits, name
+    def __init__(self, file: IO[bytes], limits: Limits, name: str = "input", task: str = "generate") -> None:
+        self.file, self.limits, self.name, self.task = file, limits, name, task
         self._check_framing()
         try:
             self.parquet = pq.ParquetFile(file)
@@ -49,7 +51,7 @@ class ParquetInput:
         self._check_footer_limits()
         self.prompt_column = self._check_schema()
         self.columns = ["custom_id", self.prompt_column] + [c for c in PARAM_NAMES + UNSUPPORTED_PARAMS
-                                                            if c in self.column_names]
+                                                            if c in self.column_names and task != "embed"]
         metadata = self.parquet.metadata
         self.row_group_starts = [0]
         for i in range(metadata.num_row_groups):
@@ -97,10 +99,16 @@ class ParquetInput:
         if "custom_id" not in schema.names:
             raise InputError(f"missing required column 'custom_id' (columns: {', '.join(schema.names)})")
         _require(_is_string(schema.field("custom_id").type), "custom_id", "strings", schema)
+        if self.task == "embed":
+            if "text" not in schema.names:
+                raise InputError(f"an embedding job's input needs a 'text' column (columns: {', '.join(schema.names)})")
+            _require(_is_string(schema.field("text").type), "text", "strings", schema)
+            return "text"
         present = [c for c in ("prompt", "messages") if c in schema.names]
         if len(present) != 1:
             found = "both" if present else "neither"
-            raise InputError(f"the input needs exactly one of the columns 'prompt' or 'messages' (found {found})")
+            hint = "; a 'text' column is embedding input: run the job with task embed" if "text" in schema.names else ""
+            raise InputError(f"the input needs exactly one of the columns 'prompt' or 'messages' (found {found}){hint}")
         column = present[0]
         if column == "prompt":
             _require(_is_string(schema.field("prompt").type), "prompt", "strings", schema)
@@ -153,6 +161,11 @@ class ParquetInput:
             return error
         if unsupported := check_unsupported(row, custom_id, values):
             return unsupported
+        if self.prompt_column == "text":
+            text = values["text"]
+            if not isinstance(text, str) or not text:
+                return RowError(row, custom_id, "missing_input", "text is null or empty")
+            return Request(row, custom_id, EMBEDDINGS, inputs=[text], params={"encoding_format": "float"})
         params = pick_params(values)
         if self.prompt_column == "messages":
             messages = parse_messages(row, custom_id, values["messages"])

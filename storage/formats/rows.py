@@ -9,7 +9,10 @@ from typing import Any
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
-ENDPOINTS = (CHAT, COMPLETIONS)
+EMBEDDINGS = "/v1/embeddings"
+ENDPOINTS = (CHAT, COMPLETIONS, EMBEDDINGS)
+ENCODING_FORMATS = ("float", "base64")
+MAX_EMBEDDING_INPUTS = 2048  # inputs in one embeddings row, as OpenAI
 PARAM_NAMES = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n", "response_format", "logprobs",
                "top_logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
                "min_tokens")
@@ -68,10 +71,11 @@ class Limits:
 class Request:
     row: int  # 0-based position in the input
     custom_id: str
-    endpoint: str  # CHAT or COMPLETIONS
+    endpoint: str  # CHAT, COMPLETIONS or EMBEDDINGS
     prompt: str | list[int] | None = None
     messages: list[dict[str, str]] | None = None
     params: dict[str, Any] = field(default_factory=dict)  # per-row overrides of the job's sampling defaults
+    inputs: list[str | list[int]] | None = None  # EMBEDDINGS: the texts (or token ids) to embed, one vector each
     model: str | None = None  # an OpenAI body's `model`: the job's model or one of its served names
 
 
@@ -163,3 +167,35 @@ def pick_params(source: dict[str, Any]) -> dict[str, Any]:
     if "max_tokens" not in params and source.get("max_completion_tokens") is not None:
         params["max_tokens"] = source["max_completion_tokens"]
     return params
+
+
+def parse_embedding_body(row: int, custom_id: str, body: dict[str, Any]) -> Request | RowError:
+    """An OpenAI embeddings body: `input` (a string, a list of strings, token ids or a list of token-id lists),
+    `model`, `encoding_format` (float or base64), `dimensions`; `user` is accepted and ignored."""
+    def error(code: str, message: str) -> RowError:
+        return RowError(row, custom_id, code, message)
+
+    inputs = body.get("input")
+    if isinstance(inputs, str) or (isinstance(inputs, list) and inputs and all(_is_token_id(t) for t in inputs)):
+        inputs = [inputs]
+    if not isinstance(inputs, list) or not inputs:
+        return error("missing_input" if inputs in (None, []) else "invalid_input",
+                     f"input must be a string, a list of strings or token ids, got {type(inputs).__name__}")
+    if len(inputs) > MAX_EMBEDDING_INPUTS:
+        return error("invalid_input", f"input holds {len(inputs)} items, over the limit of {MAX_EMBEDDING_INPUTS}")
+    for i, item in enumerate(inputs):
+        ok = (isinstance(item, str) and item) or (isinstance(item, list) and item and all(map(_is_token_id, item)))
+        if not ok:
+            return error("invalid_input", f"input[{i}] must be a non-empty string or list of token ids")
+    encoding = body.get("encoding_format") or "float"
+    if encoding not in ENCODING_FORMATS:
+        return error("invalid_parameter", f"encoding_format must be float or base64, got {encoding!r}")
+    dimensions = body.get("dimensions")
+    if dimensions is not None and (not _is_token_id(dimensions) or dimensions < 1):
+        return error("invalid_parameter", f"dimensions must be a positive integer, got {dimensions!r}")
+    params = {"encoding_format": encoding, **({"dimensions": dimensions} if dimensions is not None else {})}
+    return Request(row, custom_id, EMBEDDINGS, inputs=inputs, params=params, model=body.get("model"))
+
+
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0

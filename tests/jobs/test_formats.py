@@ -155,7 +155,7 @@ def test_jsonl_chat_and_completions(tmp_path: Path) -> None:
 
 def test_jsonl_row_level_problems(tmp_path: Path) -> None:
     lines = ["{not json", "[1, 2]", json.dumps({"url": "/v1/completions", "body": {"prompt": "x"}}),
-             batch_line("bad-url", url="/v1/embeddings"), batch_line("ok-1"),
+             batch_line("bad-url", url="/v1/audio/speech"), batch_line("ok-1"),
              json.dumps({"custom_id": "get2", "method": "GET", "url": "/v1/completions", "body": {"prompt": "x"}}),
              batch_line("no-msgs", messages=None), batch_line("bad-msg", messages=[{"role": "user"}]),
              json.dumps({"custom_id": "no-body", "method": "POST", "url": "/v1/completions"}),
@@ -204,3 +204,25 @@ def test_jsonl_and_parquet_stream_from_s3(seaweedfs: S3Options, s3_prefix: str, 
     parquet = open_input(store, "p.parquet")
     parquet.validate()
     assert [r.row for r in rows_of(parquet, 10, 13)] == [10, 11, 12]
+
+
+@pytest.mark.parametrize(("body", "expected"), [
+    ({"input": "one text"}, (["one text"], {"encoding_format": "float"})),
+    ({"input": ["a", "b"], "encoding_format": "base64"}, (["a", "b"], {"encoding_format": "base64"})),
+    ({"input": [101, 102]}, ([[101, 102]], {"encoding_format": "float"})),
+    ({"input": [[101], [7, 102]], "dimensions": 64}, ([[101], [7, 102]], {"encoding_format": "float",
+                                                                          "dimensions": 64})),
+    ({"input": ""}, "invalid_input"), ({}, "missing_input"), ({"input": []}, "missing_input"),
+    ({"input": ["ok", ""]}, "invalid_input"), ({"input": [1.5]}, "invalid_input"),
+    ({"input": "x", "encoding_format": "int8"}, "invalid_parameter"),
+    ({"input": "x", "dimensions": 0}, "invalid_parameter"), ({"input": ["x"] * 2049}, "invalid_input"),
+])
+def test_embeddings_body(body, expected) -> None:
+    from storage.formats.rows import EMBEDDINGS, parse_embedding_body
+
+    parsed = parse_embedding_body(3, "e", body)
+    if isinstance(expected, str):
+        assert isinstance(parsed, RowError) and parsed.code == expected, parsed
+    else:
+        assert isinstance(parsed, Request) and parsed.endpoint == EMBEDDINGS
+        assert (parsed.inputs, parsed.params) == expected

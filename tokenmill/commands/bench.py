@@ -154,6 +154,27 @@ def register(commands: argparse._SubParsersAction) -> None:
     add_engine_options(lt)
     lt.set_defaults(handler=run_latency)
 
+    em = benches.add_parser(
+        "embed", help="embedding throughput: tokenmill vs sentence-transformers vs vLLM",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="N held-out sentences of mixed length (a seeded phrase grammar, 8 to about 260 tokens; inputs "
+                    "over the model's max_seq_length are truncated by every system) embedded by tokenmill, by "
+                    "sentence-transformers' encode at its default batch size and at its best batch size (a sweep "
+                    "on a sample), and by vLLM's CPU build (from its own venv, `make vllm-venv`; 'not installed' "
+                    "without it), per dtype, in one run. Prints sentences/s and tokens/s side by side, tokenmill's "
+                    "speed over the best other system, and each system's worst cosine against tokenmill's "
+                    "vectors, under the CPU model and flags.")
+    em.add_argument("--model", default="all-minilm-l6-v2", help="embedding model (default: all-minilm-l6-v2)")
+    em.add_argument("--num-sentences", type=int, default=10_000, help="sentences embedded (default: 10000)")
+    em.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated (default: float32,bfloat16)")
+    em.add_argument("--threads", type=int, default=2, help="torch CPU threads for every system (default: 2)")
+    em.add_argument("--batch-tokens", type=int, default=2048,
+                    help="tokenmill's token budget of one packed batch (default: 2048)")
+    em.add_argument("--vllm-venv", help="vLLM's virtualenv (default: $TOKENMILL_VLLM_VENV or .vllm-venv)")
+    em.add_argument("--seed", type=int, default=20260201, help="sentence generator seed (default: 20260201)")
+    em.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    em.set_defaults(handler=run_embed)
+
     jb = benches.add_parser(
         "jobs", help="a job cut into small shards against the same rows as one shard (tokenmill run's path)",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -168,6 +189,55 @@ def register(commands: argparse._SubParsersAction) -> None:
     jb.add_argument("--max-tokens", type=int, default=192, help="longest forced output (default: 192)")
     add_engine_options(jb)
     jb.set_defaults(handler=run_jobs)
+
+
+def run_embed(args: argparse.Namespace) -> int:
+    import dataclasses
+    import json
+
+    import torch
+    from rich.console import Console
+
+    from engine.model_loader import resolve_model
+    from tokenmill.bench import embed
+    from tokenmill.bench.sentences import held_out_sentences
+    from tokenmill.bench.vllm_compare import cpu_description
+
+    dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    for dtype in dtypes:
+        if dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"unsupported dtype {dtype!r}; choose from float32, bfloat16")
+    torch.set_num_threads(args.threads)
+    console = Console(width=max(Console().width, 150))
+    console.print(f"machine: {cpu_description()}; {args.threads} threads")
+    model_dir = resolve_model(args.model)
+    texts = held_out_sentences(args.num_sentences, seed=args.seed)
+    results = []
+    def done(*new) -> None:
+        for result in new:
+            results.append(result)
+            rate = f"{result.sentences_per_s:.1f} sentences/s" if result.seconds else result.note
+            console.print(f"{result.system} {result.dtype}: {rate}")
+
+    for dtype in dtypes:
+        ours, vectors = embed.run_tokenmill(args.model, texts, dtype, args.threads, args.batch_tokens)
+        done(ours)
+        st_results, st_vectors = embed.run_sentence_transformers(model_dir, texts, dtype, ours.tokens)
+        for result in st_results:
+            result.min_cosine = embed.min_cosine(vectors, st_vectors)
+        done(*st_results)
+        vllm, vllm_vectors = embed.run_vllm(model_dir, texts, dtype, args.threads, ours.tokens, args.vllm_venv)
+        if vllm_vectors is not None:
+            vllm.min_cosine = embed.min_cosine(vectors, vllm_vectors)
+        done(vllm)
+    title = (f"embedding throughput: {len(texts)} held-out sentences of mixed length, {ours.tokens} tokens, "
+             f"model {args.model}")
+    console.print(embed.embed_table(results, title))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"machine": cpu_description(), "results": [dataclasses.asdict(r) for r in results]}, f,
+                      indent=2)
+    return 0
 
 
 def add_against_options(parser: argparse.ArgumentParser, batch1: bool = True) -> None:

