@@ -145,6 +145,13 @@ class EmbeddingEngine:
         if settings:
             raise ValueError("speculative decoding does not apply to an embedding model")
 
+    def batch_invariance_matches(self, on: bool | None) -> bool:
+        return not on
+
+    def set_batch_invariant(self, on: bool | None) -> None:
+        if on:
+            raise ValueError("the batch-invariant mode applies to generation, not to an embedding model")
+
     # -- running --------------------------------------------------------------------------------------
 
     def step(self) -> list[EmbeddingRequestOutput]:
