@@ -61,9 +61,10 @@ def test_a_host_with_a_skewed_clock_keeps_its_leases_and_a_paused_one_gives_way(
     assert abs(time.time() - running["lease_expires_at"].timestamp() + 20) < 15, "not on the database's clock"
 
     os.killpg(worker.pid, signal.SIGSTOP)  # paused past its 20 s lease: the sweep hands its shard to another
+    # the sweep first fences it (a new token, still naming the paused host), then another worker claims it
     taken = wait_until(lambda: next((s for s in shard_rows(sessions, job_id) if s["id"] == running["id"]
-                                     and s["claim_token"] > running["claim_token"]), None),
-                       "the paused host's shard to be claimed again", timeout=90, every=0.5)
+                                     and s["claim_token"] > running["claim_token"] and s["status"] != "pending"),
+                                    None), "the paused host's shard to be claimed again", timeout=90, every=0.5)
     os.killpg(worker.pid, signal.SIGCONT)
     assert_completed_once(stack, sessions, job_id, rows["custom_id"], timeout=300)
     shards = shard_rows(sessions, job_id)
