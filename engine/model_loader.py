@@ -220,7 +220,7 @@ def load_model(model_dir: Path, hf_config, max_positions: int, dtype: torch.dtyp
     import torch
     from safetensors import safe_open
 
-    from engine.models.llama import LlamaForCausalLM, rope_tables
+    from engine.models.llama import LlamaForCausalLM
 
     with torch.device("meta"):
         model = LlamaForCausalLM(hf_config, max_positions)
@@ -234,6 +234,14 @@ def load_model(model_dir: Path, hf_config, max_positions: int, dtype: torch.dtyp
                     yield name, f.get_tensor(name)
 
     model.load_hf_weights(weights())
+    return finish_loading(model, hf_config, max_positions, dtype, device)
+
+
+def finish_loading(model: LlamaForCausalLM, hf_config, max_positions: int, dtype: torch.dtype,
+                   device: torch.device) -> LlamaForCausalLM:
+    """A model with its weights in: RoPE tables, the dtype, eval mode, and the CPU's prepacked GEMMs."""
+    from engine.models.llama import rope_tables
+
     cos, sin = rope_tables(hf_config, max_positions)
     model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
     model = model.to(dtype).eval()

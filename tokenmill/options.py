@@ -94,6 +94,17 @@ def add_sampling_options(parser: argparse.ArgumentParser, max_tokens: int = 128,
                        help="constrain every output to this JSON schema (a row's own response_format wins)")
 
 
+def add_task_options(parser: argparse.ArgumentParser) -> None:
+    """--task and --truncate-inputs, for the commands that make a job (`run`, `submit`)."""
+    parser.add_argument("--task", choices=("generate", "embed"), default="generate",
+                        help="generate completions (default) or embed: a Parquet input's `text` column is embedded "
+                             "by an embedding --model, e.g. all-minilm-l6-v2 (OpenAI JSONL rows name "
+                             "/v1/embeddings themselves)")
+    parser.add_argument("--truncate-inputs", action="store_true",
+                        help="embedding inputs longer than the model's max_seq_length are cut to it, as "
+                             "sentence-transformers does (default: such a row fails with context_length_exceeded)")
+
+
 def sampling_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     kwargs = dict(max_tokens=args.max_tokens, top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=list(args.stop))
     if args.temperature is not None:

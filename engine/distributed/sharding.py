@@ -15,8 +15,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.distributed.group import TensorParallelGroup
+from engine.model_loader import finish_loading
 from engine.models.cpu_gemm import Linear
-from engine.models.llama import LlamaForCausalLM, head_dim_of, rope_tables
+from engine.models.llama import LlamaForCausalLM, head_dim_of
 
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 ROW_PARALLEL = ("o_proj", "down_proj")
@@ -133,9 +134,4 @@ def load_shard(model_dir: Path, hf_config, max_positions: int, dtype: torch.dtyp
     model = model.to_empty(device=device)
     files = sorted(model_dir.glob("*.safetensors"))
     model.load_hf_weights(shard_weights(files, hf_config, group.rank, group.world_size))
-    cos, sin = rope_tables(hf_config, max_positions)
-    model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
-    model = model.to(dtype).eval()
-    if device.type == "cpu":
-        model.pack_for_cpu()
-    return model
+    return finish_loading(model, hf_config, max_positions, dtype, device)

@@ -46,8 +46,13 @@ def measure(model_dir, dtype: str, rows: tuple[int, ...] = ROWS, repeats: int = 
                 seconds = best_time(lambda x=x, weight=weight: F.linear(x, weight), repeats)
                 rates[count] = 2 * count * weight.numel() / seconds / 1e9
             peak.shapes.append((name, weight.shape[0], weight.shape[1], rates))
-    peak.limits = {count: count / time_dense_pass(weights, count, count, repeats) for count in rows}
+    peak.limits = decode_limits(weights, rows, repeats)
     return peak
+
+
+def decode_limits(weights, rows: tuple[int, ...] = ROWS, repeats: int = 3) -> dict[int, float]:
+    """rows -> tok/s of a decode step of the model's matmuls alone (every row through the LM head)."""
+    return {count: count / time_dense_pass(weights, count, count, repeats) for count in rows}
 
 
 def native(dtype: str) -> bool:
@@ -60,8 +65,7 @@ def native(dtype: str) -> bool:
 
 def limit_only(model_dir, dtype: str) -> float:
     """The tok/s limit alone (for `bench throughput`'s share column)."""
-    weights = load_dense_weights(model_dir, dtype)
-    return max(count / time_dense_pass(weights, count, count, 3) for count in ROWS)
+    return max(decode_limits(load_dense_weights(model_dir, dtype)).values())
 
 
 def peak_table(peaks: list[Peak]):

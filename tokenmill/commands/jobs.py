@@ -11,6 +11,7 @@ from tokenmill.options import (
     add_engine_options,
     add_sampling_options,
     add_served_model_name_option,
+    add_task_options,
     engine_kwargs,
     sampling_kwargs,
 )
@@ -110,12 +111,7 @@ def _register_run(commands: argparse._SubParsersAction) -> None:
                              "feed one engine stream, so small shards keep the batch full (default: 500)")
     parser.add_argument("--openai-output", action="store_true",
                         help="also write batch_output.jsonl in the OpenAI Batch output format")
-    parser.add_argument("--task", choices=("generate", "embed"), default="generate",
-                        help="generate completions (default) or embed: a Parquet input's `text` column is embedded "
-                             "by an embedding --model (OpenAI JSONL rows name /v1/embeddings themselves)")
-    parser.add_argument("--truncate-inputs", action="store_true",
-                        help="embedding inputs longer than the model's max_seq_length are cut to it, as "
-                             "sentence-transformers does (default: such a row fails with context_length_exceeded)")
+    add_task_options(parser)
     parser.add_argument("--metrics-port", type=int, metavar="PORT",
                         help="serve engine and job metrics for Prometheus at http://127.0.0.1:PORT/metrics")
     _add_database_option(parser)

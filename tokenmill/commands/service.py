@@ -12,7 +12,13 @@ import os
 import sys
 from pathlib import Path
 
-from tokenmill.options import add_engine_options, add_sampling_options, engine_kwargs, sampling_kwargs
+from tokenmill.options import (
+    add_engine_options,
+    add_sampling_options,
+    add_task_options,
+    engine_kwargs,
+    sampling_kwargs,
+)
 
 STACK_DESCRIPTION = """\
 Start or stop the whole service on 127.0.0.1: Redis (Celery broker), tansu (Kafka), SeaweedFS (S3), the job
@@ -84,12 +90,7 @@ def _register_submit(commands: argparse._SubParsersAction) -> None:
                         help="job priority: its rows' engine request priority is the negated value, so a higher "
                              "one is admitted first under --scheduling-policy priority (default: 0)")
     parser.add_argument("--openai-output", action="store_true", help="also write batch_output.jsonl")
-    parser.add_argument("--task", choices=("generate", "embed"), default="generate",
-                        help="embed: a Parquet input's `text` column is embedded by an embedding --model, e.g. "
-                             "all-minilm-l6-v2, whose workers must run (default: generate)")
-    parser.add_argument("--truncate-inputs", action="store_true",
-                        help="embedding inputs over the model's max_seq_length are cut to it (default: the row "
-                             "fails)")
+    add_task_options(parser)
     parser.add_argument("--cache-salt", metavar="TEXT",
                         help="share prefix-cache blocks only with jobs of the same salt (the service folds in the "
                              "job's source too: TOKENMILL_CACHE_ISOLATION, see the README's Security section)")
