@@ -1,5 +1,5 @@
-"""`tokenmill bench throughput` writes its PNG plots next to the table: a short real run (tokenmill and the
-matmul floor on 4 prompts; the concurrency sweep's defaults follow the workload: batch 1 and 4, 8 tokens)."""
+"""`tokenmill bench throughput`'s plots (drawn in the short run of tests/test_cli.py: `assert_plots`), its refusal
+of a bad sweep, and `--against vllm` without vLLM's venv."""
 
 from __future__ import annotations
 
@@ -13,14 +13,8 @@ pytestmark = pytest.mark.real_model
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
-def test_bench_throughput_writes_the_plots(tmp_path, capsys):
-    plots = tmp_path / "plots"
-    code = main(["bench", "throughput", "--num-prompts", "4", "--min-tokens", "4", "--max-tokens", "8",
-                 "--dtypes", "float32", "--systems", "tokenmill,floor", "--threads", "2", "--plots", str(plots),
-                 "--batch1-tokens", "0"])
-    printed = capsys.readouterr().out
-    assert code == 0, printed
-    assert "throughput (useful generated tokens per second)" in printed  # the table, as before
+def assert_plots(plots, printed: str) -> None:
+    """The sweep's defaults follow the workload (batch 1 and 4, 8 tokens); both PNGs drawn at their sizes."""
     assert "decode throughput against concurrency" in printed
     assert "8 prompt + 8 output tokens per request at batch 1, 4 ..." in printed
     for name, (width, height) in {"throughput_concurrency.png": (990, 605),
@@ -33,15 +27,6 @@ def test_bench_throughput_writes_the_plots(tmp_path, capsys):
         assert len({tuple(p) for p in pixels.reshape(-1, pixels.shape[-1])[::7].tolist()}) > 50, name  # drawn on
 
 
-def test_no_plots_leaves_no_files(tmp_path, capsys):
-    plots = tmp_path / "plots"
-    code = main(["bench", "throughput", "--num-prompts", "2", "--min-tokens", "2", "--max-tokens", "3",
-                 "--dtypes", "float32", "--systems", "tokenmill", "--threads", "2", "--plots", str(plots),
-                 "--no-plots", "--batch1-tokens", "0"])
-    assert code == 0, capsys.readouterr().out
-    assert not plots.exists()
-
-
 def test_a_bad_sweep_is_refused_before_anything_runs(capsys):
     assert main(["bench", "throughput", "--sweep-tokens", "1"]) == 2
     assert "--sweep-tokens >= 2" in capsys.readouterr().err
@@ -50,10 +35,12 @@ def test_a_bad_sweep_is_refused_before_anything_runs(capsys):
 def test_against_vllm_without_its_venv_says_how_to_build_it_and_runs_the_rest(tmp_path, capsys):
     code = main(["bench", "throughput", "--num-prompts", "2", "--min-tokens", "2", "--max-tokens", "3",
                  "--dtypes", "float32", "--systems", "tokenmill", "--threads", "2", "--no-plots",
-                 "--against", "vllm", "--vllm-venv", str(tmp_path / "no-venv"), "--batch1-tokens", "4"])
+                 "--against", "vllm", "--vllm-venv", str(tmp_path / "no-venv"), "--batch1-tokens", "4",
+                 "--plots", str(tmp_path / "plots")])
     printed = capsys.readouterr().out.replace("\n", " ")
     assert code == 0, printed
     assert "vLLM is not installed: run `make vllm-venv`" in printed
     assert "machine: " in printed and " cores, flags: " in printed
     assert "throughput (useful generated tokens per second)" in printed
     assert "batch 1: time per output token" in printed and "x vLLM" in printed
+    assert not (tmp_path / "plots").exists()  # --no-plots wins over --plots

@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from tests.test_bench_plots import assert_plots
 from tokenmill.cli import build_parser
 
 
@@ -64,10 +65,10 @@ def test_bad_arguments_fail_with_a_message():
 
 @pytest.mark.real_model
 def test_bench_throughput_short_run_prints_all_systems(tmp_path):
-    out = tmp_path / "bench.json"
+    out, plots = tmp_path / "bench.json", tmp_path / "plots"
     proc = run_cli("bench", "throughput", "--num-prompts", "4", "--min-tokens", "4", "--max-tokens", "8",
-                   "--dtypes", "float32", "--json", str(out), "--no-plots", "--batch1-tokens", "0", "--profile",
-                   timeout=600)
+                   "--dtypes", "float32", "--json", str(out), "--plots", str(plots), "--batch1-tokens", "0",
+                   "--profile", timeout=600)
     assert proc.returncode == 0, proc.stderr
     for system in ("HF static batching", "HF continuous batching", "tokenmill", "dense matmul floor"):
         assert system in proc.stdout
@@ -80,6 +81,7 @@ def test_bench_throughput_short_run_prints_all_systems(tmp_path):
     assert [r["system"] for r in rows] == ["HF static batching", "HF continuous batching", "tokenmill",
                                            "dense matmul floor"]
     assert all(r["tokens_per_second"] > 0 for r in rows)
+    assert_plots(plots, proc.stdout)
 
 
 @pytest.mark.real_model

@@ -1,4 +1,5 @@
-"""Greedy identity against Hugging Face `generate`, with the allowance for float32 near-ties."""
+"""Greedy identity against Hugging Face, with the allowance for float32 near-ties: against `generate`'s own
+tokens (`hf_greedy`, token by token), or teacher-forced (`HFVerdict`: one forward per output)."""
 
 from __future__ import annotations
 
@@ -59,3 +60,48 @@ def compare(outputs: list[list[int]], refs: list[Reference]) -> tuple[list[str],
         else:
             failures.append(f"prompt {index}: token {pos} is {ours[pos]}, HF {ref.tokens[pos]} (logit gap {gap:.2e})")
     return failures, allowances
+
+
+class HFVerdict:
+    """Hugging Face's verdict on greedy outputs, teacher-forced: one forward of prompt + output per distinct pair
+    (cached across configs), and at every output position HF's argmax must be the engine's token or within
+    NEAR_TIE of it. By induction that is `generate`'s greedy output, without its token-by-token loop; a shorter
+    output must end at an EOS token."""
+
+    def __init__(self, hf_model, max_tokens: int) -> None:
+        self.hf_model, self.max_tokens = hf_model, max_tokens
+        eos = hf_model.generation_config.eos_token_id
+        self.eos = set(eos if isinstance(eos, list) else [eos])
+        self.verdicts: dict[tuple[tuple[int, ...], tuple[int, ...]], str | bool | None] = {}
+
+    def compare(self, prompts: list[list[int]], outputs: list[list[int]]) -> tuple[list[str], int]:
+        """Failures (not near-ties), and how many outputs needed the near-tie allowance."""
+        failures, allowances = [], 0
+        for index, (prompt, output) in enumerate(zip(prompts, outputs, strict=True)):
+            key = (tuple(prompt), tuple(output))
+            if key not in self.verdicts:
+                self.verdicts[key] = self._verdict(prompt, output)
+            verdict = self.verdicts[key]
+            if isinstance(verdict, str):
+                failures.append(f"prompt {index}: {verdict}")
+            allowances += verdict is True
+        return failures, allowances
+
+    def _verdict(self, prompt: list[int], output: list[int]) -> str | bool | None:
+        """A failure's description, True where a near-tie was allowed, None where HF agrees exactly."""
+        if not output or len(output) > self.max_tokens:
+            return f"{len(output)} tokens (max_tokens {self.max_tokens})"
+        if len(output) < self.max_tokens and output[-1] not in self.eos:
+            return f"stopped after {len(output)} tokens without EOS"
+        with torch.inference_mode():
+            logits = self.hf_model(torch.tensor([prompt + output[:-1]])).logits[0, len(prompt) - 1:]
+        near_tie = None
+        for pos, (row, token) in enumerate(zip(logits, output, strict=True)):
+            best = int(row.argmax())
+            if best == token:
+                continue
+            gap = (row[best] - row[token]).item()
+            if gap >= NEAR_TIE:
+                return f"token {pos} is {token}, HF {best} (logit gap {gap:.2e})"
+            near_tie = True
+        return near_tie

@@ -3,7 +3,7 @@
 import pytest
 
 from engine import LLM, SamplingParams
-from tests.engine.identity import PASSAGE, compare, hf_greedy
+from tests.engine.identity import PASSAGE, HFVerdict
 
 MAX_TOKENS = 16
 
@@ -27,7 +27,7 @@ def shared_prompts(tokenizer):
 
 @pytest.fixture(scope="module")
 def reference(hf_model, shared_prompts):
-    return hf_greedy(hf_model, shared_prompts, MAX_TOKENS)
+    return HFVerdict(hf_model, MAX_TOKENS)
 
 
 @pytest.mark.parametrize(
@@ -44,7 +44,7 @@ def reference(hf_model, shared_prompts):
 def test_greedy_is_identical_with_prefix_caching_on_and_off(config, model_dir, shared_prompts, reference):
     llm = LLM(str(model_dir), dtype="float32", num_threads=2, **config)
     outputs = llm.generate(shared_prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0))
-    failures, allowances = compare([o.outputs[0].token_ids for o in outputs], reference)
+    failures, allowances = reference.compare(shared_prompts, [o.outputs[0].token_ids for o in outputs])
     assert not failures, failures
     assert allowances <= 1
     stats = llm.engine.get_stats()
@@ -106,7 +106,7 @@ def test_each_of_n_samples_matches_a_standalone_request_with_its_seed_stream(mod
 
     llm = LLM(str(model_dir), dtype="float32", num_threads=2, num_kv_blocks=9)
     prompt = tokenizer.encode(PASSAGE)[:40]  # 2 full blocks of 16 and a partial one of 8 tokens
-    params = dict(max_tokens=24, temperature=1.0, ignore_eos=True)
+    params = dict(max_tokens=16, temperature=1.0, ignore_eos=True)
     runner, copies = llm.engine.runner, []
     copy_blocks = runner.copy_blocks
     monkeypatch.setattr(runner, "copy_blocks", lambda pairs: (copies.extend(pairs), copy_blocks(pairs)))

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from tests.engine.identity import PASSAGE, compare, hf_greedy
+from tests.engine.identity import PASSAGE, HFVerdict
 
 MAX_TOKENS = 24
 
@@ -20,7 +20,7 @@ def prompts(tokenizer):
 
 @pytest.fixture(scope="module")
 def reference(hf_model, prompts):
-    return hf_greedy(hf_model, prompts, MAX_TOKENS)
+    return HFVerdict(hf_model, MAX_TOKENS)
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +59,7 @@ def test_greedy_with_speculation_matches_hugging_face(case, model_dir, prompts, 
     assert len(prompts) >= 16
     llm = LLM(str(model_dir), dtype="float32", num_threads=2, **CASES[case])
     outputs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0))
-    failures, allowances = compare([o.outputs[0].token_ids for o in outputs], reference)
+    failures, allowances = reference.compare(prompts, [o.outputs[0].token_ids for o in outputs])
     spec = llm.engine.spec.stats
     print(f"{case}: {spec.snapshot()}, {allowances} near-tie allowances, "
           f"{llm.engine.get_stats().num_preemptions} preemptions")
@@ -93,7 +93,7 @@ def test_a_different_draft_model_is_verified_every_step(model_dir, draft_dir, pr
               speculative_config={"method": "draft", "num_speculative_tokens": 3, "model": str(draft_dir)})
     llm.engine.spec.control.lookahead = lambda num_decoding: 3  # verify drafts every step, paying or not
     outputs = llm.generate([prompts[i] for i in chosen], SamplingParams(max_tokens=MAX_TOKENS, temperature=0))
-    failures, allowances = compare([o.outputs[0].token_ids for o in outputs], [reference[i] for i in chosen])
+    failures, allowances = reference.compare([prompts[i] for i in chosen], [o.outputs[0].token_ids for o in outputs])
     assert not failures and allowances <= 1, failures
     spec = llm.engine.spec.stats
     assert spec.speculative_steps >= 6 and 0.3 < spec.acceptance_rate < 0.95, spec.snapshot()
