@@ -4,7 +4,9 @@
 - paged decode attention (paged_decode.c) reads keys and values straight from the block pool, where the torch
   path first gathers every sequence's blocks into a padded copy (`TOKENMILL_CPU_ATTENTION_KERNEL=0`: torch);
 - a decoder layer's elementwise steps fused (layer_ops.c): RMSNorm with its residual add, RoPE in place,
-  SiLU(gate) * up, one pass each instead of several torch ops (`TOKENMILL_CPU_LAYER_OPS=0`: torch).
+  SiLU(gate) * up, one pass each instead of several torch ops (`TOKENMILL_CPU_LAYER_OPS=0`: torch);
+- an encoder layer's attention over packed rows of any lengths, with no padding, and its residual add +
+  LayerNorm (encoder_ops.c; `TOKENMILL_CPU_LAYER_OPS=0`: torch).
 
 Without a compiler the torch paths run."""
 
@@ -24,7 +26,8 @@ import torch
 
 log = logging.getLogger("tokenmill.attention")
 
-SOURCES = [Path(__file__).with_name("csrc") / name for name in ("paged_decode.c", "layer_ops.c")]
+SOURCES = [Path(__file__).with_name("csrc") / name for name in ("paged_decode.c", "layer_ops.c",
+                                                                          "encoder_ops.c")]
 HEADERS = [Path(__file__).with_name("csrc") / "fast_math.h"]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math",
          "-fassociative-math", "-fno-signed-zeros"]  # reassociation lets the compiler vectorize the dot products
@@ -60,7 +63,9 @@ def _library() -> ctypes.CDLL | None:
                                    threads],
                   "rms_norm": [ptr, ptr, ptr, ptr, i64, i64, f32, threads],
                   "rope": [ptr, i64, ptr, ptr, ptr, i64, i64, i64, threads],
-                  "silu_mul": [ptr, ptr, i64, i64, threads]}
+                  "silu_mul": [ptr, ptr, i64, i64, threads],
+                  "packed_attention": [ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32, threads],
+                  "add_layer_norm": [ptr, ptr, ptr, ptr, ptr, i64, i64, f32, threads]}
     for name, argtypes in signatures.items():
         for suffix in SUFFIXES.values():
             function = getattr(library, f"{name}_{suffix}")
@@ -76,6 +81,7 @@ def _cpu_flags() -> str:
 
 
 SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}
+HEAD_DIM_MULTIPLE = 16  # packed_attention's head_dim: a whole number of its vectors (LANES in encoder_ops.c)
 
 
 def available(dtype: torch.dtype = torch.float32) -> bool:
@@ -139,3 +145,38 @@ def layer_ops(dtype: torch.dtype) -> LayerOps | None:
         return None
     library = _library()
     return LayerOps(library, dtype) if library is not None else None
+
+
+class EncoderOps:
+    """An encoder layer's attention over packed rows and residual LayerNorm for one dtype, on contiguous CPU
+    tensors."""
+
+    def __init__(self, library: ctypes.CDLL, dtype: torch.dtype) -> None:
+        suffix = SUFFIXES[dtype]
+        self._attention = getattr(library, f"packed_attention_{suffix}")
+        self._add_layer_norm = getattr(library, f"add_layer_norm_{suffix}")
+
+    def packed_attention(self, qkv: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor, longest: int,
+                         heads: int) -> torch.Tensor:
+        """qkv [tokens, 3 * heads * head_dim], rows at `starts` (int64) of `lengths` (int64) tokens, the longest
+        `longest` -> [tokens, heads * head_dim], each row attending to itself only (bidirectional)."""
+        size = qkv.shape[1] // 3
+        out = torch.empty((qkv.shape[0], size), dtype=qkv.dtype)
+        head_dim = size // heads
+        self._attention(qkv.data_ptr(), out.data_ptr(), starts.data_ptr(), lengths.data_ptr(), len(lengths),
+                        longest, heads, head_dim, head_dim ** -0.5, torch.get_num_threads())
+        return out
+
+    def add_layer_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: torch.nn.LayerNorm) -> torch.Tensor:
+        out = torch.empty_like(x)
+        self._add_layer_norm(x.data_ptr(), residual.data_ptr(), norm.weight.data_ptr(), norm.bias.data_ptr(),
+                             out.data_ptr(), x.shape[0], x.shape[1], norm.eps, torch.get_num_threads())
+        return out
+
+
+def encoder_ops(dtype: torch.dtype) -> EncoderOps | None:
+    """The CPU encoder ops for `dtype`, or None (no compiler, another dtype, `TOKENMILL_CPU_LAYER_OPS=0`)."""
+    if dtype not in SUFFIXES or os.environ.get("TOKENMILL_CPU_LAYER_OPS", "1") == "0":
+        return None
+    library = _library()
+    return EncoderOps(library, dtype) if library is not None else None

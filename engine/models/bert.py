@@ -1,14 +1,18 @@
 """BERT-style encoder (BERT, MiniLM, ...) over one packed token batch: no KV cache, no padding in the
 projections, the MLP or LayerNorm, which run on the flat tokens.
 
-The batch is rows ordered by length. Attention runs per bucket of rows of like length (the longest at most
-`BUCKET_SLACK` times the shortest) as one [rows, heads, longest, head_dim] call: a bucket of one length needs no
-mask; otherwise its rows are padded to the longest for that call alone, with a key mask (bidirectional, and no
-token ever sees another row's). Numerics follow Hugging Face's `BertModel` (post-LayerNorm, exact-erf GELU).
+The batch is rows ordered by length. On CPU, where the C kernels build (engine/attention/cpu_kernel.py),
+attention runs over the packed rows with no padding at all, the residual add and LayerNorm are one pass, and
+GELU runs inside the up projection's oneDNN GEMM. Otherwise attention runs per bucket of rows of like length (the
+longest at most `BUCKET_SLACK` times the shortest) as one [rows, heads, longest, head_dim] call: a bucket of one
+length needs no mask; otherwise its rows are padded to the longest for that call alone, with a key mask
+(bidirectional, and no token ever sees another row's). Numerics follow Hugging Face's `BertModel`
+(post-LayerNorm, exact-erf GELU).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -16,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.attention import cpu_kernel
 from engine.models.cpu_gemm import Linear
 from engine.pooling import pool
 
@@ -23,6 +28,30 @@ SUPPORTED_MODEL_TYPES = ("bert",)
 BUCKET_SLACK = 1.5  # a bucket's longest row over its shortest: padding in attention against calls per layer
 ACTIVATIONS = {"gelu": lambda x: F.gelu(x), "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
                "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu}
+ONEDNN_POST_OPS = {"gelu": ("gelu", "none"), "gelu_new": ("gelu", "tanh"), "gelu_pytorch_tanh": ("gelu", "tanh"),
+                   "relu": ("relu", "")}  # hidden_act -> oneDNN post-op and its algorithm ("none": exact erf)
+
+
+class EncoderLinear(Linear):
+    """`Linear` followed by an activation (`act`: a key of `ACTIVATIONS`, or None), which runs inside the GEMM as
+    a oneDNN post-op once the weight is packed for oneDNN, instead of as its own pass over the output."""
+
+    def __init__(self, in_features: int, out_features: int, act: str | None = None) -> None:
+        super().__init__(in_features, out_features)
+        self.act = act
+        self.post_op: tuple[str, str] | None = None
+
+    def pack(self) -> None:
+        super().pack()
+        if self.act is not None and self.packed.packed is not None and self.packed.kind == "onednn":
+            self.post_op = ONEDNN_POST_OPS[self.act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.post_op is not None and x.dim() == 2 and x.dtype == self.weight.dtype and not self.packed.row_tile:
+            kind, algorithm = self.post_op
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed.packed, self.bias, kind, [], algorithm)
+        out = super().forward(x)
+        return out if self.act is None else ACTIVATIONS[self.act](out)
 
 
 class EncoderLayer(nn.Module):
@@ -34,19 +63,23 @@ class EncoderLayer(nn.Module):
         self.qkv = Linear(size, 3 * size)
         self.attn_out = Linear(size, size)
         self.attn_norm = nn.LayerNorm(size, eps=eps)
-        self.up = Linear(size, config.intermediate_size)
-        self.down = Linear(config.intermediate_size, size)
-        self.out_norm = nn.LayerNorm(size, eps=eps)
         if config.hidden_act not in ACTIVATIONS:
             raise ValueError(f"unsupported hidden_act {config.hidden_act!r}; supported: {', '.join(ACTIVATIONS)}")
-        self.act = ACTIVATIONS[config.hidden_act]
+        self.up = EncoderLinear(size, config.intermediate_size, act=config.hidden_act)
+        self.down = Linear(config.intermediate_size, size)
+        self.out_norm = nn.LayerNorm(size, eps=eps)
+        self.ops: cpu_kernel.EncoderOps | None = None  # set by pack_for_cpu where the C kernels build
 
     def forward(self, x: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
         qkv = self.qkv(x)
+        if self.ops is not None and self.head_dim % cpu_kernel.HEAD_DIM_MULTIPLE == 0:
+            context = self.ops.packed_attention(qkv, batch.row_starts, batch.lengths, batch.longest, self.num_heads)
+            x = self.ops.add_layer_norm(self.attn_out(context), x, self.attn_norm)
+            return self.ops.add_layer_norm(self.down(self.up(x)), x, self.out_norm)
         pieces = [self._attend(qkv[b.start:b.end], b) for b in batch.buckets]
         context = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
         x = self.attn_norm(self.attn_out(context) + x)
-        return self.out_norm(self.down(self.act(self.up(x))) + x)
+        return self.out_norm(self.down(self.up(x)) + x)
 
     def _attend(self, qkv: torch.Tensor, bucket: Bucket) -> torch.Tensor:
         """[tokens, 3 * size] of one bucket's rows -> [tokens, size]."""
@@ -80,24 +113,34 @@ class PackedBatch:
     row_of_token: torch.Tensor  # [tokens]
     row_starts: torch.Tensor  # [rows]
     lengths: torch.Tensor  # [rows]
-    buckets: list[Bucket]
+    row_lengths: list[int]
+
+    @property
+    def longest(self) -> int:
+        return self.row_lengths[-1]
+
+    @functools.cached_property
+    def buckets(self) -> list[Bucket]:
+        """Runs of like-length rows for the torch attention path (built on first use)."""
+        lengths, device = self.row_lengths, self.token_ids.device
+        buckets, start, first = [], 0, 0
+        for i in range(1, len(lengths) + 1):
+            if i == len(lengths) or lengths[i] > BUCKET_SLACK * lengths[first]:
+                buckets.append(_bucket(lengths[first:i], start, device))
+                start, first = buckets[-1].end, i
+        return buckets
 
     @classmethod
     def of(cls, rows: list[list[int]], device: torch.device) -> PackedBatch:
         """rows: token ids, shortest first."""
         lengths = [len(r) for r in rows]
-        buckets, start, first = [], 0, 0
-        for i in range(1, len(rows) + 1):
-            if i == len(rows) or lengths[i] > BUCKET_SLACK * lengths[first]:
-                buckets.append(_bucket(lengths[first:i], start, device))
-                start, first = buckets[-1].end, i
         lengths_t = torch.tensor(lengths)
         starts = torch.cumsum(lengths_t, 0) - lengths_t
         row_of_token = torch.repeat_interleave(torch.arange(len(rows)), lengths_t)
         positions = torch.arange(int(lengths_t.sum())) - starts[row_of_token]
         token_ids = torch.tensor([t for r in rows for t in r], dtype=torch.long)
         return cls(token_ids.to(device), positions.to(device), row_of_token.to(device), starts.to(device),
-                   lengths_t.to(device), buckets)
+                   lengths_t.to(device), lengths)
 
 
 def _bucket(lengths: list[int], start: int, device: torch.device) -> Bucket:
@@ -128,12 +171,13 @@ class BertEncoder(nn.Module):
         self.embed_norm = nn.LayerNorm(size, eps=config.layer_norm_eps)
         self.layers = nn.ModuleList(EncoderLayer(config) for _ in range(config.num_hidden_layers))
         self.hidden_size = size
+        self.ops: cpu_kernel.EncoderOps | None = None
 
     def forward(self, batch: PackedBatch, pooling: str) -> torch.Tensor:
         """Returns [rows, hidden] float32 pooled vectors, in the batch's row order."""
         x = F.embedding(batch.token_ids, self.word_embeddings.weight)
-        x = x + F.embedding(batch.positions, self.position_embeddings.weight) + self.token_type_embeddings.weight[0]
-        x = self.embed_norm(x)
+        extra = F.embedding(batch.positions, self.position_embeddings.weight) + self.token_type_embeddings.weight[0]
+        x = self.embed_norm(x + extra) if self.ops is None else self.ops.add_layer_norm(x, extra, self.embed_norm)
         for layer in self.layers:
             x = layer(x, batch)
         return pool(x, batch.row_of_token, batch.row_starts, batch.lengths, pooling)
@@ -171,6 +215,9 @@ class BertEncoder(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack()
+        self.ops = cpu_kernel.encoder_ops(self.word_embeddings.weight.dtype)
+        for layer in self.layers:
+            layer.ops = self.ops
 
 
 def _table(rows: int, size: int) -> nn.Module:
