@@ -17,42 +17,56 @@
 #define QUERY_BLOCK 8   /* queries per pass: each key and value vector is loaded once for all of them */
 
 typedef float vfloat __attribute__((vector_size(LANES * sizeof(float)), aligned(4)));
+typedef int32_t vint __attribute__((vector_size(LANES * sizeof(int32_t)), aligned(4)));
 
 static inline vfloat vload(const float *p) { vfloat v; __builtin_memcpy(&v, p, sizeof v); return v; }
 static inline void vstore(float *p, vfloat v) { __builtin_memcpy(p, &v, sizeof v); }
+static inline vfloat vmax(vfloat a, vfloat b) {
+    const vint a_wins = a > b;
+    return (vfloat)(((vint)a & a_wins) | ((vint)b & ~a_wins));
+}
 
-/* Scores of `n` queries (qf [n, D], pre-scaled) against the keys kt [D, Lp] (transposed, Lp a multiple of LANES;
- * keys from L on are masked), softmax per query, into p [n, Lp]. */
-static void scores_softmax(const float *restrict qf, const float *restrict kt, float *restrict p, int64_t n,
-                           int64_t L, int64_t Lp, int64_t D) {
+/* Scores of `n` queries (qf [n, D], pre-scaled) against the keys kt [D, Lp] (transposed, Lp a multiple of LANES),
+ * then exp(score - the query's max) into p [n, Lp] (keys from L on: about 1e-38, never read) and 1 / their sum
+ * into inv [n]. */
+static void scores_exp(const float *restrict qf, const float *restrict kt, float *restrict p, float *restrict inv,
+                       int64_t n, int64_t L, int64_t Lp, int64_t D) {
+    vfloat top[QUERY_BLOCK];
+    for (int64_t b = 0; b < QUERY_BLOCK; b++) top[b] = (vfloat){0} - INFINITY;
     for (int64_t j = 0; j < Lp; j += LANES) {
         vfloat acc[QUERY_BLOCK] = {0};
         for (int64_t d = 0; d < D; d++) {
             const vfloat k = vload(kt + d * Lp + j);
             for (int64_t b = 0; b < QUERY_BLOCK; b++) acc[b] += qf[b * D + d] * k;
         }
+        if (j + LANES > L) {  /* the last vector: keys from L on are padding */
+            vint lane;
+            for (int64_t i = 0; i < LANES; i++) lane[i] = (int32_t)(j + i);
+            const vint real = lane < (int32_t)L;
+            for (int64_t b = 0; b < QUERY_BLOCK; b++)
+                acc[b] = (vfloat)(((vint)acc[b] & real) | ((vint)((vfloat){0} - INFINITY) & ~real));
+        }
+        for (int64_t b = 0; b < QUERY_BLOCK; b++) top[b] = vmax(top[b], acc[b]);
         for (int64_t b = 0; b < n; b++) vstore(p + b * Lp + j, acc[b]);
     }
     for (int64_t b = 0; b < n; b++) {
-        float *restrict s = p + b * Lp, top = -INFINITY, sum = 0.0f;
-        for (int64_t j = 0; j < L; j++) top = s[j] > top ? s[j] : top;
-        for (int64_t j = 0; j < L; j++) { s[j] = exp_fast(s[j] - top); sum += s[j]; }
-        const float inv = 1.0f / sum;
-        for (int64_t j = 0; j < L; j++) s[j] *= inv;
-        for (int64_t j = L; j < Lp; j++) s[j] = 0.0f;
+        float m = top[b][0], sum = 0.0f, *restrict s = p + b * Lp;
+        for (int64_t i = 1; i < LANES; i++) m = top[b][i] > m ? top[b][i] : m;
+        for (int64_t j = 0; j < Lp; j++) { s[j] = exp_fast(s[j] - m); sum += s[j]; }
+        inv[b] = 1.0f / sum;
     }
 }
 
-/* out[b] = p[b] @ vf for n queries: p [n, Lp], vf [L, D] (D a multiple of LANES) -> of [n, D]. */
-static void weighted_values(const float *restrict p, const float *restrict vf, float *restrict of, int64_t n,
-                            int64_t L, int64_t Lp, int64_t D) {
+/* of[b] = p[b] @ vf * inv[b] for n queries: p [n, Lp], vf [L, D] (D a multiple of LANES) -> of [n, D]. */
+static void weighted_values(const float *restrict p, const float *restrict inv, const float *restrict vf,
+                            float *restrict of, int64_t n, int64_t L, int64_t Lp, int64_t D) {
     for (int64_t c = 0; c < D; c += LANES) {
         vfloat acc[QUERY_BLOCK] = {0};
         for (int64_t j = 0; j < L; j++) {
             const vfloat v = vload(vf + j * D + c);
             for (int64_t b = 0; b < QUERY_BLOCK; b++) acc[b] += p[b * Lp + j] * v;
         }
-        for (int64_t b = 0; b < n; b++) vstore(of + b * D + c, acc[b]);
+        for (int64_t b = 0; b < n; b++) vstore(of + b * D + c, acc[b] * inv[b]);
     }
 }
 
@@ -62,8 +76,9 @@ void NAME(const T *qkv, T *out, const int64_t *starts, const int64_t *lengths, i
     const int64_t width = 3 * H * D, Lmax = (longest + LANES - 1) / LANES * LANES;                               \
     _Pragma("omp parallel num_threads(threads)")                                                                  \
     {                                                                                                             \
-        float *kt = calloc(D * Lmax + Lmax * D + QUERY_BLOCK * (Lmax + 2 * D), sizeof(float));                   \
+        float *kt = calloc(D * Lmax + Lmax * D + QUERY_BLOCK * (Lmax + 2 * D + 1), sizeof(float));               \
         float *vf = kt + D * Lmax, *p = vf + Lmax * D, *qf = p + QUERY_BLOCK * Lmax, *of = qf + QUERY_BLOCK * D;  \
+        float *inv = of + QUERY_BLOCK * D;                                                                        \
         _Pragma("omp for collapse(2) schedule(dynamic, 1)")                                                       \
         for (int64_t r = 0; r < rows; r++) {                                                                      \
             for (int64_t h = 0; h < H; h++) {                                                                     \
@@ -80,8 +95,8 @@ void NAME(const T *qkv, T *out, const int64_t *starts, const int64_t *lengths, i
                         const T *q = base + (i0 + b) * width + h * D;                                             \
                         for (int64_t d = 0; d < D; d++) qf[b * D + d] = GET(q + d) * scale;                       \
                     }                                                                                             \
-                    scores_softmax(qf, kt, p, n, L, Lp, D);                                                       \
-                    weighted_values(p, vf, of, n, L, Lp, D);                                                      \
+                    scores_exp(qf, kt, p, inv, n, L, Lp, D);                                                      \
+                    weighted_values(p, inv, vf, of, n, L, Lp, D);                                                 \
                     for (int64_t b = 0; b < n; b++) {                                                             \
                         T *o = out + (starts[r] + i0 + b) * H * D + h * D;                                        \
                         for (int64_t d = 0; d < D; d++) PUT(o + d, of[b * D + d]);                                \
