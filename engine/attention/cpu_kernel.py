@@ -160,6 +160,7 @@ class EncoderOps:
                          heads: int) -> torch.Tensor:
         """qkv [tokens, 3 * heads * head_dim], rows at `starts` (int64) of `lengths` (int64) tokens, the longest
         `longest` -> [tokens, heads * head_dim], each row attending to itself only (bidirectional)."""
+        qkv, starts, lengths = qkv.contiguous(), starts.contiguous(), lengths.contiguous()
         size = qkv.shape[1] // 3
         out = torch.empty((qkv.shape[0], size), dtype=qkv.dtype)
         head_dim = size // heads
@@ -168,6 +169,8 @@ class EncoderOps:
         return out
 
     def add_layer_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: torch.nn.LayerNorm) -> torch.Tensor:
+        """norm(x + residual) for [rows, hidden] tensors."""
+        x, residual = x.contiguous(), residual.contiguous()
         out = torch.empty_like(x)
         self._add_layer_norm(x.data_ptr(), residual.data_ptr(), norm.weight.data_ptr(), norm.bias.data_ptr(),
                              out.data_ptr(), x.shape[0], x.shape[1], norm.eps, torch.get_num_threads())

@@ -115,9 +115,9 @@ class PackedBatch:
     lengths: torch.Tensor  # [rows]
     row_lengths: list[int]
 
-    @property
+    @functools.cached_property
     def longest(self) -> int:
-        return self.row_lengths[-1]
+        return max(self.row_lengths)
 
     @functools.cached_property
     def buckets(self) -> list[Bucket]:
