@@ -140,11 +140,16 @@ class LayerOps:
 
 
 def layer_ops(dtype: torch.dtype) -> LayerOps | None:
-    """The fused CPU layer ops for `dtype`, or None (no compiler, another dtype, `TOKENMILL_CPU_LAYER_OPS=0`)."""
+    """The fused CPU decoder-layer ops for `dtype`, or None (no compiler, another dtype,
+    `TOKENMILL_CPU_LAYER_OPS=0`)."""
+    return _fused_ops(LayerOps, dtype)
+
+
+def _fused_ops(kind, dtype: torch.dtype):
     if dtype not in SUFFIXES or os.environ.get("TOKENMILL_CPU_LAYER_OPS", "1") == "0":
         return None
     library = _library()
-    return LayerOps(library, dtype) if library is not None else None
+    return kind(library, dtype) if library is not None else None
 
 
 class EncoderOps:
@@ -178,8 +183,5 @@ class EncoderOps:
 
 
 def encoder_ops(dtype: torch.dtype) -> EncoderOps | None:
-    """The CPU encoder ops for `dtype`, or None (no compiler, another dtype, `TOKENMILL_CPU_LAYER_OPS=0`)."""
-    if dtype not in SUFFIXES or os.environ.get("TOKENMILL_CPU_LAYER_OPS", "1") == "0":
-        return None
-    library = _library()
-    return EncoderOps(library, dtype) if library is not None else None
+    """The CPU encoder ops for `dtype`, or None (as `layer_ops`)."""
+    return _fused_ops(EncoderOps, dtype)

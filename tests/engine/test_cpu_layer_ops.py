@@ -1,6 +1,7 @@
-"""The fused CPU layer ops (csrc/layer_ops.c) against the torch formulas of Hugging Face's Llama: RMSNorm with
-the residual add, RoPE in place on a strided QKV row, SiLU(gate) * up; float32 within rounding, bfloat16 within
-one bfloat16 rounding."""
+"""The fused CPU layer ops against torch, float32 within rounding, bfloat16 within one bfloat16 rounding: a decoder
+layer's (csrc/layer_ops.c) against Hugging Face's Llama formulas: RMSNorm with the residual add, RoPE in place on a
+strided QKV row, SiLU(gate) * up; an encoder layer's (csrc/encoder_ops.c): attention over packed rows of mixed
+lengths (each row alone through SDPA) and the residual add + LayerNorm."""
 
 import pytest
 import torch
@@ -26,6 +27,13 @@ def dtype(request):
 @pytest.fixture
 def ops(dtype):
     ops = cpu_kernel.layer_ops(dtype)
+    assert ops is not None, "this machine has a C compiler: the kernels must build"
+    return ops
+
+
+@pytest.fixture
+def encoder_ops(dtype):
+    ops = cpu_kernel.encoder_ops(dtype)
     assert ops is not None, "this machine has a C compiler: the kernels must build"
     return ops
 
@@ -70,3 +78,29 @@ def test_silu_mul(ops, dtype, rows):
 def test_switched_off_by_the_environment(monkeypatch):
     monkeypatch.setenv("TOKENMILL_CPU_LAYER_OPS", "0")
     assert cpu_kernel.layer_ops(torch.float32) is None
+
+
+@pytest.mark.parametrize("lengths", [[1], [3, 3, 17], [5, 16, 33, 70]])
+def test_packed_attention_is_each_row_alone(encoder_ops, dtype, lengths):
+    generator = torch.Generator().manual_seed(len(lengths))
+    heads, head_dim = 4, 32
+    qkv = torch.randn(sum(lengths), 3 * heads * head_dim, generator=generator).to(dtype)
+    lengths_t = torch.tensor(lengths)
+    starts = torch.cumsum(lengths_t, 0) - lengths_t
+    out = encoder_ops.packed_attention(qkv, starts, lengths_t, max(lengths), heads)
+    for start, length in zip(starts.tolist(), lengths, strict=True):
+        row = qkv[start:start + length].float().view(length, 3, heads, head_dim).permute(1, 2, 0, 3)
+        expected = F.scaled_dot_product_attention(row[0], row[1], row[2]).transpose(0, 1).reshape(length, -1)
+        torch.testing.assert_close(out[start:start + length], expected.to(dtype), **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("rows", [1, 40])
+def test_add_layer_norm(encoder_ops, dtype, rows):
+    generator = torch.Generator().manual_seed(rows)
+    x, residual = (torch.randn(rows, 384, generator=generator).to(dtype) for _ in range(2))
+    norm = torch.nn.LayerNorm(384, eps=1e-12).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.1 * torch.randn(384, generator=generator))
+        norm.bias.copy_(0.1 * torch.randn(384, generator=generator))
+        fused = encoder_ops.add_layer_norm(x, residual, norm)
+        torch.testing.assert_close(fused, norm(x + residual), **TOLERANCE[dtype])
