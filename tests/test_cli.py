@@ -97,10 +97,19 @@ def test_bench_peak_times_the_models_gemm_shapes_and_prints_the_limit(tmp_path):
     assert result["limit"] == max(result["limits"].values()) > 0
 
 
+def test_no_bench_module_shadows_the_standard_library() -> None:
+    """vLLM's workers run as scripts from tokenmill/bench/, whose folder comes first on their sys.path: a
+    `profile.py` there once broke vLLM's own `import cProfile`."""
+    from pathlib import Path
+
+    names = {path.stem for path in (Path(__file__).resolve().parents[1] / "tokenmill" / "bench").glob("*.py")}
+    assert not names & set(sys.stdlib_module_names)
+
+
 def test_the_step_profile_counts_self_time_so_its_shares_add_up() -> None:
     import time as clock
 
-    from tokenmill.bench.profile import StepProfile
+    from tokenmill.bench.step_profile import StepProfile
 
     class Engine:
         def step(self):

@@ -302,7 +302,7 @@ def run_throughput(args: argparse.Namespace) -> int:
     from engine.model_loader import resolve_model
     from tokenmill.bench import peak, vllm_compare
     from tokenmill.bench import throughput as tp
-    from tokenmill.bench.profile import profiled
+    from tokenmill.bench.step_profile import profiled
     from tokenmill.bench.workload import mixed_chat_workload
 
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
