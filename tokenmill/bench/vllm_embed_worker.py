@@ -16,9 +16,10 @@ def main(spec_path, result_path):
     llm = LLM(model=spec["model"], dtype=spec["dtype"], runner="pooling", seed=0)
     startup = time.perf_counter() - started
     texts = spec["texts"]
-    llm.embed(texts[:64], use_tqdm=False, truncate_prompt_tokens=-1)  # warm-up
+    truncate = {"truncate_prompt_tokens": -1}  # to the model's max_seq_length, as the other systems
+    llm.embed(texts[:64], use_tqdm=False, tokenization_kwargs=truncate)  # warm-up
     started = time.perf_counter()
-    outputs = llm.embed(texts, use_tqdm=False, truncate_prompt_tokens=-1)
+    outputs = llm.embed(texts, use_tqdm=False, tokenization_kwargs=truncate)
     seconds = time.perf_counter() - started
     import vllm
 
