@@ -1,0 +1,31 @@
+"""`tokenmill bench embed` end to end on a few sentences: tokenmill, sentence-transformers (default and best batch
+size) and vLLM's row (here: not installed) in one table, with the CPU flags, tokenmill's ratio and the cosines."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tokenmill.cli import main
+
+pytestmark = pytest.mark.real_model
+
+
+def test_bench_embed_prints_every_system_side_by_side(tmp_path, capsys):
+    out = tmp_path / "embed.json"
+    code = main(["bench", "embed", "--num-sentences", "64", "--dtypes", "float32", "--threads", "2",
+                 "--vllm-venv", str(tmp_path / "no-venv"), "--json", str(out)])
+    printed = " ".join(capsys.readouterr().out.split())
+    assert code == 0, printed
+    assert "machine: " in printed and " cores, flags: " in printed
+    assert "embedding throughput: 64 held-out sentences" in printed
+    data = json.loads(out.read_text())
+    rows = {r["system"]: r for r in data["results"]}
+    assert list(rows) == ["tokenmill", "sentence-transformers", "sentence-transformers best", "vLLM"]
+    assert rows["vLLM"]["seconds"] is None and "not installed" in rows["vLLM"]["note"]
+    assert rows["sentence-transformers best"]["seconds"] <= rows["sentence-transformers"]["seconds"]
+    assert all(rows[name]["min_cosine"] >= 0.9999 for name in ("sentence-transformers", "sentence-transformers best"))
+    assert rows["tokenmill"]["sentences"] == 64 and rows["tokenmill"]["tokens"] > 64 * 5
+    ours, *others = [r["sentences"] / r["seconds"] for r in rows.values() if r["seconds"]]
+    assert "x best other" in printed and f"{ours / max(others):.2f}x" in printed
