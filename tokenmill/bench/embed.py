@@ -98,6 +98,30 @@ def run_sentence_transformers(model_dir: Path, texts: list[str], dtype: str, tok
     return results, vectors
 
 
+def run_in_fresh_process(model: str, model_dir: Path, texts: list[str], dtype: str, threads: int,
+                         batch_tokens: int) -> tuple[EmbedResult, list[EmbedResult], np.ndarray]:
+    """tokenmill, then sentence-transformers (with its cosines against tokenmill's vectors), in a process of
+    their own for this dtype: run after another dtype's systems in one process, both came out about a third
+    slower in bfloat16 (vLLM runs in its own process anyway)."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(_measure_in_process, model, model_dir, texts, dtype, threads, batch_tokens).result()
+
+
+def _measure_in_process(model: str, model_dir: Path, texts: list[str], dtype: str, threads: int,
+                        batch_tokens: int) -> tuple[EmbedResult, list[EmbedResult], np.ndarray]:
+    import torch
+
+    torch.set_num_threads(threads)
+    ours, vectors = run_tokenmill(model, texts, dtype, threads, batch_tokens)
+    st_results, st_vectors = run_sentence_transformers(model_dir, texts, dtype, ours.tokens)
+    for result in st_results:
+        result.min_cosine = min_cosine(vectors, st_vectors)
+    return ours, st_results, vectors
+
+
 def run_vllm(model_dir: Path, texts: list[str], dtype: str, threads: int, tokens: int, venv: str | None
              ) -> tuple[EmbedResult, np.ndarray | None]:
     python = vllm_compare.vllm_python(venv)

@@ -220,12 +220,9 @@ def run_embed(args: argparse.Namespace) -> int:
             console.print(f"{result.system} {result.dtype}: {rate}")
 
     for dtype in dtypes:
-        ours, vectors = embed.run_tokenmill(args.model, texts, dtype, args.threads, args.batch_tokens)
-        done(ours)
-        st_results, st_vectors = embed.run_sentence_transformers(model_dir, texts, dtype, ours.tokens)
-        for result in st_results:
-            result.min_cosine = embed.min_cosine(vectors, st_vectors)
-        done(*st_results)
+        ours, st_results, vectors = embed.run_in_fresh_process(args.model, model_dir, texts, dtype, args.threads,
+                                                               args.batch_tokens)
+        done(ours, *st_results)
         vllm, vllm_vectors = embed.run_vllm(model_dir, texts, dtype, args.threads, ours.tokens, args.vllm_venv)
         if vllm_vectors is not None:
             vllm.min_cosine = embed.min_cosine(vectors, vllm_vectors)
