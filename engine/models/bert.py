@@ -68,11 +68,11 @@ class EncoderLayer(nn.Module):
         self.up = EncoderLinear(size, config.intermediate_size, act=config.hidden_act)
         self.down = Linear(config.intermediate_size, size)
         self.out_norm = nn.LayerNorm(size, eps=eps)
-        self.ops: cpu_kernel.EncoderOps | None = None  # set by pack_for_cpu where the C kernels build
+        self.ops: cpu_kernel.EncoderOps | None = None  # set by pack_for_cpu where the C kernels build and fit
 
     def forward(self, x: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
         qkv = self.qkv(x)
-        if self.ops is not None and self.head_dim % cpu_kernel.HEAD_DIM_MULTIPLE == 0:
+        if self.ops is not None:
             context = self.ops.packed_attention(qkv, batch.row_starts, batch.lengths, batch.longest, self.num_heads)
             x = self.ops.add_layer_norm(self.attn_out(context), x, self.attn_norm)
             return self.ops.add_layer_norm(self.down(self.up(x)), x, self.out_norm)
@@ -216,8 +216,8 @@ class BertEncoder(nn.Module):
             if isinstance(module, Linear):
                 module.pack()
         self.ops = cpu_kernel.encoder_ops(self.word_embeddings.weight.dtype)
-        for layer in self.layers:
-            layer.ops = self.ops
+        for layer in self.layers:  # the packed attention kernel takes head_dims of whole vectors only
+            layer.ops = self.ops if layer.head_dim % cpu_kernel.HEAD_DIM_MULTIPLE == 0 else None
 
 
 def _table(rows: int, size: int) -> nn.Module:
