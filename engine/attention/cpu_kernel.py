@@ -58,8 +58,9 @@ def _library() -> ctypes.CDLL | None:
     log.info("CPU kernels: %s", target)
     library = ctypes.CDLL(str(target))
     i64, ptr, f32, threads = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
-    signatures = {"paged_decode": [ptr, ptr, ptr, ptr, i64, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, f32,
-                                   threads],
+    signatures = {"paged_decode": [ptr, i64, ptr, ptr, ptr, i64, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64,
+                                   f32, threads],
+                  "write_kv": [ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, threads],
                   "rms_norm": [ptr, ptr, ptr, ptr, i64, i64, f32, threads],
                   "rope": [ptr, i64, ptr, ptr, ptr, i64, i64, i64, threads],
                   "silu_mul": [ptr, ptr, i64, i64, threads],
@@ -91,20 +92,36 @@ def available(dtype: torch.dtype = torch.float32) -> bool:
 def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,
                  context_lens: torch.Tensor, first_block: int = 0, with_lse: bool = False
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """q [S, Hkv, G, D] float32 or bfloat16 (the pools' dtype), contiguous; pools [Hkv, NB, BS, D]; tables
-    [S, B] int32 contiguous (blocks from `first_block` on are attended); context_lens [S] int32, tokens from that
-    block on. Returns the attention output [S, Hkv, G, D] and, with `with_lse`, each row's log-sum-exp
-    [S, Hkv, G]."""
+    """q [S, Hq * D] float32 or bfloat16 (the pools' dtype), each row contiguous, rows at any stride (e.g. the
+    query columns of the QKV projection); pools [Hkv, NB, BS, D]; tables [S, B] int32 contiguous (blocks from
+    `first_block` on are attended); context_lens [S] int32, tokens from that block on. Returns the attention
+    output [S, Hkv, G, D] and, with `with_lse`, each row's log-sum-exp [S, Hkv, G]."""
     library = _library()
-    num_seqs, num_kv_heads, group, head_dim = q.shape
-    _, num_blocks, block_size, _ = k_pool.shape
-    out = torch.empty_like(q)
-    lse = torch.empty(q.shape[:3], dtype=torch.float32) if with_lse else None
+    num_kv_heads, num_blocks, block_size, head_dim = k_pool.shape
+    num_seqs = q.shape[0]
+    if q.dim() != 2 or q.stride(1) != 1:
+        q = q.reshape(num_seqs, -1).contiguous()
+    group = q.shape[1] // (num_kv_heads * head_dim)
+    out = torch.empty((num_seqs, num_kv_heads, group, head_dim), dtype=q.dtype)
+    lse = torch.empty(out.shape[:3], dtype=torch.float32) if with_lse else None
     function = getattr(library, f"paged_decode_{SUFFIXES[q.dtype]}")
-    function(q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), tables.data_ptr(), tables.stride(0), first_block,
-             context_lens.data_ptr(), out.data_ptr(), lse.data_ptr() if lse is not None else None, num_seqs,
-             num_kv_heads, group, head_dim, num_blocks, block_size, head_dim ** -0.5, torch.get_num_threads())
+    function(q.data_ptr(), q.stride(0), k_pool.data_ptr(), v_pool.data_ptr(), tables.data_ptr(), tables.stride(0),
+             first_block, context_lens.data_ptr(), out.data_ptr(), lse.data_ptr() if lse is not None else None,
+             num_seqs, num_kv_heads, group, head_dim, num_blocks, block_size, head_dim ** -0.5,
+             torch.get_num_threads())
     return out, lse
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+             slots: torch.Tensor) -> None:
+    """Store token i's keys and values (k, v [T, Hkv * D], each row contiguous, rows at a common stride) at slot
+    slots[i] (int64) of every head of the pools [Hkv, NB, BS, D]."""
+    num_kv_heads, num_blocks, block_size, head_dim = k_pool.shape
+    if k.stride(1) != 1 or v.stride(1) != 1 or k.stride(0) != v.stride(0):
+        k, v = k.contiguous(), v.contiguous()
+    function = getattr(_library(), f"write_kv_{SUFFIXES[k.dtype]}")
+    function(k.data_ptr(), v.data_ptr(), k.stride(0), k_pool.data_ptr(), v_pool.data_ptr(), slots.data_ptr(),
+             k.shape[0], num_kv_heads, head_dim, num_blocks * block_size, torch.get_num_threads())
 
 
 class LayerOps:

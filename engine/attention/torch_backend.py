@@ -115,7 +115,9 @@ class TorchAttention(AttentionBackend):
         device = batch.slot_mapping.device
         heads = torch.arange(self.num_kv_heads, device=device)
         pool_slots = self.num_blocks * self.block_size
-        self.write_index = (heads[:, None] * pool_slots + batch.slot_mapping[None, :]).reshape(-1)
+        self.kernel_slots = batch.slot_mapping.to(torch.int64).contiguous() if self._use_kernel(device) else None
+        if self.kernel_slots is None:
+            self.write_index = (heads[:, None] * pool_slots + batch.slot_mapping[None, :]).reshape(-1)
         self.groups: list[_Group] = []
         if self.batch_invariant:
             self.groups.append(self._invariant_group(batch))
@@ -215,8 +217,13 @@ class TorchAttention(AttentionBackend):
         num_tokens = q.shape[0]
         hkv, d, g = self.num_kv_heads, self.head_dim, self.group
         k_pool, v_pool = self.k_caches[layer], self.v_caches[layer]
-        k_pool.view(-1, d).index_copy_(0, self.write_index, k.view(num_tokens, hkv, d).transpose(0, 1).reshape(-1, d))
-        v_pool.view(-1, d).index_copy_(0, self.write_index, v.view(num_tokens, hkv, d).transpose(0, 1).reshape(-1, d))
+        if self.kernel_slots is not None:
+            cpu_kernel.write_kv(k, v, k_pool, v_pool, self.kernel_slots)
+        else:
+            k_pool.view(-1, d).index_copy_(0, self.write_index,
+                                           k.view(num_tokens, hkv, d).transpose(0, 1).reshape(-1, d))
+            v_pool.view(-1, d).index_copy_(0, self.write_index,
+                                           v.view(num_tokens, hkv, d).transpose(0, 1).reshape(-1, d))
         k_rows = k_pool.view(hkv * self.num_blocks, self.block_size * d)
         v_rows = v_pool.view(hkv * self.num_blocks, self.block_size * d)
         out = torch.empty_like(q)
@@ -248,10 +255,10 @@ class TorchAttention(AttentionBackend):
 
     def _kernel_decode(self, q_grp: torch.Tensor, grp: _Group, layer: int, k_rows, v_rows) -> torch.Tensor:
         hkv, g, d = self.num_kv_heads, self.group, self.head_dim
-        queries = q_grp.reshape(grp.num_seqs, hkv, g, d).contiguous()
-        out, lse = cpu_kernel.paged_decode(queries, self.k_caches[layer], self.v_caches[layer], grp.kernel_tables,
+        out, lse = cpu_kernel.paged_decode(q_grp, self.k_caches[layer], self.v_caches[layer], grp.kernel_tables,
                                            grp.kernel_context_lens, with_lse=grp.prefix_index is not None)
         if grp.prefix_index is not None:  # merge with the shared prefix, attended once for all (as in _cascade)
+            queries = q_grp.reshape(grp.num_seqs, hkv, g, d)
             prefix_k = k_rows.index_select(0, grp.prefix_index).view(hkv, 1, grp.prefix_len, d)
             prefix_v = v_rows.index_select(0, grp.prefix_index).view(hkv, 1, grp.prefix_len, d)
             flat_q = queries.transpose(0, 1).reshape(hkv, 1, -1, d)

@@ -24,9 +24,10 @@ def test_decode_groups_cut_sorted_lengths_where_it_saves_reading():
     assert all(a[1] == b[0] for a, b in zip(groups, groups[1:], strict=False))
 
 
-def decode_batch(rng: random.Random, shared: int = 0, dtype: torch.dtype = torch.float32):
-    """40 decodes in a pool of one layer; the first `shared` blocks of every table are the same blocks."""
-    hkv, hq, d, bs, num_blocks, seqs = 2, 6, 16, 4, 1800, 40
+def decode_batch(rng: random.Random, shared: int = 0, dtype: torch.dtype = torch.float32, seqs: int = 40,
+                 d: int = 16):
+    """`seqs` decodes in a pool of one layer; the first `shared` blocks of every table are the same blocks."""
+    hkv, hq, bs, num_blocks = 2, 6, 4, 1800
     k, v = allocate_kv_pool(1, hkv, num_blocks, bs, d, dtype, torch.device("cpu"))
     k[0].normal_()
     v[0].normal_()
@@ -57,11 +58,14 @@ def test_grouped_decode_attention_equals_one_group(monkeypatch):
     torch.testing.assert_close(grouped, attention.forward(0, q, new_k, new_v), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("head_dim", [16, 64, 24])  # a whole vector, the model's, and the scalar kernel's
+@pytest.mark.parametrize("seqs", [40, 3])  # tasks of all a sequence's KV heads, and of one head each
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shared", [0, 5])
-def test_the_cpu_decode_kernel_gives_the_torch_paths_results(shared, dtype, monkeypatch):
+def test_the_cpu_decode_kernel_gives_the_torch_paths_results(shared, dtype, seqs, head_dim, monkeypatch):
+    """The kernel (and its KV write) against the torch path (gather, SDPA, index_copy_)."""
     assert cpu_kernel.available(dtype), "this machine has a C compiler: the kernel must build"
-    attention, batch, (q, new_k, new_v) = decode_batch(random.Random(2), shared, dtype)
+    attention, batch, (q, new_k, new_v) = decode_batch(random.Random(2), shared, dtype, seqs, head_dim)
     attention.begin_step(batch)
     assert [g.kernel_tables is not None for g in attention.groups] == [True]
     assert (attention.groups[0].prefix_index is not None) == (shared >= tb.MIN_SHARED_BLOCKS)

@@ -2,18 +2,183 @@
  * keys and values read straight from the block pool (no gather), online softmax per block. Built at first use
  * by engine/attention/cpu_kernel.py.
  *
- * q      [S, Hkv, G, D]        the decode queries, G query heads per KV head
+ * q      [S, Hkv, G, D]        the decode queries, G query heads per KV head, rows q_stride elements apart
  * k, v   [Hkv, NB, BS, D]      one layer's pool
  * tables [S, table_stride]     block ids, the first `first_block` skipped (a shared prefix attended elsewhere)
  * ctx    [S]                   tokens to attend per sequence, counted from the first attended block
  * out    [S, Hkv, G, D]        softmax(q k^T * scale) v
  * lse    [S, Hkv, G] or NULL   log-sum-exp of each row's scores (to merge with a prefix part)
- */
+ *
+ * write_kv stores a step's new keys and values into the pools: token i's [Hkv, D] rows (src_stride elements
+ * apart per token) at slot slots[i] of every head.
+ *
+ * head_dim a multiple of 16 (64 and 128 in practice) takes the vector kernel: 16 keys scored at once per query
+ * head (their dot products summed across lanes in one transpose tree), the next block's keys and values
+ * prefetched while this one is computed (the blocks are scattered over a pool far larger than the caches), and
+ * with avx512_bf16 the bfloat16 scores as bf16 dot products (exact products, float32 sums). Other head_dims take
+ * the scalar kernel. Either way a query's result never depends on the other sequences of the call. */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
 
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+
 #include "fast_math.h"
+
+#define LANES 16  /* floats per vector (GCC vector extension: AVX-512, or two AVX2 registers) */
+#define CACHE_LINE 64
+#define PREFETCH_LEVEL 1      /* into L2 (1.3-1.5x faster here than into L1, whose fill buffers it would clog) */
+#define HEADS_TOGETHER_MIN 4  /* sequences per thread from which a task takes all of a sequence's KV heads */
+
+typedef float vfloat __attribute__((vector_size(LANES * sizeof(float)), aligned(4)));
+typedef int32_t vint __attribute__((vector_size(LANES * sizeof(int32_t)), aligned(4)));
+typedef uint16_t vhalf __attribute__((vector_size(LANES * sizeof(uint16_t)), aligned(2)));
+
+static inline vfloat load_f32(const float *p) { vfloat v; __builtin_memcpy(&v, p, sizeof v); return v; }
+static inline vfloat load_bf16(const uint16_t *p) {
+    vhalf h;
+    __builtin_memcpy(&h, p, sizeof h);
+    return (vfloat)(__builtin_convertvector(h, vint) << 16);
+}
+
+/* r[i] = the sum of v[i]'s lanes, for 16 vectors at once: four levels of pairing halves. */
+static inline vfloat lane_sums(const vfloat v[LANES]) {
+    vfloat w[8], x[4], y[2];
+    for (int i = 0; i < 8; i++)  /* w[i]: 8 partial sums of v[2i], then 8 of v[2i+1] */
+        w[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23)
+             + __builtin_shufflevector(v[2 * i], v[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29,
+                                       30, 31);
+    for (int i = 0; i < 4; i++)  /* x[i]: 4 partial sums each of v[4i .. 4i+3] */
+        x[i] = __builtin_shufflevector(w[2 * i], w[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27)
+             + __builtin_shufflevector(w[2 * i], w[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30,
+                                       31);
+    for (int i = 0; i < 2; i++)  /* y[i]: 2 partial sums each of v[8i .. 8i+7] */
+        y[i] = __builtin_shufflevector(x[2 * i], x[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29)
+             + __builtin_shufflevector(x[2 * i], x[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30,
+                                       31);
+    return __builtin_shufflevector(y[0], y[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30)
+         + __builtin_shufflevector(y[0], y[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+static inline void prefetch(const void *p, int64_t bytes) {
+    for (int64_t i = 0; i < bytes; i += CACHE_LINE) __builtin_prefetch((const char *)p + i, 0, PREFETCH_LEVEL);
+}
+
+/* Lane partials of q . k for one key row, DV vectors of q (float32, in registers) against k. */
+#define DOT_WIDE(LOAD)                                                                                            \
+    vfloat part = qv[j][0] * LOAD(krow);                                                                          \
+    for (int c = 1; c < dv; c++) part += qv[j][c] * LOAD(krow + c * LANES);
+
+#if defined(__AVX512BF16__)
+/* bfloat16 q . k as bf16 dot products: each pair of products exact, summed in float32. */
+#define DOT_BF16_NATIVE                                                                                           \
+    __m512 acc16 = _mm512_setzero_ps();                                                                           \
+    for (int c = 0; c < dv / 2; c++) {                                                                            \
+        __m512i kbits = _mm512_loadu_si512((const void *)(krow + c * 2 * LANES));                                 \
+        acc16 = _mm512_dpbf16_ps(acc16, qbf[j][c], (__m512bh)kbits);                                              \
+    }                                                                                                             \
+    vfloat part = (vfloat)acc16;
+#define QBF_DECL __m512bh qbf[HG][dv / 2 > 0 ? dv / 2 : 1];
+#define QBF_LOAD(src, j)                                                                                          \
+    for (int c = 0; c < dv / 2; c++) qbf[j][c] = (__m512bh)_mm512_loadu_si512((const void *)((src) + c * 2 * LANES));
+#endif
+
+/* The vector kernel for head_dim = DV * LANES. DOT: a key row's lane partials (`part`) against query head j.
+ * A task is one sequence's KV heads [h0, h0 + hc): with many sequences all of them (hc = Hkv), walked block by
+ * block together, so their scattered blocks stream from memory side by side; with few, one head each, so every
+ * thread has work. A head's arithmetic is the same either way. */
+#define PAGED_DECODE_VEC(NAME, T, DV, LOAD, DOT, QDECL, QLOAD, STORE)                                            \
+static void NAME(const T *q, int64_t q_stride, const T *k, const T *v, const int32_t *tables,                    \
+                 int64_t table_stride, int64_t first_block, const int32_t *ctx, T *out, float *lse, int64_t S,    \
+                 int64_t Hkv, int64_t G, int64_t NB, int64_t BS, float scale, int threads) {                      \
+    const int dv = DV;                                                                                            \
+    const int64_t D = DV * LANES, row_bytes = D * (int64_t)sizeof(T);                                             \
+    const int64_t hc = S >= HEADS_TOGETHER_MIN * threads ? Hkv : 1, tasks = S * (Hkv / hc);                                       \
+    _Pragma("omp parallel for schedule(dynamic, 1) num_threads(threads)")                                         \
+    for (int64_t task = 0; task < tasks; task++) {                                                                \
+        const int64_t s = task / (Hkv / hc), h0 = task % (Hkv / hc) * hc, HG = hc * G;                           \
+        vfloat qv[HG][DV], acc[HG][DV];                                                                           \
+        float m[HG], l[HG], p[HG][LANES];                                                                         \
+        QDECL                                                                                                     \
+        for (int64_t j = 0; j < HG; j++) {                                                                        \
+            const T *qj = q + s * q_stride + (h0 * G + j) * D;                                                    \
+            for (int c = 0; c < DV; c++) { qv[j][c] = LOAD(qj + c * LANES); acc[j][c] = (vfloat){0}; }           \
+            QLOAD(qj, j)                                                                                          \
+            m[j] = -INFINITY;                                                                                     \
+            l[j] = 0.0f;                                                                                          \
+        }                                                                                                         \
+        const int64_t n = ctx[s], blocks = (n + BS - 1) / BS;                                                     \
+        const int32_t *table = tables + s * table_stride + first_block;                                           \
+        for (int64_t b = 0; b < blocks; b++) {                                                                    \
+            const int64_t tokens = n - b * BS < BS ? n - b * BS : BS, next = b + 1 < blocks ? b + 1 : b;          \
+            for (int64_t h = h0; h < h0 + hc; h++) {                                                              \
+                const T *kb = k + (h * NB + table[b]) * BS * D, *vb = v + (h * NB + table[b]) * BS * D;           \
+                const T *kn = k + (h * NB + table[next]) * BS * D, *vn = v + (h * NB + table[next]) * BS * D;     \
+                for (int64_t t0 = 0; t0 < tokens; t0 += LANES) {                                                  \
+                    const int64_t count = tokens - t0 < LANES ? tokens - t0 : LANES;                              \
+                    for (int64_t j = (h - h0) * G; j < (h - h0 + 1) * G; j++) {                                   \
+                        vfloat parts[LANES];                                                                      \
+                        for (int64_t t = 0; t < LANES; t++) {                                                     \
+                            if (t >= count) { parts[t] = (vfloat){0}; continue; }                                 \
+                            const T *krow = kb + (t0 + t) * D;                                                    \
+                            DOT                                                                                   \
+                            parts[t] = part;                                                                      \
+                        }                                                                                         \
+                        const vfloat scores = lane_sums(parts) * scale;                                           \
+                        float top = m[j], sum = 0.0f, *pj = p[j];                                                 \
+                        for (int64_t t = 0; t < count; t++) top = scores[t] > top ? scores[t] : top;              \
+                        for (int64_t t = 0; t < LANES; t++) {                                                     \
+                            pj[t] = t < count ? exp_fast(scores[t] - top) : 0.0f;                                 \
+                            sum += pj[t];                                                                         \
+                        }                                                                                         \
+                        const float keep = exp_fast(m[j] - top);                                                  \
+                        l[j] = l[j] * keep + sum;                                                                 \
+                        m[j] = top;                                                                               \
+                        for (int c = 0; c < DV; c++) acc[j][c] *= keep;                                           \
+                    }                                                                                             \
+                    prefetch(kn + t0 * D, count * row_bytes);                                                     \
+                    for (int64_t t = 0; t < count; t++) {                                                         \
+                        const T *vrow = vb + (t0 + t) * D;                                                        \
+                        vfloat row[DV];                                                                           \
+                        for (int c = 0; c < DV; c++) row[c] = LOAD(vrow + c * LANES);                             \
+                        for (int64_t j = (h - h0) * G; j < (h - h0 + 1) * G; j++)                                 \
+                            for (int c = 0; c < DV; c++) acc[j][c] += p[j][t] * row[c];                           \
+                    }                                                                                             \
+                    prefetch(vn + t0 * D, count * row_bytes);                                                     \
+                }                                                                                                 \
+            }                                                                                                     \
+        }                                                                                                         \
+        for (int64_t j = 0; j < HG; j++) {                                                                        \
+            T *o = out + s * Hkv * G * D + (h0 * G + j) * D;                                                      \
+            const float inv = l[j] > 0.0f ? 1.0f / l[j] : 0.0f;                                                   \
+            for (int c = 0; c < DV; c++)                                                                          \
+                for (int i = 0; i < LANES; i++) STORE(o + c * LANES + i, acc[j][c][i] * inv);                     \
+            if (lse) lse[s * Hkv * G + h0 * G + j] = l[j] > 0.0f ? m[j] + logf(l[j]) : -INFINITY;                 \
+        }                                                                                                         \
+    }                                                                                                             \
+}
+
+#define NO_QDECL
+#define NO_QLOAD(src, j)
+#define DOT_F32 DOT_WIDE(load_f32)
+#define DOT_BF16_WIDE DOT_WIDE(load_bf16)
+
+PAGED_DECODE_VEC(decode_f32_d16, float, 1, load_f32, DOT_F32, NO_QDECL, NO_QLOAD, f32_put)
+PAGED_DECODE_VEC(decode_f32_d32, float, 2, load_f32, DOT_F32, NO_QDECL, NO_QLOAD, f32_put)
+PAGED_DECODE_VEC(decode_f32_d64, float, 4, load_f32, DOT_F32, NO_QDECL, NO_QLOAD, f32_put)
+PAGED_DECODE_VEC(decode_f32_d128, float, 8, load_f32, DOT_F32, NO_QDECL, NO_QLOAD, f32_put)
+PAGED_DECODE_VEC(decode_bf16_d16, uint16_t, 1, load_bf16, DOT_BF16_WIDE, NO_QDECL, NO_QLOAD, bf16_put)
+#if defined(__AVX512BF16__)
+PAGED_DECODE_VEC(decode_bf16_d32, uint16_t, 2, load_bf16, DOT_BF16_NATIVE, QBF_DECL, QBF_LOAD, bf16_put)
+PAGED_DECODE_VEC(decode_bf16_d64, uint16_t, 4, load_bf16, DOT_BF16_NATIVE, QBF_DECL, QBF_LOAD, bf16_put)
+PAGED_DECODE_VEC(decode_bf16_d128, uint16_t, 8, load_bf16, DOT_BF16_NATIVE, QBF_DECL, QBF_LOAD, bf16_put)
+#else
+PAGED_DECODE_VEC(decode_bf16_d32, uint16_t, 2, load_bf16, DOT_BF16_WIDE, NO_QDECL, NO_QLOAD, bf16_put)
+PAGED_DECODE_VEC(decode_bf16_d64, uint16_t, 4, load_bf16, DOT_BF16_WIDE, NO_QDECL, NO_QLOAD, bf16_put)
+PAGED_DECODE_VEC(decode_bf16_d128, uint16_t, 8, load_bf16, DOT_BF16_WIDE, NO_QDECL, NO_QLOAD, bf16_put)
+#endif
 
 /* A row of D values as float32: float32 rows are read in place, bfloat16 rows are widened into `tmp`. */
 static inline const float *f32_row(const float *src, float *tmp, int64_t D) { (void)tmp; (void)D; return src; }
@@ -23,12 +188,13 @@ static inline const float *bf16_row(const uint16_t *src, float *tmp, int64_t D) 
     return tmp;
 }
 
-/* Per (sequence, KV head): each key and value row is read (and widened) once for the G query heads that share
- * it; scores of a block first, then one online-softmax rescale per block and query head. */
-#define PAGED_DECODE(NAME, T, ROW, STORE)                                                                         \
-void NAME(const T *q, const T *k, const T *v, const int32_t *tables, int64_t table_stride, int64_t first_block,   \
-          const int32_t *ctx, T *out, float *lse, int64_t S, int64_t Hkv, int64_t G, int64_t D, int64_t NB,        \
-          int64_t BS, float scale, int threads) {                                                                 \
+/* The scalar kernel, for any head_dim. Per (sequence, KV head): each key and value row is read (and widened)
+ * once for the G query heads that share it; scores of a block first, then one online-softmax rescale per block
+ * and query head. */
+#define PAGED_DECODE_ANY(NAME, T, ROW, STORE)                                                                     \
+static void NAME(const T *q, int64_t q_stride, const T *k, const T *v, const int32_t *tables,                    \
+                 int64_t table_stride, int64_t first_block, const int32_t *ctx, T *out, float *lse, int64_t S,    \
+                 int64_t Hkv, int64_t G, int64_t D, int64_t NB, int64_t BS, float scale, int threads) {           \
     _Pragma("omp parallel for collapse(2) schedule(dynamic, 4) num_threads(threads)")                             \
     for (int64_t s = 0; s < S; s++) {                                                                             \
         for (int64_t h = 0; h < Hkv; h++) {                                                                       \
@@ -36,7 +202,7 @@ void NAME(const T *q, const T *k, const T *v, const int32_t *tables, int64_t tab
             for (int64_t j = 0; j < G; j++) { m[j] = -INFINITY; l[j] = 0.0f; }                                    \
             memset(acc, 0, sizeof(float) * G * D);                                                                \
             for (int64_t j = 0; j < G; j++) {                                                                     \
-                const float *qj = ROW(q + ((s * Hkv + h) * G + j) * D, row, D);                                   \
+                const float *qj = ROW(q + s * q_stride + (h * G + j) * D, row, D);                                        \
                 for (int64_t i = 0; i < D; i++) qf[j * D + i] = qj[i] * scale;                                    \
             }                                                                                                     \
             const int64_t n = ctx[s];                                                                             \
@@ -56,9 +222,9 @@ void NAME(const T *q, const T *k, const T *v, const int32_t *tables, int64_t tab
                 for (int64_t j = 0; j < G; j++) {                                                                 \
                     float *sj = scores + j * BS, top = m[j];                                                      \
                     for (int64_t t = 0; t < tokens; t++) top = sj[t] > top ? sj[t] : top;                         \
-                    const float keep = exp_fast(m[j] - top);                                                          \
+                    const float keep = exp_fast(m[j] - top);                                                      \
                     float sum = 0.0f;                                                                             \
-                    for (int64_t t = 0; t < tokens; t++) { sj[t] = exp_fast(sj[t] - top); sum += sj[t]; }             \
+                    for (int64_t t = 0; t < tokens; t++) { sj[t] = exp_fast(sj[t] - top); sum += sj[t]; }         \
                     l[j] = l[j] * keep + sum;                                                                     \
                     m[j] = top;                                                                                   \
                     if (keep != 1.0f) for (int64_t i = 0; i < D; i++) acc[j * D + i] *= keep;                     \
@@ -82,5 +248,41 @@ void NAME(const T *q, const T *k, const T *v, const int32_t *tables, int64_t tab
     }                                                                                                             \
 }
 
-PAGED_DECODE(paged_decode_f32, float, f32_row, f32_put)
-PAGED_DECODE(paged_decode_bf16, uint16_t, bf16_row, bf16_put)
+PAGED_DECODE_ANY(decode_f32_any, float, f32_row, f32_put)
+PAGED_DECODE_ANY(decode_bf16_any, uint16_t, bf16_row, bf16_put)
+
+#define PAGED_DECODE(NAME, T, SUFFIX)                                                                             \
+void NAME(const T *q, int64_t q_stride, const T *k, const T *v, const int32_t *tables, int64_t table_stride,      \
+          int64_t first_block, const int32_t *ctx, T *out, float *lse, int64_t S, int64_t Hkv, int64_t G, int64_t D, \
+          int64_t NB, int64_t BS, float scale, int threads) {                                                     \
+    switch (D) {                                                                                                  \
+    case 16: decode_##SUFFIX##_d16(q, q_stride, k, v, tables, table_stride, first_block, ctx, out, lse, S, Hkv,  \
+                                   G, NB, BS, scale, threads); break;                                             \
+    case 32: decode_##SUFFIX##_d32(q, q_stride, k, v, tables, table_stride, first_block, ctx, out, lse, S, Hkv,  \
+                                   G, NB, BS, scale, threads); break;                                             \
+    case 64: decode_##SUFFIX##_d64(q, q_stride, k, v, tables, table_stride, first_block, ctx, out, lse, S, Hkv,  \
+                                   G, NB, BS, scale, threads); break;                                             \
+    case 128: decode_##SUFFIX##_d128(q, q_stride, k, v, tables, table_stride, first_block, ctx, out, lse, S,     \
+                                     Hkv, G, NB, BS, scale, threads); break;                                      \
+    default: decode_##SUFFIX##_any(q, q_stride, k, v, tables, table_stride, first_block, ctx, out, lse, S, Hkv,  \
+                                   G, D, NB, BS, scale, threads);                                                 \
+    }                                                                                                             \
+}
+
+PAGED_DECODE(paged_decode_f32, float, f32)
+PAGED_DECODE(paged_decode_bf16, uint16_t, bf16)
+
+#define WRITE_KV(NAME, T)                                                                                         \
+void NAME(const T *k_src, const T *v_src, int64_t src_stride, T *k, T *v, const int64_t *slots, int64_t tokens,  \
+          int64_t Hkv, int64_t D, int64_t pool_slots, int threads) {                                              \
+    _Pragma("omp parallel for num_threads(threads) if(tokens >= 64)")                                             \
+    for (int64_t i = 0; i < tokens; i++) {                                                                        \
+        for (int64_t h = 0; h < Hkv; h++) {                                                                       \
+            memcpy(k + (h * pool_slots + slots[i]) * D, k_src + i * src_stride + h * D, D * sizeof(T));           \
+            memcpy(v + (h * pool_slots + slots[i]) * D, v_src + i * src_stride + h * D, D * sizeof(T));           \
+        }                                                                                                         \
+    }                                                                                                             \
+}
+
+WRITE_KV(write_kv_f32, float)
+WRITE_KV(write_kv_bf16, uint16_t)
