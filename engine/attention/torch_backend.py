@@ -114,14 +114,15 @@ class TorchAttention(AttentionBackend):
         self.dtype = self.k_caches[0].dtype
         device = batch.slot_mapping.device
         heads = torch.arange(self.num_kv_heads, device=device)
-        pool_slots = self.num_blocks * self.block_size
-        self.kernel_slots = batch.slot_mapping.to(torch.int64).contiguous() if self._use_kernel(device) else None
-        if self.kernel_slots is None:
-            self.write_index = (heads[:, None] * pool_slots + batch.slot_mapping[None, :]).reshape(-1)
+        use_kernel = self._use_kernel(device)
+        self.kernel_slots = batch.slot_mapping.to(torch.int64).contiguous() if use_kernel else None
+        if not use_kernel:
+            self.write_index = (heads[:, None] * self.num_blocks * self.block_size + batch.slot_mapping[None, :]
+                                ).reshape(-1)
         self.groups: list[_Group] = []
         if self.batch_invariant:
             self.groups.append(self._invariant_group(batch))
-        elif batch.num_decodes and self._use_kernel(device):
+        elif batch.num_decodes and use_kernel:
             self.groups.append(self._kernel_group(batch, heads))
         elif batch.num_decodes:
             runs = decode_groups(batch.decode_context_lens_list, self.block_size) or [(0, batch.num_decodes)]

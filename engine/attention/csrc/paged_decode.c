@@ -95,7 +95,7 @@ static void NAME(const T *q, int64_t q_stride, const T *k, const T *v, const int
                  int64_t Hkv, int64_t G, int64_t NB, int64_t BS, float scale, int threads) {                      \
     const int dv = DV;                                                                                            \
     const int64_t D = DV * LANES, row_bytes = D * (int64_t)sizeof(T);                                             \
-    const int64_t hc = S >= HEADS_TOGETHER_MIN * threads ? Hkv : 1, tasks = S * (Hkv / hc);                                       \
+    const int64_t hc = S >= HEADS_TOGETHER_MIN * threads ? Hkv : 1, tasks = S * (Hkv / hc);                      \
     _Pragma("omp parallel for schedule(dynamic, 1) num_threads(threads)")                                         \
     for (int64_t task = 0; task < tasks; task++) {                                                                \
         const int64_t s = task / (Hkv / hc), h0 = task % (Hkv / hc) * hc, HG = hc * G;                           \
@@ -138,7 +138,7 @@ static void NAME(const T *q, int64_t q_stride, const T *k, const T *v, const int
                         m[j] = top;                                                                               \
                         for (int c = 0; c < DV; c++) acc[j][c] *= keep;                                           \
                     }                                                                                             \
-                    prefetch(kn + t0 * D, count * row_bytes);                                                     \
+                    if (next != b) prefetch(kn + t0 * D, count * row_bytes);                                      \
                     for (int64_t t = 0; t < count; t++) {                                                         \
                         const T *vrow = vb + (t0 + t) * D;                                                        \
                         vfloat row[DV];                                                                           \
@@ -146,7 +146,7 @@ static void NAME(const T *q, int64_t q_stride, const T *k, const T *v, const int
                         for (int64_t j = (h - h0) * G; j < (h - h0 + 1) * G; j++)                                 \
                             for (int c = 0; c < DV; c++) acc[j][c] += p[j][t] * row[c];                           \
                     }                                                                                             \
-                    prefetch(vn + t0 * D, count * row_bytes);                                                     \
+                    if (next != b) prefetch(vn + t0 * D, count * row_bytes);                                      \
                 }                                                                                                 \
             }                                                                                                     \
         }                                                                                                         \
@@ -202,7 +202,7 @@ static void NAME(const T *q, int64_t q_stride, const T *k, const T *v, const int
             for (int64_t j = 0; j < G; j++) { m[j] = -INFINITY; l[j] = 0.0f; }                                    \
             memset(acc, 0, sizeof(float) * G * D);                                                                \
             for (int64_t j = 0; j < G; j++) {                                                                     \
-                const float *qj = ROW(q + s * q_stride + (h * G + j) * D, row, D);                                        \
+                const float *qj = ROW(q + s * q_stride + (h * G + j) * D, row, D);                                \
                 for (int64_t i = 0; i < D; i++) qf[j * D + i] = qj[i] * scale;                                    \
             }                                                                                                     \
             const int64_t n = ctx[s];                                                                             \
@@ -255,18 +255,16 @@ PAGED_DECODE_ANY(decode_bf16_any, uint16_t, bf16_row, bf16_put)
 void NAME(const T *q, int64_t q_stride, const T *k, const T *v, const int32_t *tables, int64_t table_stride,      \
           int64_t first_block, const int32_t *ctx, T *out, float *lse, int64_t S, int64_t Hkv, int64_t G, int64_t D, \
           int64_t NB, int64_t BS, float scale, int threads) {                                                     \
-    switch (D) {                                                                                                  \
-    case 16: decode_##SUFFIX##_d16(q, q_stride, k, v, tables, table_stride, first_block, ctx, out, lse, S, Hkv,  \
-                                   G, NB, BS, scale, threads); break;                                             \
-    case 32: decode_##SUFFIX##_d32(q, q_stride, k, v, tables, table_stride, first_block, ctx, out, lse, S, Hkv,  \
-                                   G, NB, BS, scale, threads); break;                                             \
-    case 64: decode_##SUFFIX##_d64(q, q_stride, k, v, tables, table_stride, first_block, ctx, out, lse, S, Hkv,  \
-                                   G, NB, BS, scale, threads); break;                                             \
-    case 128: decode_##SUFFIX##_d128(q, q_stride, k, v, tables, table_stride, first_block, ctx, out, lse, S,     \
-                                     Hkv, G, NB, BS, scale, threads); break;                                      \
-    default: decode_##SUFFIX##_any(q, q_stride, k, v, tables, table_stride, first_block, ctx, out, lse, S, Hkv,  \
-                                   G, D, NB, BS, scale, threads);                                                 \
-    }                                                                                                             \
+    void (*vector)(const T *, int64_t, const T *, const T *, const int32_t *, int64_t, int64_t, const int32_t *,  \
+                   T *, float *, int64_t, int64_t, int64_t, int64_t, int64_t, float, int) =                        \
+        D == 16 ? decode_##SUFFIX##_d16 : D == 32 ? decode_##SUFFIX##_d32 : D == 64 ? decode_##SUFFIX##_d64        \
+        : D == 128 ? decode_##SUFFIX##_d128 : NULL;                                                               \
+    if (vector)                                                                                                   \
+        vector(q, q_stride, k, v, tables, table_stride, first_block, ctx, out, lse, S, Hkv, G, NB, BS, scale,     \
+               threads);                                                                                          \
+    else                                                                                                          \
+        decode_##SUFFIX##_any(q, q_stride, k, v, tables, table_stride, first_block, ctx, out, lse, S, Hkv, G, D,  \
+                              NB, BS, scale, threads);                                                            \
 }
 
 PAGED_DECODE(paged_decode_f32, float, f32)
