@@ -20,8 +20,10 @@ static inline float bf16_round(float x) {
 #define RMS_NORM(NAME, T, GET, PUT, ROUND)                                                                        \
 void NAME(const T *x, T *residual, const T *weight, T *out, int64_t rows, int64_t hidden, float eps,             \
           int threads) {                                                                                          \
+    KERNEL_BEGIN;                                                                                                 \
     _Pragma("omp parallel for num_threads(threads) if(rows >= PARALLEL_ROWS)")                                   \
     for (int64_t r = 0; r < rows; r++) {                                                                          \
+        FLUSH_SUBNORMALS();                                                                                       \
         const T *xr = x + r * hidden;                                                                             \
         T *src = (T *)xr;                                                                                         \
         if (residual) {                                                                                           \
@@ -34,6 +36,7 @@ void NAME(const T *x, T *residual, const T *weight, T *out, int64_t rows, int64_
         T *o = out + r * hidden;                                                                                  \
         for (int64_t i = 0; i < hidden; i++) PUT(o + i, GET(weight + i) * ROUND(GET(src + i) * scale));           \
     }                                                                                                             \
+    KERNEL_END;                                                                                                   \
 }
 
 /* x: `heads` rows of D per token, tokens `token_stride` apart, in place: x * cos + rotate_half(x) * sin, cos and
@@ -42,8 +45,10 @@ void NAME(const T *x, T *residual, const T *weight, T *out, int64_t rows, int64_
 void NAME(T *x, int64_t token_stride, const int64_t *positions, const float *cos_table, const float *sin_table,  \
           int64_t tokens, int64_t heads, int64_t D, int threads) {                                                \
     const int64_t half = D / 2;                                                                                   \
+    KERNEL_BEGIN;                                                                                                 \
     _Pragma("omp parallel for num_threads(threads) if(tokens >= PARALLEL_ROWS)")                                  \
     for (int64_t t = 0; t < tokens; t++) {                                                                        \
+        FLUSH_SUBNORMALS();                                                                                       \
         const float *c = cos_table + positions[t] * D, *s = sin_table + positions[t] * D;                         \
         for (int64_t h = 0; h < heads; h++) {                                                                     \
             T *row = x + t * token_stride + h * D;                                                                \
@@ -55,13 +60,16 @@ void NAME(T *x, int64_t token_stride, const int64_t *positions, const float *cos
             }                                                                                                     \
         }                                                                                                         \
     }                                                                                                             \
+    KERNEL_END;                                                                                                   \
 }
 
 /* gate_up [rows, 2 * inter] -> out [rows, inter] = silu(gate) * up, silu rounded to the model's dtype first. */
 #define SILU_MUL(NAME, T, GET, PUT, ROUND)                                                                        \
 void NAME(const T *gate_up, T *out, int64_t rows, int64_t inter, int threads) {                                   \
+    KERNEL_BEGIN;                                                                                                 \
     _Pragma("omp parallel for num_threads(threads) if(rows >= PARALLEL_ROWS)")                                    \
     for (int64_t r = 0; r < rows; r++) {                                                                          \
+        FLUSH_SUBNORMALS();                                                                                       \
         const T *g = gate_up + r * 2 * inter, *u = g + inter;                                                     \
         T *o = out + r * inter;                                                                                   \
         for (int64_t i = 0; i < inter; i++) {                                                                     \
@@ -69,6 +77,7 @@ void NAME(const T *gate_up, T *out, int64_t rows, int64_t inter, int threads) { 
             PUT(o + i, ROUND(v / (1.0f + exp_fast(-v))) * GET(u + i));                                                \
         }                                                                                                         \
     }                                                                                                             \
+    KERNEL_END;                                                                                                   \
 }
 
 #pragma GCC push_options
