@@ -28,8 +28,9 @@ log = logging.getLogger("tokenmill.attention")
 
 SOURCES = [Path(__file__).with_name("csrc") / name for name in ("paged_decode.c", "layer_ops.c", "encoder_ops.c")]
 HEADERS = [Path(__file__).with_name("csrc") / "fast_math.h"]
-FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math",
-         "-fassociative-math", "-fno-signed-zeros"]  # reassociation lets the compiler vectorize the dot products
+FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno",
+         "-fno-trapping-math", "-fassociative-math",
+         "-fno-signed-zeros"]  # reassociation lets the compiler vectorize the dot products
 
 
 def cache_dir() -> Path:

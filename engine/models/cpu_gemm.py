@@ -4,8 +4,8 @@ call, as vLLM's CPU build does. bfloat16 runs through oneDNN. float32 runs throu
 shape when the model loads at decode batches of 4 and 32 rows: on AMD EPYCs (AVX2 and AVX-512) oneDNN ran
 the 49152-row LM head twice as fast as MKL, and on AVX-512 the layers' projections 1.2-3x as fast. Not at 64 rows:
 MKL's packed path runs only at exactly the packed batch size (other sizes take plain sgemm on the unpacked weight),
-so timing at 64 chose MKL on an Intel Xeon where oneDNN is 1.2-1.5x faster at the 20-50 rows decodes mostly have. Where the
-ops are missing, `F.linear` runs.
+so timing at 64 chose MKL on an Intel Xeon where oneDNN is 1.2-1.5x faster at the 20-50 rows decodes mostly have.
+Where the ops are missing, `F.linear` runs.
 
 Batch-invariant mode (`row_tile`): every call runs in tiles of exactly `INVARIANT_ROWS` rows, the last one padded,
 on a kernel fixed per dtype (not timed), so a row's result never depends on how many rows came with it."""

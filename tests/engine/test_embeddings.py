@@ -20,9 +20,14 @@ def sentences() -> list[str]:
     return texts + ["Hi", "naïve café — 東京 🙂", "a " * 120]  # tiny, non-ASCII, long repetitive
 
 
-@pytest.fixture(scope="module")
-def llm():
-    return LLM(model=MODEL, dtype="float32", num_threads=2)
+@pytest.fixture(scope="module", params=["packed", "torch"])
+def llm(request):
+    """Both attention paths: the C kernel over packed rows, and torch's per bucket (the default on AMX CPUs)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TOKENMILL_ENCODER_ATTENTION", request.param)
+        engine = LLM(model=MODEL, dtype="float32", num_threads=2)
+    assert all(layer.packed_attention == (request.param == "packed") for layer in engine.engine.model.layers)
+    return engine
 
 
 @pytest.fixture(scope="module")
