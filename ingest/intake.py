@@ -73,6 +73,8 @@ def submit(sessions: sessionmaker[Session], new: NewJob, reopen: bool = True) ->
                 return Submission(job, _reopen(job, new) if reopen else "duplicate")
             _check_id_free(session, new.job_id)
             if owner := claim_owner(session, new.output_uri):
+                if (job := repo.job_by_key(session, key)) is not None:  # a concurrent submit of it committed
+                    return Submission(job, _reopen(job, new) if reopen else "duplicate")  # between the two reads
                 raise OutputClaimed(new.output_uri, owner)
             now = utcnow()
             job = Job(id=new.job_id or str(uuid.uuid4()), idempotency_key=key, source=new.source,

@@ -48,6 +48,27 @@ def test_a_second_live_job_on_an_output_prefix_is_refused_naming_the_owner(sqlit
     assert JobSteps(sqlite_sessions, first.id).load().status == "failed"
 
 
+def test_a_submit_racing_another_of_the_same_job_finds_it_instead_of_refusing(sqlite_sessions, tmp_path,
+                                                                              monkeypatch) -> None:
+    """Two firings of one schedule at once on PostgreSQL: the second read the key before the first committed and
+    the output claim after, which found the first's job. It is the same job (same key), not another owner."""
+    job = new_job(str(tmp_path / "in.jsonl"), str(tmp_path / "out"), idempotency_key="schedule-n-2026-12-02")
+    first = submit(sqlite_sessions, job, reopen=False)
+    reads = []
+    real_job_by_key = repo.job_by_key
+
+    def before_the_commit_then_after(session, key):
+        reads.append(key)
+        return None if len(reads) == 1 else real_job_by_key(session, key)
+
+    monkeypatch.setattr(repo, "job_by_key", before_the_commit_then_after)
+    second = submit(sqlite_sessions, job, reopen=False)
+    assert (second.outcome, second.job.id, len(reads)) == ("duplicate", first.job.id, 2)
+    monkeypatch.undo()
+    with pytest.raises(OutputClaimed, match=first.job.id):  # a job of another key is still refused
+        submit(sqlite_sessions, new_job(str(tmp_path / "other.jsonl"), str(tmp_path / "out")))
+
+
 def make_job(sessions, output: str, shards: int = 2, status: str = "queued") -> str:
     with sessions.begin() as session:
         job = Job(idempotency_key=f"k-{uuid.uuid4()}", status=status, model="m", input_uri="in",
