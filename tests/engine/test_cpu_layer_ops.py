@@ -3,6 +3,8 @@ layer's (csrc/layer_ops.c) against Hugging Face's Llama formulas: RMSNorm with t
 strided QKV row, SiLU(gate) * up; an encoder layer's (csrc/encoder_ops.c): attention over packed rows of mixed
 lengths (each row alone through SDPA) and the residual add + LayerNorm."""
 
+import platform
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -73,6 +75,21 @@ def test_silu_mul(ops, dtype, rows):
     gate_up = (3 * torch.randn(rows, 2 * 1536, generator=torch.Generator().manual_seed(rows))).to(dtype)
     gate, up = gate_up.split(1536, dim=-1)
     torch.testing.assert_close(ops.silu_mul(gate_up), F.silu(gate) * up, **TOLERANCE[dtype])
+
+
+def test_kernels_flush_subnormals_inside_and_leave_the_callers_mode_as_it_was(ops, dtype):
+    """The kernels run with subnormals flushed (Intel cores take a microcode assist per subnormal), then put the
+    caller's floating-point mode back: torch's own ops after them still keep subnormals."""
+    tiny = torch.tensor([1e-39, -3e-39], dtype=torch.float32)
+    assert torch.all(tiny * 1.0 != 0), "this process keeps subnormals to begin with"
+    gate_up = torch.cat([torch.full((40, 1536), 1e-39), torch.ones(40, 1536)], dim=1).to(dtype)
+    out = ops.silu_mul(gate_up)  # 40 rows: the OpenMP workers run it too
+    flushed = platform.machine() in ("x86_64", "AMD64")  # the x86 MXCSR; other CPUs keep them
+    assert (torch.count_nonzero(out) == 0) == flushed, "silu(1e-39) * 1 is flushed to zero inside the kernel"
+    assert torch.equal(tiny * 1.0, tiny), "back in the caller, subnormals survive again"
+    x = torch.randn(40, 576).to(dtype)
+    ops.rms_norm(x, torch.ones(576, dtype=dtype), 1e-5, residual=torch.zeros_like(x))
+    assert torch.equal(tiny * 1.0, tiny)
 
 
 def test_switched_off_by_the_environment(monkeypatch):
