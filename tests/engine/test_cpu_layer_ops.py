@@ -3,7 +3,9 @@ layer's (csrc/layer_ops.c) against Hugging Face's Llama formulas: RMSNorm with t
 strided QKV row, SiLU(gate) * up; an encoder layer's (csrc/encoder_ops.c): attention over packed rows of mixed
 lengths (each row alone through SDPA) and the residual add + LayerNorm."""
 
-import platform
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -77,19 +79,37 @@ def test_silu_mul(ops, dtype, rows):
     torch.testing.assert_close(ops.silu_mul(gate_up), F.silu(gate) * up, **TOLERANCE[dtype])
 
 
-def test_kernels_flush_subnormals_inside_and_leave_the_callers_mode_as_it_was(ops, dtype):
-    """The kernels run with subnormals flushed (Intel cores take a microcode assist per subnormal), then put the
-    caller's floating-point mode back: torch's own ops after them still keep subnormals."""
-    tiny = torch.tensor([1e-39, -3e-39], dtype=torch.float32)
-    assert torch.all(tiny * 1.0 != 0), "this process keeps subnormals to begin with"
-    gate_up = torch.cat([torch.full((40, 1536), 1e-39), torch.ones(40, 1536)], dim=1).to(dtype)
-    out = ops.silu_mul(gate_up)  # 40 rows: the OpenMP workers run it too
-    flushed = platform.machine() in ("x86_64", "AMD64")  # the x86 MXCSR; other CPUs keep them
-    assert (torch.count_nonzero(out) == 0) == flushed, "silu(1e-39) * 1 is flushed to zero inside the kernel"
-    assert torch.equal(tiny * 1.0, tiny), "back in the caller, subnormals survive again"
-    x = torch.randn(40, 576).to(dtype)
-    ops.rms_norm(x, torch.ones(576, dtype=dtype), 1e-5, residual=torch.zeros_like(x))
-    assert torch.equal(tiny * 1.0, tiny)
+SUBNORMALS_AFTER_KERNELS = """
+import platform, sys, torch
+torch.set_num_threads(2)
+from engine.attention import cpu_kernel
+dtype = getattr(torch, sys.argv[1])
+ops = cpu_kernel.layer_ops(dtype)
+many = torch.full((1 << 22,), 1e-39)  # large enough for torch to split it over its threads
+bits = many.view(torch.int32)  # compared as integers: a float compare would itself read subnormals as zero
+def kept():
+    return torch.equal((many * 1.0).view(torch.int32), bits)
+assert kept(), "subnormals kept to begin with"
+gate_up = torch.cat([torch.full((40, 1536), 1e-39), torch.ones(40, 1536)], dim=1).to(dtype)
+out = ops.silu_mul(gate_up)  # 40 rows: the OpenMP workers run it too
+flushed = platform.machine() in ("x86_64", "AMD64")  # the x86 MXCSR; other CPUs keep them
+assert (torch.count_nonzero(out.view(torch.int16 if dtype == torch.bfloat16 else torch.int32)) == 0) == flushed, \\
+    "silu(1e-39) * 1 is flushed to zero inside the kernel"
+assert kept(), "back in the caller and on torch's OpenMP workers, subnormals survive again"
+x = torch.randn(40, 576).to(dtype)
+ops.rms_norm(x, torch.ones(576, dtype=dtype), 1e-5, residual=torch.zeros_like(x))
+assert kept()
+"""
+
+
+def test_kernels_flush_subnormals_inside_and_leave_every_threads_mode_as_it_was(dtype):
+    """The kernels run with subnormals flushed (Intel cores take a microcode assist per subnormal), then every thread
+    puts its floating-point mode back: torch's own ops after them, on its OpenMP workers too, still keep subnormals.
+    In a fresh interpreter that imports torch first, as the engine does: the kernels then share torch's libgomp and
+    its worker threads (under pytest another libgomp may be loaded first, and the threads not shared)."""
+    done = subprocess.run([sys.executable, "-c", SUBNORMALS_AFTER_KERNELS, str(dtype).removeprefix("torch.")],
+                          capture_output=True, text=True, cwd=Path(__file__).parents[2], timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
 
 
 def test_switched_off_by_the_environment(monkeypatch):

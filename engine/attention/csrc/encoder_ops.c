@@ -73,11 +73,10 @@ static void weighted_values(const float *restrict p, const float *restrict inv, 
 #define PACKED_ATTENTION(NAME, T, GET, PUT)                                                                       \
 void NAME(const T *qkv, T *out, const int64_t *starts, const int64_t *lengths, int64_t rows, int64_t longest,    \
           int64_t H, int64_t D, float scale, int threads) {                                                       \
-    KERNEL_BEGIN;                                                                                                 \
     const int64_t width = 3 * H * D, Lmax = (longest + LANES - 1) / LANES * LANES;                               \
     _Pragma("omp parallel num_threads(threads)")                                                                  \
     {                                                                                                             \
-        FLUSH_SUBNORMALS();                                                                                       \
+        KERNEL_BEGIN;                                                                                             \
         float *kt = calloc(D * Lmax + Lmax * D + QUERY_BLOCK * (Lmax + 2 * D + 1), sizeof(float));               \
         float *vf = kt + D * Lmax, *p = vf + Lmax * D, *qf = p + QUERY_BLOCK * Lmax, *of = qf + QUERY_BLOCK * D;  \
         float *inv = of + QUERY_BLOCK * D;                                                                        \
@@ -107,32 +106,35 @@ void NAME(const T *qkv, T *out, const int64_t *starts, const int64_t *lengths, i
             }                                                                                                     \
         }                                                                                                         \
         free(kt);                                                                                                 \
+        KERNEL_END;                                                                                               \
     }                                                                                                             \
-    KERNEL_END;                                                                                                   \
 }
 
 #define ADD_LAYER_NORM(NAME, T, GET, PUT)                                                                         \
 void NAME(const T *x, const T *residual, const T *weight, const T *bias, T *out, int64_t rows, int64_t hidden,   \
           float eps, int threads) {                                                                               \
-    KERNEL_BEGIN;                                                                                                 \
-    _Pragma("omp parallel for num_threads(threads) if(rows >= PARALLEL_ROWS)")                                   \
-    for (int64_t r = 0; r < rows; r++) {                                                                          \
-        FLUSH_SUBNORMALS();                                                                                       \
-        const T *xr = x + r * hidden, *rr = residual + r * hidden;                                                \
-        float sum[hidden], mean = 0.0f, var = 0.0f;                                                               \
-        for (int64_t i = 0; i < hidden; i++) {                                                                    \
-            T rounded;                                                                                            \
-            PUT(&rounded, GET(xr + i) + GET(rr + i));                                                             \
-            sum[i] = GET(&rounded);                                                                               \
-            mean += sum[i];                                                                                       \
+    _Pragma("omp parallel num_threads(threads) if(rows >= PARALLEL_ROWS)")                                        \
+    {                                                                                                             \
+        KERNEL_BEGIN;                                                                                             \
+        _Pragma("omp for")                                                                                        \
+        for (int64_t r = 0; r < rows; r++) {                                                                      \
+            const T *xr = x + r * hidden, *rr = residual + r * hidden;                                            \
+            float sum[hidden], mean = 0.0f, var = 0.0f;                                                           \
+            for (int64_t i = 0; i < hidden; i++) {                                                                \
+                T rounded;                                                                                        \
+                PUT(&rounded, GET(xr + i) + GET(rr + i));                                                         \
+                sum[i] = GET(&rounded);                                                                           \
+                mean += sum[i];                                                                                   \
+            }                                                                                                     \
+            mean /= (float)hidden;                                                                                \
+            for (int64_t i = 0; i < hidden; i++) { const float c = sum[i] - mean; var += c * c; }                 \
+            const float inv = 1.0f / sqrtf(var / (float)hidden + eps);                                            \
+            T *o = out + r * hidden;                                                                              \
+            for (int64_t i = 0; i < hidden; i++)                                                                  \
+                PUT(o + i, (sum[i] - mean) * inv * GET(weight + i) + GET(bias + i));                              \
         }                                                                                                         \
-        mean /= (float)hidden;                                                                                    \
-        for (int64_t i = 0; i < hidden; i++) { const float c = sum[i] - mean; var += c * c; }                   \
-        const float inv = 1.0f / sqrtf(var / (float)hidden + eps);                                                \
-        T *o = out + r * hidden;                                                                                  \
-        for (int64_t i = 0; i < hidden; i++) PUT(o + i, (sum[i] - mean) * inv * GET(weight + i) + GET(bias + i)); \
+        KERNEL_END;                                                                                               \
     }                                                                                                             \
-    KERNEL_END;                                                                                                   \
 }
 
 PACKED_ATTENTION(packed_attention_f32, float, f32_get, f32_put)

@@ -24,16 +24,14 @@ static inline float exp_fast(float x) {
 /* Subnormals flushed to zero and read as zero while a kernel runs. On Intel cores every vector op that meets a
  * subnormal takes a microcode assist of over a hundred cycles, and they are common here: the compiler computes the
  * clamped arms of exp_fast for every lane (silu_mul divided all its inputs by e^88 and ran 10x slower), and tiny
- * softmax weights times values make them. The caller's mode comes back at the end (KERNEL_END); OpenMP's workers
- * set it per task (FLUSH_SUBNORMALS) and only ever run these kernels. A subnormal is below 1.2e-38: no sum here
- * notices it. */
+ * softmax weights times values make them. The mode is per thread, and OpenMP's threads are torch's too (one
+ * libgomp): every thread of a parallel region sets it at the region's start (KERNEL_BEGIN) and puts its own back at
+ * the end (KERNEL_END). A subnormal is below 1.2e-38: no sum here notices it. */
 #if defined(__x86_64__) || defined(__i386__)
 #include <xmmintrin.h>
-#define FLUSH_SUBNORMALS() _mm_setcsr(_mm_getcsr() | 0x8040u)
-#define KERNEL_BEGIN const unsigned int caller_csr = _mm_getcsr(); FLUSH_SUBNORMALS()
+#define KERNEL_BEGIN const unsigned int caller_csr = _mm_getcsr(); _mm_setcsr(caller_csr | 0x8040u)
 #define KERNEL_END _mm_setcsr(caller_csr)
 #else
-#define FLUSH_SUBNORMALS() ((void)0)
 #define KERNEL_BEGIN ((void)0)
 #define KERNEL_END ((void)0)
 #endif

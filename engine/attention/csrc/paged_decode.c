@@ -104,76 +104,80 @@ static void NAME(const T *q, int64_t q_stride, const T *k, const T *v, const int
     const int dv = DV;                                                                                            \
     const int64_t D = DV * LANES, row_bytes = D * (int64_t)sizeof(T);                                             \
     const int64_t hc = S >= HEADS_TOGETHER_MIN * threads ? Hkv : 1, tasks = S * (Hkv / hc);                      \
-    _Pragma("omp parallel for schedule(dynamic, 1) num_threads(threads)")                                         \
-    for (int64_t task = 0; task < tasks; task++) {                                                                \
-        FLUSH_SUBNORMALS();                                                                                       \
-        const int64_t s = task / (Hkv / hc), h0 = task % (Hkv / hc) * hc, HG = hc * G;                           \
-        vfloat qv[HG][DV], acc[HG][DV];                                                                           \
-        float m[HG], l[HG], p[HG][LANES];                                                                         \
-        QDECL                                                                                                     \
-        for (int64_t j = 0; j < HG; j++) {                                                                        \
-            const T *qj = q + s * q_stride + (h0 * G + j) * D;                                                    \
-            for (int c = 0; c < DV; c++) { qv[j][c] = LOAD(qj + c * LANES); acc[j][c] = (vfloat){0}; }           \
-            QLOAD(qj, j)                                                                                          \
-            m[j] = -INFINITY;                                                                                     \
-            l[j] = 0.0f;                                                                                          \
-        }                                                                                                         \
-        const int64_t n = ctx[s], blocks = (n + BS - 1) / BS;                                                     \
-        const int32_t *table = tables + s * table_stride + first_block;                                           \
-        for (int64_t b = 1; b < PREFETCH_DISTANCE && b < blocks; b++)                                             \
-            for (int64_t h = h0; h < h0 + hc; h++) {                                                              \
-                prefetch(k + (h * NB + table[b]) * BS * D, BS * row_bytes);                                       \
-                prefetch(v + (h * NB + table[b]) * BS * D, BS * row_bytes);                                       \
+    _Pragma("omp parallel num_threads(threads)")                                                                  \
+    {                                                                                                             \
+        KERNEL_BEGIN;                                                                                             \
+        _Pragma("omp for schedule(dynamic, 1)")                                                                   \
+        for (int64_t task = 0; task < tasks; task++) {                                                            \
+            const int64_t s = task / (Hkv / hc), h0 = task % (Hkv / hc) * hc, HG = hc * G;                        \
+            vfloat qv[HG][DV], acc[HG][DV];                                                                       \
+            float m[HG], l[HG], p[HG][LANES];                                                                     \
+            QDECL                                                                                                 \
+            for (int64_t j = 0; j < HG; j++) {                                                                    \
+                const T *qj = q + s * q_stride + (h0 * G + j) * D;                                                \
+                for (int c = 0; c < DV; c++) { qv[j][c] = LOAD(qj + c * LANES); acc[j][c] = (vfloat){0}; }        \
+                QLOAD(qj, j)                                                                                      \
+                m[j] = -INFINITY;                                                                                 \
+                l[j] = 0.0f;                                                                                      \
             }                                                                                                     \
-        for (int64_t b = 0; b < blocks; b++) {                                                                    \
-            const int64_t tokens = n - b * BS < BS ? n - b * BS : BS;                                             \
-            const int64_t next = b + PREFETCH_DISTANCE < blocks ? b + PREFETCH_DISTANCE : b;                      \
-            for (int64_t h = h0; h < h0 + hc; h++) {                                                              \
-                const T *kb = k + (h * NB + table[b]) * BS * D, *vb = v + (h * NB + table[b]) * BS * D;           \
-                const T *kn = k + (h * NB + table[next]) * BS * D, *vn = v + (h * NB + table[next]) * BS * D;     \
-                for (int64_t t0 = 0; t0 < tokens; t0 += LANES) {                                                  \
-                    const int64_t count = tokens - t0 < LANES ? tokens - t0 : LANES;                              \
-                    for (int64_t j = (h - h0) * G; j < (h - h0 + 1) * G; j++) {                                   \
-                        vfloat parts[LANES];                                                                      \
-                        for (int64_t t = 0; t < LANES; t++) {                                                     \
-                            if (t >= count) { parts[t] = (vfloat){0}; continue; }                                 \
-                            const T *krow = kb + (t0 + t) * D;                                                    \
-                            DOT                                                                                   \
-                            parts[t] = part;                                                                      \
+            const int64_t n = ctx[s], blocks = (n + BS - 1) / BS;                                                 \
+            const int32_t *table = tables + s * table_stride + first_block;                                       \
+            for (int64_t b = 1; b < PREFETCH_DISTANCE && b < blocks; b++)                                         \
+                for (int64_t h = h0; h < h0 + hc; h++) {                                                          \
+                    prefetch(k + (h * NB + table[b]) * BS * D, BS * row_bytes);                                   \
+                    prefetch(v + (h * NB + table[b]) * BS * D, BS * row_bytes);                                   \
+                }                                                                                                 \
+            for (int64_t b = 0; b < blocks; b++) {                                                                \
+                const int64_t tokens = n - b * BS < BS ? n - b * BS : BS;                                         \
+                const int64_t next = b + PREFETCH_DISTANCE < blocks ? b + PREFETCH_DISTANCE : b;                  \
+                for (int64_t h = h0; h < h0 + hc; h++) {                                                          \
+                    const T *kb = k + (h * NB + table[b]) * BS * D, *vb = v + (h * NB + table[b]) * BS * D;       \
+                    const T *kn = k + (h * NB + table[next]) * BS * D, *vn = v + (h * NB + table[next]) * BS * D; \
+                    for (int64_t t0 = 0; t0 < tokens; t0 += LANES) {                                              \
+                        const int64_t count = tokens - t0 < LANES ? tokens - t0 : LANES;                          \
+                        for (int64_t j = (h - h0) * G; j < (h - h0 + 1) * G; j++) {                               \
+                            vfloat parts[LANES];                                                                  \
+                            for (int64_t t = 0; t < LANES; t++) {                                                 \
+                                if (t >= count) { parts[t] = (vfloat){0}; continue; }                             \
+                                const T *krow = kb + (t0 + t) * D;                                                \
+                                DOT                                                                               \
+                                parts[t] = part;                                                                  \
+                            }                                                                                     \
+                            const vfloat scores = lane_sums(parts) * scale;                                       \
+                            float top = m[j], sum = 0.0f, *pj = p[j];                                             \
+                            for (int64_t t = 0; t < count; t++) top = scores[t] > top ? scores[t] : top;          \
+                            for (int64_t t = 0; t < LANES; t++) {                                                 \
+                                pj[t] = t < count ? exp_fast(scores[t] - top) : 0.0f;                             \
+                                sum += pj[t];                                                                     \
+                            }                                                                                     \
+                            const float keep = exp_fast(m[j] - top);                                              \
+                            l[j] = l[j] * keep + sum;                                                             \
+                            m[j] = top;                                                                           \
+                            for (int c = 0; c < DV; c++) acc[j][c] *= keep;                                       \
                         }                                                                                         \
-                        const vfloat scores = lane_sums(parts) * scale;                                           \
-                        float top = m[j], sum = 0.0f, *pj = p[j];                                                 \
-                        for (int64_t t = 0; t < count; t++) top = scores[t] > top ? scores[t] : top;              \
-                        for (int64_t t = 0; t < LANES; t++) {                                                     \
-                            pj[t] = t < count ? exp_fast(scores[t] - top) : 0.0f;                                 \
-                            sum += pj[t];                                                                         \
+                        for (int64_t t = 0; t < count; t++) {                                                     \
+                            const T *vrow = vb + (t0 + t) * D;                                                    \
+                            if (next != b) {  /* one key and one value row per row used: no burst to stall on */  \
+                                prefetch(kn + (t0 + t) * D, row_bytes);                                           \
+                                prefetch(vn + (t0 + t) * D, row_bytes);                                           \
+                            }                                                                                     \
+                            vfloat row[DV];                                                                       \
+                            for (int c = 0; c < DV; c++) row[c] = LOAD(vrow + c * LANES);                         \
+                            for (int64_t j = (h - h0) * G; j < (h - h0 + 1) * G; j++)                             \
+                                for (int c = 0; c < DV; c++) acc[j][c] += p[j][t] * row[c];                       \
                         }                                                                                         \
-                        const float keep = exp_fast(m[j] - top);                                                  \
-                        l[j] = l[j] * keep + sum;                                                                 \
-                        m[j] = top;                                                                               \
-                        for (int c = 0; c < DV; c++) acc[j][c] *= keep;                                           \
-                    }                                                                                             \
-                    for (int64_t t = 0; t < count; t++) {                                                         \
-                        const T *vrow = vb + (t0 + t) * D;                                                        \
-                        if (next != b) {  /* one key and one value row per row used: no burst to stall on */      \
-                            prefetch(kn + (t0 + t) * D, row_bytes);                                               \
-                            prefetch(vn + (t0 + t) * D, row_bytes);                                               \
-                        }                                                                                         \
-                        vfloat row[DV];                                                                           \
-                        for (int c = 0; c < DV; c++) row[c] = LOAD(vrow + c * LANES);                             \
-                        for (int64_t j = (h - h0) * G; j < (h - h0 + 1) * G; j++)                                 \
-                            for (int c = 0; c < DV; c++) acc[j][c] += p[j][t] * row[c];                           \
                     }                                                                                             \
                 }                                                                                                 \
             }                                                                                                     \
+            for (int64_t j = 0; j < HG; j++) {                                                                    \
+                T *o = out + s * Hkv * G * D + (h0 * G + j) * D;                                                  \
+                const float inv = l[j] > 0.0f ? 1.0f / l[j] : 0.0f;                                               \
+                for (int c = 0; c < DV; c++)                                                                      \
+                    for (int i = 0; i < LANES; i++) STORE(o + c * LANES + i, acc[j][c][i] * inv);                 \
+                if (lse) lse[s * Hkv * G + h0 * G + j] = l[j] > 0.0f ? m[j] + logf(l[j]) : -INFINITY;             \
+            }                                                                                                     \
         }                                                                                                         \
-        for (int64_t j = 0; j < HG; j++) {                                                                        \
-            T *o = out + s * Hkv * G * D + (h0 * G + j) * D;                                                      \
-            const float inv = l[j] > 0.0f ? 1.0f / l[j] : 0.0f;                                                   \
-            for (int c = 0; c < DV; c++)                                                                          \
-                for (int i = 0; i < LANES; i++) STORE(o + c * LANES + i, acc[j][c][i] * inv);                     \
-            if (lse) lse[s * Hkv * G + h0 * G + j] = l[j] > 0.0f ? m[j] + logf(l[j]) : -INFINITY;                 \
-        }                                                                                                         \
+        KERNEL_END;                                                                                               \
     }                                                                                                             \
 }
 
@@ -212,57 +216,61 @@ static inline const float *bf16_row(const uint16_t *src, float *tmp, int64_t D) 
 static void NAME(const T *q, int64_t q_stride, const T *k, const T *v, const int32_t *tables,                    \
                  int64_t table_stride, int64_t first_block, const int32_t *ctx, T *out, float *lse, int64_t S,    \
                  int64_t Hkv, int64_t G, int64_t D, int64_t NB, int64_t BS, float scale, int threads) {           \
-    _Pragma("omp parallel for collapse(2) schedule(dynamic, 4) num_threads(threads)")                             \
-    for (int64_t s = 0; s < S; s++) {                                                                             \
-        for (int64_t h = 0; h < Hkv; h++) {                                                                       \
-            FLUSH_SUBNORMALS();                                                                                   \
-            float m[G], l[G], acc[G * D], qf[G * D], row[D], scores[G * BS];                                      \
-            for (int64_t j = 0; j < G; j++) { m[j] = -INFINITY; l[j] = 0.0f; }                                    \
-            memset(acc, 0, sizeof(float) * G * D);                                                                \
-            for (int64_t j = 0; j < G; j++) {                                                                     \
-                const float *qj = ROW(q + s * q_stride + (h * G + j) * D, row, D);                                \
-                for (int64_t i = 0; i < D; i++) qf[j * D + i] = qj[i] * scale;                                    \
-            }                                                                                                     \
-            const int64_t n = ctx[s];                                                                             \
-            for (int64_t b = 0; b * BS < n; b++) {                                                                \
-                const int64_t block = tables[s * table_stride + first_block + b];                                 \
-                const T *kb = k + (h * NB + block) * BS * D, *vb = v + (h * NB + block) * BS * D;                 \
-                const int64_t tokens = n - b * BS < BS ? n - b * BS : BS;                                         \
-                for (int64_t t = 0; t < tokens; t++) {                                                            \
-                    const float *kt = ROW(kb + t * D, row, D);                                                    \
+    _Pragma("omp parallel num_threads(threads)")                                                                  \
+    {                                                                                                             \
+        KERNEL_BEGIN;                                                                                             \
+        _Pragma("omp for collapse(2) schedule(dynamic, 4)")                                                       \
+        for (int64_t s = 0; s < S; s++) {                                                                         \
+            for (int64_t h = 0; h < Hkv; h++) {                                                                   \
+                float m[G], l[G], acc[G * D], qf[G * D], row[D], scores[G * BS];                                  \
+                for (int64_t j = 0; j < G; j++) { m[j] = -INFINITY; l[j] = 0.0f; }                                \
+                memset(acc, 0, sizeof(float) * G * D);                                                            \
+                for (int64_t j = 0; j < G; j++) {                                                                 \
+                    const float *qj = ROW(q + s * q_stride + (h * G + j) * D, row, D);                            \
+                    for (int64_t i = 0; i < D; i++) qf[j * D + i] = qj[i] * scale;                                \
+                }                                                                                                 \
+                const int64_t n = ctx[s];                                                                         \
+                for (int64_t b = 0; b * BS < n; b++) {                                                            \
+                    const int64_t block = tables[s * table_stride + first_block + b];                             \
+                    const T *kb = k + (h * NB + block) * BS * D, *vb = v + (h * NB + block) * BS * D;             \
+                    const int64_t tokens = n - b * BS < BS ? n - b * BS : BS;                                     \
+                    for (int64_t t = 0; t < tokens; t++) {                                                        \
+                        const float *kt = ROW(kb + t * D, row, D);                                                \
+                        for (int64_t j = 0; j < G; j++) {                                                         \
+                            const float *qj = qf + j * D;                                                         \
+                            float dot = 0.0f;                                                                     \
+                            for (int64_t i = 0; i < D; i++) dot += qj[i] * kt[i];                                 \
+                            scores[j * BS + t] = dot;                                                             \
+                        }                                                                                         \
+                    }                                                                                             \
                     for (int64_t j = 0; j < G; j++) {                                                             \
-                        const float *qj = qf + j * D;                                                             \
-                        float dot = 0.0f;                                                                         \
-                        for (int64_t i = 0; i < D; i++) dot += qj[i] * kt[i];                                     \
-                        scores[j * BS + t] = dot;                                                                 \
+                        float *sj = scores + j * BS, top = m[j];                                                  \
+                        for (int64_t t = 0; t < tokens; t++) top = sj[t] > top ? sj[t] : top;                     \
+                        const float keep = exp_fast(m[j] - top);                                                  \
+                        float sum = 0.0f;                                                                         \
+                        for (int64_t t = 0; t < tokens; t++) { sj[t] = exp_fast(sj[t] - top); sum += sj[t]; }     \
+                        l[j] = l[j] * keep + sum;                                                                 \
+                        m[j] = top;                                                                               \
+                        if (keep != 1.0f) for (int64_t i = 0; i < D; i++) acc[j * D + i] *= keep;                 \
+                    }                                                                                             \
+                    for (int64_t t = 0; t < tokens; t++) {                                                        \
+                        const float *vt = ROW(vb + t * D, row, D);                                                \
+                        for (int64_t j = 0; j < G; j++) {                                                         \
+                            const float p = scores[j * BS + t];                                                   \
+                            float *aj = acc + j * D;                                                              \
+                            for (int64_t i = 0; i < D; i++) aj[i] += p * vt[i];                                   \
+                        }                                                                                         \
                     }                                                                                             \
                 }                                                                                                 \
                 for (int64_t j = 0; j < G; j++) {                                                                 \
-                    float *sj = scores + j * BS, top = m[j];                                                      \
-                    for (int64_t t = 0; t < tokens; t++) top = sj[t] > top ? sj[t] : top;                         \
-                    const float keep = exp_fast(m[j] - top);                                                      \
-                    float sum = 0.0f;                                                                             \
-                    for (int64_t t = 0; t < tokens; t++) { sj[t] = exp_fast(sj[t] - top); sum += sj[t]; }         \
-                    l[j] = l[j] * keep + sum;                                                                     \
-                    m[j] = top;                                                                                   \
-                    if (keep != 1.0f) for (int64_t i = 0; i < D; i++) acc[j * D + i] *= keep;                     \
+                    T *o = out + ((s * Hkv + h) * G + j) * D;                                                     \
+                    const float inv = l[j] > 0.0f ? 1.0f / l[j] : 0.0f;                                           \
+                    for (int64_t i = 0; i < D; i++) STORE(o + i, acc[j * D + i] * inv);                           \
+                    if (lse) lse[(s * Hkv + h) * G + j] = l[j] > 0.0f ? m[j] + logf(l[j]) : -INFINITY;            \
                 }                                                                                                 \
-                for (int64_t t = 0; t < tokens; t++) {                                                            \
-                    const float *vt = ROW(vb + t * D, row, D);                                                    \
-                    for (int64_t j = 0; j < G; j++) {                                                             \
-                        const float p = scores[j * BS + t];                                                       \
-                        float *aj = acc + j * D;                                                                  \
-                        for (int64_t i = 0; i < D; i++) aj[i] += p * vt[i];                                       \
-                    }                                                                                             \
-                }                                                                                                 \
-            }                                                                                                     \
-            for (int64_t j = 0; j < G; j++) {                                                                     \
-                T *o = out + ((s * Hkv + h) * G + j) * D;                                                         \
-                const float inv = l[j] > 0.0f ? 1.0f / l[j] : 0.0f;                                               \
-                for (int64_t i = 0; i < D; i++) STORE(o + i, acc[j * D + i] * inv);                               \
-                if (lse) lse[(s * Hkv + h) * G + j] = l[j] > 0.0f ? m[j] + logf(l[j]) : -INFINITY;                \
             }                                                                                                     \
         }                                                                                                         \
+        KERNEL_END;                                                                                               \
     }                                                                                                             \
 }
 
@@ -273,7 +281,6 @@ PAGED_DECODE_ANY(decode_bf16_any, uint16_t, bf16_row, bf16_put)
 void NAME(const T *q, int64_t q_stride, const T *k, const T *v, const int32_t *tables, int64_t table_stride,      \
           int64_t first_block, const int32_t *ctx, T *out, float *lse, int64_t S, int64_t Hkv, int64_t G, int64_t D, \
           int64_t NB, int64_t BS, float scale, int threads) {                                                     \
-    KERNEL_BEGIN;                                                                                                 \
     void (*vector)(const T *, int64_t, const T *, const T *, const int32_t *, int64_t, int64_t, const int32_t *,  \
                    T *, float *, int64_t, int64_t, int64_t, int64_t, int64_t, float, int) =                        \
         D == 16 ? decode_##SUFFIX##_d16 : D == 32 ? decode_##SUFFIX##_d32 : D == 64 ? decode_##SUFFIX##_d64        \
@@ -284,7 +291,6 @@ void NAME(const T *q, int64_t q_stride, const T *k, const T *v, const int32_t *t
     else                                                                                                          \
         decode_##SUFFIX##_any(q, q_stride, k, v, tables, table_stride, first_block, ctx, out, lse, S, Hkv, G, D,  \
                               NB, BS, scale, threads);                                                            \
-    KERNEL_END;                                                                                                   \
 }
 
 PAGED_DECODE(paged_decode_f32, float, f32)
