@@ -9,6 +9,21 @@ from prometheus_client.parser import text_string_to_metric_families
 SUFFIXES = ("_total", "_count", "_sum", "_bucket", "_created")
 
 
+def read_metrics(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=10) as response:
+        assert response.status == 200
+        return response.read().decode()
+
+
+def metrics_when_up(url: str) -> str | None:
+    """The endpoint's text, or None while nothing listens there yet (a worker serves its metrics once its engine
+    has loaded, so a worker its supervisor has just started again answers only some seconds later)."""
+    try:
+        return read_metrics(url)
+    except OSError:
+        return None
+
+
 class Scrape:
     """One scrape: `value(name, **labels)` is the sample with exactly those labels; a metric not exported at all
     is an error (a check of "== 0" must not pass because nothing is exported)."""
@@ -20,9 +35,7 @@ class Scrape:
 
     @classmethod
     def from_url(cls, url: str) -> Scrape:
-        with urllib.request.urlopen(url, timeout=10) as response:
-            assert response.status == 200
-            return cls(response.read().decode())
+        return cls(read_metrics(url))
 
     def value(self, name: str, **labels: str) -> float:
         """The sample; 0 when the metric is exported but not with these labels (a counter not yet incremented)."""

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import stat
-import urllib.request
 import uuid
 from pathlib import Path
 
@@ -17,6 +16,7 @@ from sqlalchemy import text
 
 from ingest.submit import send
 from tests.jobs.jobhelpers import assert_each_id_once, prompt_rows, write_parquet
+from tests.scrape import metrics_when_up
 from tests.service.conftest import job_events, job_row, tokenmill, wait_for_job, wait_until
 
 pytestmark = pytest.mark.real_model
@@ -220,9 +220,10 @@ def test_the_stack_runs_with_its_own_credentials_and_never_shows_them(stack, ses
              "manifest": stack.store(kafka_job.output_uri).get_bytes("manifest.json").decode(),
              "job row": json.dumps(job_row(sessions, kafka_job.id), default=str)}
     ports = stack.state["ports"]
-    for port in range(ports["metrics"], ports["metrics"] + stack.state["workers"] + 1):
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
-            texts[f"metrics :{port}"] = response.read().decode()
+    for port in range(ports["metrics"], ports["metrics"] + stack.state["workers"] + 1):  # the workers', then beat's
+        url = f"http://127.0.0.1:{port}/metrics"
+        texts[f"metrics :{port}"] = wait_until(lambda url=url: metrics_when_up(url), f"the metrics endpoint {url}",
+                                               timeout=180)
     for path in stack.dir.rglob("*.log"):
         texts[str(path)] = path.read_text(errors="replace")
     for pid in [p for p in os.listdir("/proc") if p.isdigit()]:

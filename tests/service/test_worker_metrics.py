@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 
 from tests.fixtures_services import free_port_block, pg_databases  # noqa: F401 - fixture
-from tests.scrape import Scrape
+from tests.scrape import Scrape, metrics_when_up
 from tests.service.conftest import RunningStack, submit_file, tokenmill, wait_for_job, wait_until
 
 pytestmark = pytest.mark.real_model
@@ -39,14 +39,8 @@ def tiny_stack(tmp_path_factory, pg_databases) -> Iterator[RunningStack]:  # noq
 
 def worker_scrape(stack: RunningStack) -> Scrape:
     port = stack.state["ports"]["metrics"]  # worker 0
-    return wait_until(lambda: _try_scrape(f"http://127.0.0.1:{port}/metrics"), "the worker's metrics endpoint")
-
-
-def _try_scrape(url: str) -> Scrape | None:
-    try:
-        return Scrape.from_url(url)
-    except OSError:
-        return None
+    text = wait_until(lambda: metrics_when_up(f"http://127.0.0.1:{port}/metrics"), "the worker's metrics endpoint")
+    return Scrape(text)
 
 
 def test_a_job_moves_the_worker_counters_by_its_totals(tiny_stack, tmp_path):
