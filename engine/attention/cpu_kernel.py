@@ -6,7 +6,8 @@
 - a decoder layer's elementwise steps fused (layer_ops.c): RMSNorm with its residual add, RoPE in place,
   SiLU(gate) * up, one pass each instead of several torch ops (`TOKENMILL_CPU_LAYER_OPS=0`: torch);
 - an encoder layer's attention over packed rows of any lengths, with no padding, and its residual add +
-  LayerNorm (encoder_ops.c; `TOKENMILL_CPU_LAYER_OPS=0`: torch).
+  LayerNorm (encoder_ops.c; `TOKENMILL_CPU_LAYER_OPS=0`: torch);
+- bfloat16 GEMMs on Intel AMX tiles (amx_gemm.c), used by engine/models/cpu_gemm.py where the CPU has AMX.
 
 Without a compiler the torch paths run."""
 
@@ -26,7 +27,8 @@ import torch
 
 log = logging.getLogger("tokenmill.attention")
 
-SOURCES = [Path(__file__).with_name("csrc") / name for name in ("paged_decode.c", "layer_ops.c", "encoder_ops.c")]
+SOURCES = [Path(__file__).with_name("csrc") / name for name in ("paged_decode.c", "layer_ops.c", "encoder_ops.c",
+                                                                         "amx_gemm.c")]
 HEADERS = [Path(__file__).with_name("csrc") / "fast_math.h"]
 FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno",
          "-fno-trapping-math", "-fassociative-math",
@@ -71,6 +73,10 @@ def _library() -> ctypes.CDLL | None:
         for suffix in SUFFIXES.values():
             function = getattr(library, f"{name}_{suffix}")
             function.argtypes, function.restype = argtypes, None
+    library.amx_gemm_ready.argtypes, library.amx_gemm_ready.restype = [], ctypes.c_int
+    library.amx_pack_bf16.argtypes, library.amx_pack_bf16.restype = [ptr, ptr, i64, i64], None
+    library.amx_linear_bf16.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, threads]
+    library.amx_linear_bf16.restype = None
     return library
 
 
@@ -202,3 +208,31 @@ class EncoderOps:
 def encoder_ops(dtype: torch.dtype) -> EncoderOps | None:
     """The CPU encoder ops for `dtype`, or None (as `layer_ops`)."""
     return _fused_ops(EncoderOps, dtype)
+
+
+AMX_MULTIPLE = 32  # amx_linear's in and out features: whole 32-wide tiles
+
+
+@functools.cache
+def amx_ready() -> bool:
+    """The AMX bfloat16 GEMM runs here: the kernels built with AMX and Linux granted this process the tiles."""
+    library = _library()
+    return library is not None and library.amx_gemm_ready() == 1
+
+
+def amx_pack(weight: torch.Tensor) -> torch.Tensor:
+    """A bfloat16 weight [out, in] (both multiples of AMX_MULTIPLE) in amx_linear's tile layout."""
+    weight = weight.detach().contiguous()
+    packed = torch.empty(weight.numel(), dtype=torch.bfloat16)
+    _library().amx_pack_bf16(weight.data_ptr(), packed.data_ptr(), *weight.shape)
+    return packed
+
+
+def amx_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """x [rows, in] bfloat16 @ weight.T + bias (float32 or None) -> [rows, out] bfloat16, float32 sums in the same
+    order at any number of rows."""
+    x = x.contiguous()
+    out = torch.empty((x.shape[0], out_features), dtype=torch.bfloat16)
+    _library().amx_linear_bf16(x.data_ptr(), packed.data_ptr(), bias.data_ptr() if bias is not None else None,
+                               out.data_ptr(), x.shape[0], out_features, x.shape[1], torch.get_num_threads())
+    return out

@@ -1,14 +1,18 @@
 """Prepacked CPU GEMMs: each weight is reordered once into the kernel's blocked layout instead of on every
-call, as vLLM's CPU build does. bfloat16 runs through oneDNN. float32 runs through MKL (the same kernel as
-`F.linear`, bit for bit) or oneDNN, whichever is faster for that weight's shape on this CPU, timed once per
-shape when the model loads at decode batches of 4 and 32 rows: on AMD EPYCs (AVX2 and AVX-512) oneDNN ran
-the 49152-row LM head twice as fast as MKL, and on AVX-512 the layers' projections 1.2-3x as fast. Not at 64 rows:
-MKL's packed path runs only at exactly the packed batch size (other sizes take plain sgemm on the unpacked weight),
-so timing at 64 chose MKL on an Intel Xeon where oneDNN is 1.2-1.5x faster at the 20-50 rows decodes mostly have.
+call, as vLLM's CPU build does. bfloat16 runs on our AMX kernel where the CPU has AMX (engine/attention/csrc/
+amx_gemm.c: it streams the weight with prefetch, 1.2-2x oneDNN at decode batches of 1-64 rows on a 2-core Xeon,
+and sums in the same order at any number of rows), else through oneDNN (`TOKENMILL_BF16_GEMM=amx|onednn`).
+float32 runs through MKL (the same kernel as `F.linear`, bit for bit) or oneDNN, whichever is faster for that
+weight's shape on this CPU, timed once per shape when the model loads at decode batches of 4 and 32 rows: on AMD
+EPYCs (AVX2 and AVX-512) oneDNN ran the 49152-row LM head twice as fast as MKL, and on AVX-512 the layers'
+projections 1.2-3x as fast. Not at 64 rows: MKL's packed path runs only at exactly the packed batch size (other
+sizes take plain sgemm on the unpacked weight), so timing at 64 chose MKL on an Intel Xeon where oneDNN is 1.2-1.5x
+faster at the 20-50 rows decodes mostly have.
 Where the ops are missing, `F.linear` runs.
 
 Batch-invariant mode (`row_tile`): every call runs in tiles of exactly `INVARIANT_ROWS` rows, the last one padded,
-on a kernel fixed per dtype (not timed), so a row's result never depends on how many rows came with it."""
+on a kernel fixed per dtype (not timed), so a row's result never depends on how many rows came with it. The AMX
+kernel needs no tiles: it is invariant as it is."""
 
 from __future__ import annotations
 
@@ -20,6 +24,8 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+
+from engine.attention import cpu_kernel
 
 log = logging.getLogger("tokenmill.cpu_gemm")
 
@@ -50,7 +56,10 @@ class PackedWeight:
         self.weight, self.bias, self.packed = weight, bias, None
         if weight.device.type != "cpu" or weight.dim() != 2:
             return
-        if weight.dtype == torch.bfloat16 and _mkldnn_ok() and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        if weight.dtype == torch.bfloat16 and bfloat16_kernel(*weight.shape) == "amx":
+            self.packed, self.kind = cpu_kernel.amx_pack(weight), "amx"
+            self.bias_f32 = bias.detach().float() if bias is not None else None
+        elif weight.dtype == torch.bfloat16 and _mkldnn_ok() and torch.ops.mkldnn._is_mkldnn_bf16_supported():
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS)
             self.kind = "onednn"
         elif weight.dtype == torch.float32 and torch._C.has_mkl:
@@ -58,9 +67,14 @@ class PackedWeight:
             self.packed = _pack(weight.detach(), self.kind)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.row_tile and x.dim() == 2:
+        if self.row_tile and x.dim() == 2 and not self.invariant_kernel:
             return row_tiled(self._linear, x, self.row_tile)
         return self._linear(x)
+
+    @property
+    def invariant_kernel(self) -> bool:
+        """The kernel itself gives a row the same result in any batch: no tiles needed."""
+        return self.packed is not None and self.kind == "amx"
 
     def set_row_tile(self, tile: int) -> None:
         """Batch-invariant mode on (`tile` rows per call) or off (0). On, float32 leaves the timed kernel choice
@@ -73,6 +87,8 @@ class PackedWeight:
     def _linear(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None or x.dim() != 2 or x.dtype != self.weight.dtype:
             return F.linear(x, self.weight, self.bias)
+        if self.kind == "amx":
+            return cpu_kernel.amx_linear(x, self.packed, self.bias_f32, self.weight.shape[0])
         if self.kind == "onednn":
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return torch.ops.mkl._mkl_linear(x, self.packed, self.weight, self.bias, PACK_ROWS)
@@ -88,6 +104,15 @@ def _run(kind: str, x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor)
     if kind == "onednn":
         return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
     return torch.ops.mkl._mkl_linear(x, packed, weight, None, PACK_ROWS)
+
+
+def bfloat16_kernel(out_features: int, in_features: int) -> str:
+    """"amx" where our AMX kernel runs and takes this shape, else "onednn"; `TOKENMILL_BF16_GEMM` forces one."""
+    forced = os.environ.get("TOKENMILL_BF16_GEMM", "")
+    if forced not in ("", "amx", "onednn"):
+        raise ValueError(f"TOKENMILL_BF16_GEMM must be amx or onednn, not {forced!r}")
+    fits = out_features % cpu_kernel.AMX_MULTIPLE == 0 and in_features % cpu_kernel.AMX_MULTIPLE == 0
+    return "amx" if forced != "onednn" and fits and cpu_kernel.amx_ready() else "onednn"
 
 
 def float32_kernel(out_features: int, in_features: int) -> str:

@@ -1,10 +1,12 @@
 """Prepacked CPU GEMMs give F.linear's results at any number of rows: bit for bit through MKL and bfloat16's
-oneDNN, within float32 rounding through float32's oneDNN."""
+oneDNN, within float32 rounding through float32's oneDNN; the AMX bfloat16 kernel within bfloat16 rounding, and
+each row the same bits in any batch."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from engine.attention import cpu_kernel
 from engine.models.cpu_gemm import (
     INVARIANT_ROWS,
     Linear,
@@ -19,6 +21,7 @@ from engine.models.cpu_gemm import (
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_weight_equals_f_linear_at_every_row_count(dtype, bias, monkeypatch):
     monkeypatch.setenv("TOKENMILL_FLOAT32_GEMM", "mkl")
+    monkeypatch.setenv("TOKENMILL_BF16_GEMM", "onednn")
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(960, 576, generator=generator).to(dtype)
     b = torch.randn(960, generator=generator).to(dtype) if bias else None
@@ -28,6 +31,32 @@ def test_packed_weight_equals_f_linear_at_every_row_count(dtype, bias, monkeypat
     for rows in (1, 2, 7, 64, 129):
         x = torch.randn(rows, 576, generator=generator).to(dtype)
         assert torch.equal(packed(x), F.linear(x, weight, b)), f"{dtype} rows={rows}"
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_bfloat16_on_amx_rounds_the_exact_sum_and_gives_a_row_the_same_bits_in_any_batch(bias, monkeypatch):
+    """Where the CPU has AMX (else: oneDNN is chosen, and a shape the tiles don't cover also goes there)."""
+    monkeypatch.delenv("TOKENMILL_BF16_GEMM", raising=False)
+    generator = torch.Generator().manual_seed(3)
+    weight = torch.randn(960, 576, generator=generator).bfloat16()
+    b = torch.randn(960, generator=generator).bfloat16() if bias else None
+    packed = PackedWeight(weight, b)
+    assert packed.kind == ("amx" if cpu_kernel.amx_ready() else "onednn")
+    assert PackedWeight(torch.randn(100, 576).bfloat16()).kind == "onednn", "100 columns: not whole tiles"
+    x = torch.randn(300, 576, generator=generator).bfloat16()
+    full = packed(x)
+    exact = x.float() @ weight.float().T + (b.float() if bias else 0)
+    assert ((full.float() - exact).abs() <= exact.abs() * 2 ** -8 + 1e-2).all(), "off by more than bf16 rounding"
+    if packed.kind != "amx":
+        return
+    for first, end in ((0, 1), (5, 6), (17, 90), (63, 65), (100, 300), (299, 300)):
+        assert torch.equal(packed(x[first:end]), full[first:end]), (first, end)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert torch.equal(packed(x[3:40]), full[3:40]), "one thread"
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("bias", [False, True])

@@ -1,0 +1,177 @@
+/* bfloat16 GEMM on Intel AMX tiles for y = x @ w.T (+ bias): the weight prepacked once into 16-column blocks of 32
+ * k each (1 KiB, the layout a B tile loads), streamed once per call with software prefetch a few blocks ahead; every
+ * output tile sums over k in the same order whatever the number of rows, so a row's result never depends on the
+ * rows that came with it (batch-invariant by construction). Rows run in groups of up to 64 (four tiles of 16) over
+ * each 32-column slice of the weight while that slice is in cache. Built without AMX, the functions report it. */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "fast_math.h"
+
+#define TILE_M 16
+#define TILE_N 16
+#define TILE_K 32
+#define BLOCK_ELEMS (TILE_K * TILE_N)
+#define PREFETCH_BLOCKS 6 /* DRAM latency covered at about 64 cycles of tile products per block */
+
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__)
+#define HAVE_AMX 1
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+#endif
+
+/* 1 when this build has the AMX kernel and Linux lets this process use the tiles (asked once per process). */
+int amx_gemm_ready(void) {
+#ifdef HAVE_AMX
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+#else
+    return 0;
+#endif
+}
+
+/* w [n, k] row-major -> packed [n / 16][k / 32][16 pairs of k][16 columns][2]; n % 16 == 0, k % 32 == 0. */
+void amx_pack_bf16(const uint16_t *w, uint16_t *packed, int64_t n, int64_t k) {
+    const int64_t k_blocks = k / TILE_K;
+    for (int64_t nb = 0; nb < n / TILE_N; nb++)
+        for (int64_t kb = 0; kb < k_blocks; kb++) {
+            uint16_t *block = packed + (nb * k_blocks + kb) * BLOCK_ELEMS;
+            for (int64_t pair = 0; pair < TILE_K / 2; pair++)
+                for (int64_t col = 0; col < TILE_N; col++)
+                    for (int64_t e = 0; e < 2; e++)
+                        block[(pair * TILE_N + col) * 2 + e] = w[(nb * TILE_N + col) * k + kb * TILE_K + pair * 2 + e];
+        }
+}
+
+#ifdef HAVE_AMX
+typedef struct {
+    uint8_t palette_id, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+/* Tiles 0-3 accumulate (16 x 16 float32), 4-5 hold rows of x, 6-7 weight blocks; all 16 rows of 64 bytes. */
+static void configure_tiles(void) {
+    tile_config config;
+    memset(&config, 0, sizeof config);
+    config.palette_id = 1;
+    for (int t = 0; t < 8; t++) {
+        config.colsb[t] = 64;
+        config.rows[t] = TILE_M;
+    }
+    _tile_loadconfig(&config);
+}
+
+static inline void prefetch_block(const uint16_t *block) {
+    for (int line = 0; line < BLOCK_ELEMS * 2; line += 64) _mm_prefetch((const char *)block + line, _MM_HINT_T0);
+}
+
+/* `rows` rows of `cols` float32 sums (row stride ldc) plus bias, rounded to bfloat16 (nearest even) into y. */
+static inline void store_rows(const float *c, int64_t ldc, const float *bias, uint16_t *y, int64_t ldy, int64_t rows,
+                              int64_t cols) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t col = 0; col < cols; col += 16) {
+            __m512 sums = _mm512_loadu_ps(c + r * ldc + col);
+            if (bias) sums = _mm512_add_ps(sums, _mm512_loadu_ps(bias + col));
+            _mm256_storeu_si256((__m256i *)(y + r * ldy + col), (__m256i)_mm512_cvtneps_pbh(sums));
+        }
+}
+
+/* Up to four 16-row tiles of x (a[0..count-1]) times one 16-column weight slice b: C tiles 0..count-1. */
+static inline void rows4_x_block(const uint16_t *const a[4], int count, const uint16_t *b, int64_t k_blocks,
+                                 int64_t stride, float *c) {
+    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+    for (int64_t kb = 0; kb < k_blocks; kb++) {
+        prefetch_block(b + (kb + PREFETCH_BLOCKS) * BLOCK_ELEMS);
+        _tile_loadd(6, b + kb * BLOCK_ELEMS, 64);
+        _tile_loadd(4, a[0] + kb * TILE_K, stride);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_loadd(5, a[1] + kb * TILE_K, stride);
+        _tile_dpbf16ps(1, 5, 6);
+        _tile_loadd(4, a[2] + kb * TILE_K, stride);
+        _tile_dpbf16ps(2, 4, 6);
+        if (count == 4) {
+            _tile_loadd(5, a[3] + kb * TILE_K, stride);
+            _tile_dpbf16ps(3, 5, 6);
+        }
+    }
+    _tile_stored(0, c, 64); _tile_stored(1, c + 256, 64); _tile_stored(2, c + 512, 64); _tile_stored(3, c + 768, 64);
+}
+
+/* One or two 16-row tiles of x times a 32-column weight slice (blocks b0, b1): C tiles 0-1 (and 2-3). */
+static inline void rows2_x_pair(const uint16_t *const a[2], int count, const uint16_t *b0, const uint16_t *b1,
+                                int64_t k_blocks, int64_t stride, float *c) {
+    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+    for (int64_t kb = 0; kb < k_blocks; kb++) {
+        prefetch_block(b0 + (kb + PREFETCH_BLOCKS) * BLOCK_ELEMS);
+        prefetch_block(b1 + (kb + PREFETCH_BLOCKS) * BLOCK_ELEMS);
+        _tile_loadd(4, a[0] + kb * TILE_K, stride);
+        _tile_loadd(6, b0 + kb * BLOCK_ELEMS, 64);
+        _tile_loadd(7, b1 + kb * BLOCK_ELEMS, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        if (count == 2) {
+            _tile_loadd(5, a[1] + kb * TILE_K, stride);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+    _tile_stored(0, c, 128); _tile_stored(1, c + 16, 128); _tile_stored(2, c + 512, 128); _tile_stored(3, c + 528, 128);
+}
+#endif
+
+/* y [m, n] (row stride n) = x [m, k] @ w.T + bias (float32, or NULL); bfloat16 x and y, w packed by amx_pack_bf16;
+ * n % 32 == 0, k % 32 == 0. Threads split the weight's 32-column slices. */
+void amx_linear_bf16(const uint16_t *x, const uint16_t *packed, const float *bias, uint16_t *y, int64_t m, int64_t n,
+                     int64_t k, int threads) {
+#ifdef HAVE_AMX
+    const int64_t k_blocks = k / TILE_K, stride = k * 2, slices = n / (2 * TILE_N), slice_size = 2 * k_blocks * BLOCK_ELEMS;
+    const int64_t full = m / TILE_M, tail = m % TILE_M, row_tiles = full + (tail ? 1 : 0);
+    _Pragma("omp parallel num_threads(threads)")
+    {
+        KERNEL_BEGIN;
+        configure_tiles();
+        uint16_t *padded = NULL; /* the last, partial row tile, zero-filled to 16 rows */
+        if (tail) {
+            padded = aligned_alloc(64, TILE_M * k * 2);
+            memcpy(padded, x + full * TILE_M * k, tail * k * 2);
+            memset(padded + tail * k, 0, (TILE_M - tail) * k * 2);
+        }
+        float c[4 * TILE_M * 2 * TILE_N] __attribute__((aligned(64)));
+        _Pragma("omp for schedule(static)")
+        for (int64_t s = 0; s < slices; s++) {
+            const uint16_t *b = packed + s * slice_size;
+            for (int64_t first = 0; first < row_tiles; first += 4) {
+                const int count = row_tiles - first < 4 ? (int)(row_tiles - first) : 4;
+                const uint16_t *a[4] = {padded, padded, padded, padded};
+                int64_t rows[4] = {0, 0, 0, 0};
+                for (int i = 0; i < count; i++) {
+                    const int64_t tile = first + i;
+                    a[i] = tile < full ? x + tile * TILE_M * k : padded;
+                    rows[i] = tile < full ? TILE_M : tail;
+                }
+                uint16_t *out = y + first * TILE_M * n + s * 2 * TILE_N;
+                const float *slice_bias = bias ? bias + s * 2 * TILE_N : NULL;
+                if (count >= 3) {
+                    for (int half = 0; half < 2; half++) {
+                        rows4_x_block(a, count, b + half * k_blocks * BLOCK_ELEMS, k_blocks, stride, c);
+                        for (int i = 0; i < count; i++)
+                            store_rows(c + i * 256, TILE_N, slice_bias ? slice_bias + half * TILE_N : NULL,
+                                       out + i * TILE_M * n + half * TILE_N, n, rows[i], TILE_N);
+                    }
+                } else {
+                    rows2_x_pair(a, count, b, b + k_blocks * BLOCK_ELEMS, k_blocks, stride, c);
+                    for (int i = 0; i < count; i++)
+                        store_rows(c + i * 512, 2 * TILE_N, slice_bias, out + i * TILE_M * n, n, rows[i], 2 * TILE_N);
+                }
+            }
+        }
+        _tile_release();
+        free(padded);
+        KERNEL_END;
+    }
+#endif
+}
