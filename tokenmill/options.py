@@ -13,8 +13,9 @@ from engine.config import BACKENDS, DEFAULT_MODEL, DTYPES, SCHEDULING_POLICIES
 def add_engine_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group(
         "engine", "On CPUs, C kernels (built once into ~/.cache/tokenmill/kernels) run decode attention and the "
-                  "layers' norms, RoPE and SiLU; TOKENMILL_CPU_ATTENTION_KERNEL=0 and TOKENMILL_CPU_LAYER_OPS=0 "
-                  "switch them back to torch ops, TOKENMILL_FLOAT32_GEMM=mkl|onednn forces float32's GEMM kernel.")
+                  "layers' norms, RoPE and SiLU, and on CPUs with AMX the bfloat16 GEMMs; "
+                  "TOKENMILL_CPU_ATTENTION_KERNEL=0 and TOKENMILL_CPU_LAYER_OPS=0 switch them back to torch ops, "
+                  "TOKENMILL_BF16_GEMM=amx|onednn and TOKENMILL_FLOAT32_GEMM=mkl|onednn force a dtype's GEMM kernel.")
     group.add_argument("--model", default=DEFAULT_MODEL,
                        help=f"bundled model name or a local Hugging Face directory (default: {DEFAULT_MODEL})")
     group.add_argument("--dtype", choices=DTYPES, default="auto",

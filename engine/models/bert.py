@@ -42,8 +42,8 @@ class EncoderLinear(Linear):
         self.act = act
         self.post_op: tuple[str, str] | None = None
 
-    def pack(self) -> None:
-        super().pack()
+    def pack(self, amx: bool = True) -> None:
+        super().pack(amx)
         if self.act is not None and self.packed.packed is not None and self.packed.kind == "onednn":
             self.post_op = ONEDNN_POST_OPS[self.act]
 
@@ -216,9 +216,9 @@ class BertEncoder(nn.Module):
             raise ValueError(f"encoder weights missing from the checkpoint: {', '.join(missing[:5])}")
 
     def pack_for_cpu(self) -> None:
-        for module in self.modules():
+        for module in self.modules():  # oneDNN: at an encoder's thousands of rows per batch it beats our AMX kernel
             if isinstance(module, Linear):
-                module.pack()
+                module.pack(amx=False)
         self.ops = cpu_kernel.encoder_ops(self.word_embeddings.weight.dtype)
         packed = self.ops is not None and packed_attention_preferred()
         for layer in self.layers:  # the packed attention kernel takes head_dims of whole vectors only

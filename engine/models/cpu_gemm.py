@@ -1,7 +1,8 @@
 """Prepacked CPU GEMMs: each weight is reordered once into the kernel's blocked layout instead of on every
 call, as vLLM's CPU build does. bfloat16 runs on our AMX kernel where the CPU has AMX (engine/attention/csrc/
 amx_gemm.c: it streams the weight with prefetch, 1.2-2x oneDNN at decode batches of 1-64 rows on a 2-core Xeon,
-and sums in the same order at any number of rows), else through oneDNN (`TOKENMILL_BF16_GEMM=amx|onednn`).
+and sums in the same order at any number of rows; over `AMX_MAX_ROWS` rows, outside batch-invariant mode, oneDNN),
+else through oneDNN (`TOKENMILL_BF16_GEMM=amx|onednn`).
 float32 runs through MKL (the same kernel as `F.linear`, bit for bit) or oneDNN, whichever is faster for that
 weight's shape on this CPU, timed once per shape when the model loads at decode batches of 4 and 32 rows: on AMD
 EPYCs (AVX2 and AVX-512) oneDNN ran the 49152-row LM head twice as fast as MKL, and on AVX-512 the layers'
@@ -33,6 +34,7 @@ PACK_ROWS = 64  # the batch size the packed layout is tuned for; any number of r
 ONEDNN_MARGIN = 1.1  # float32 takes oneDNN only this much faster than MKL: a clear win, the same on every run
 TIMED_ROWS = (4, 32)  # a small and a typical decode batch
 INVARIANT_ROWS = 64  # rows of every GEMM call in batch-invariant mode
+AMX_MAX_ROWS = 512  # more rows than this go to oneDNN (`F.linear`), except in batch-invariant mode
 
 
 def _mkldnn_ok() -> bool:
@@ -52,11 +54,13 @@ class PackedWeight:
 
     row_tile = 0  # > 0: batch-invariant, every call in tiles of this many rows
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, amx: bool = True) -> None:
+        """`amx=False`: oneDNN for bfloat16 even where the AMX kernel runs (an encoder's batches of thousands of
+        rows, where oneDNN is faster and fuses the activation)."""
         self.weight, self.bias, self.packed = weight, bias, None
         if weight.device.type != "cpu" or weight.dim() != 2:
             return
-        if weight.dtype == torch.bfloat16 and bfloat16_kernel(*weight.shape) == "amx":
+        if weight.dtype == torch.bfloat16 and amx and bfloat16_kernel(*weight.shape) == "amx":
             self.packed, self.kind = cpu_kernel.amx_pack(weight), "amx"
             self.bias_f32 = bias.detach().float() if bias is not None else None
         elif weight.dtype == torch.bfloat16 and _mkldnn_ok() and torch.ops.mkldnn._is_mkldnn_bf16_supported():
@@ -88,6 +92,8 @@ class PackedWeight:
         if self.packed is None or x.dim() != 2 or x.dtype != self.weight.dtype:
             return F.linear(x, self.weight, self.bias)
         if self.kind == "amx":
+            if x.shape[0] > AMX_MAX_ROWS and not self.row_tile:  # a long prefill: oneDNN, about 1.3x faster there
+                return F.linear(x, self.weight, self.bias)
             return cpu_kernel.amx_linear(x, self.packed, self.bias_f32, self.weight.shape[0])
         if self.kind == "onednn":
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
@@ -162,8 +168,8 @@ class Linear(torch.nn.Linear):
     packed: PackedWeight | None = None
     row_tile = 0  # batch-invariant mode without a packed kernel (e.g. CUDA): F.linear in tiles of this many rows
 
-    def pack(self) -> None:
-        self.packed = PackedWeight(self.weight, self.bias)
+    def pack(self, amx: bool = True) -> None:
+        self.packed = PackedWeight(self.weight, self.bias, amx)
 
     def set_row_tile(self, tile: int) -> None:
         self.row_tile = tile

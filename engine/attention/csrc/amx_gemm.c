@@ -2,7 +2,8 @@
  * k each (1 KiB, the layout a B tile loads), streamed once per call with software prefetch a few blocks ahead; every
  * output tile sums over k in the same order whatever the number of rows, so a row's result never depends on the
  * rows that came with it (batch-invariant by construction). Rows run in groups of up to 64 (four tiles of 16) over
- * each 32-column slice of the weight while that slice is in cache. Built without AMX, the functions report it. */
+ * each 32-column slice of the weight while that slice is in cache; more than 256 rows take one pass over the weight
+ * per 256, so those rows of x stay in L2. Built without AMX, the functions report it. */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -14,6 +15,7 @@
 #define TILE_K 32
 #define BLOCK_ELEMS (TILE_K * TILE_N)
 #define PREFETCH_BLOCKS 6 /* DRAM latency covered at about 64 cycles of tile products per block */
+#define CHUNK_TILES 16    /* rows per pass over the weight (x 16): a pass's rows of x stay in L2 */
 
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__)
 #define HAVE_AMX 1
@@ -128,7 +130,8 @@ static inline void rows2_x_pair(const uint16_t *const a[2], int count, const uin
 void amx_linear_bf16(const uint16_t *x, const uint16_t *packed, const float *bias, uint16_t *y, int64_t m, int64_t n,
                      int64_t k, int threads) {
 #ifdef HAVE_AMX
-    const int64_t k_blocks = k / TILE_K, stride = k * 2, slices = n / (2 * TILE_N), slice_size = 2 * k_blocks * BLOCK_ELEMS;
+    const int64_t k_blocks = k / TILE_K, stride = k * 2, slices = n / (2 * TILE_N);
+    const int64_t slice_size = 2 * k_blocks * BLOCK_ELEMS;
     const int64_t full = m / TILE_M, tail = m % TILE_M, row_tiles = full + (tail ? 1 : 0);
     _Pragma("omp parallel num_threads(threads)")
     {
@@ -141,31 +144,35 @@ void amx_linear_bf16(const uint16_t *x, const uint16_t *packed, const float *bia
             memset(padded + tail * k, 0, (TILE_M - tail) * k * 2);
         }
         float c[4 * TILE_M * 2 * TILE_N] __attribute__((aligned(64)));
-        _Pragma("omp for schedule(static)")
-        for (int64_t s = 0; s < slices; s++) {
-            const uint16_t *b = packed + s * slice_size;
-            for (int64_t first = 0; first < row_tiles; first += 4) {
-                const int count = row_tiles - first < 4 ? (int)(row_tiles - first) : 4;
-                const uint16_t *a[4] = {padded, padded, padded, padded};
-                int64_t rows[4] = {0, 0, 0, 0};
-                for (int i = 0; i < count; i++) {
-                    const int64_t tile = first + i;
-                    a[i] = tile < full ? x + tile * TILE_M * k : padded;
-                    rows[i] = tile < full ? TILE_M : tail;
-                }
-                uint16_t *out = y + first * TILE_M * n + s * 2 * TILE_N;
-                const float *slice_bias = bias ? bias + s * 2 * TILE_N : NULL;
-                if (count >= 3) {
-                    for (int half = 0; half < 2; half++) {
-                        rows4_x_block(a, count, b + half * k_blocks * BLOCK_ELEMS, k_blocks, stride, c);
-                        for (int i = 0; i < count; i++)
-                            store_rows(c + i * 256, TILE_N, slice_bias ? slice_bias + half * TILE_N : NULL,
-                                       out + i * TILE_M * n + half * TILE_N, n, rows[i], TILE_N);
+        for (int64_t chunk = 0; chunk < row_tiles; chunk += CHUNK_TILES) {
+            const int64_t chunk_end = chunk + CHUNK_TILES < row_tiles ? chunk + CHUNK_TILES : row_tiles;
+            _Pragma("omp for schedule(static)")
+            for (int64_t s = 0; s < slices; s++) {
+                const uint16_t *b = packed + s * slice_size;
+                for (int64_t first = chunk; first < chunk_end; first += 4) {
+                    const int count = chunk_end - first < 4 ? (int)(chunk_end - first) : 4;
+                    const uint16_t *a[4] = {padded, padded, padded, padded};
+                    int64_t rows[4] = {0, 0, 0, 0};
+                    for (int i = 0; i < count; i++) {
+                        const int64_t tile = first + i;
+                        a[i] = tile < full ? x + tile * TILE_M * k : padded;
+                        rows[i] = tile < full ? TILE_M : tail;
                     }
-                } else {
-                    rows2_x_pair(a, count, b, b + k_blocks * BLOCK_ELEMS, k_blocks, stride, c);
-                    for (int i = 0; i < count; i++)
-                        store_rows(c + i * 512, 2 * TILE_N, slice_bias, out + i * TILE_M * n, n, rows[i], 2 * TILE_N);
+                    uint16_t *out = y + first * TILE_M * n + s * 2 * TILE_N;
+                    const float *slice_bias = bias ? bias + s * 2 * TILE_N : NULL;
+                    if (count >= 3) {
+                        for (int half = 0; half < 2; half++) {
+                            rows4_x_block(a, count, b + half * k_blocks * BLOCK_ELEMS, k_blocks, stride, c);
+                            for (int i = 0; i < count; i++)
+                                store_rows(c + i * 256, TILE_N, slice_bias ? slice_bias + half * TILE_N : NULL,
+                                           out + i * TILE_M * n + half * TILE_N, n, rows[i], TILE_N);
+                        }
+                    } else {
+                        rows2_x_pair(a, count, b, b + k_blocks * BLOCK_ELEMS, k_blocks, stride, c);
+                        for (int i = 0; i < count; i++)
+                            store_rows(c + i * 512, 2 * TILE_N, slice_bias, out + i * TILE_M * n, n, rows[i],
+                                       2 * TILE_N);
+                    }
                 }
             }
         }
