@@ -133,16 +133,16 @@ void amx_linear_bf16(const uint16_t *x, const uint16_t *packed, const float *bia
     const int64_t k_blocks = k / TILE_K, stride = k * 2, slices = n / (2 * TILE_N);
     const int64_t slice_size = 2 * k_blocks * BLOCK_ELEMS;
     const int64_t full = m / TILE_M, tail = m % TILE_M, row_tiles = full + (tail ? 1 : 0);
+    uint16_t *padded = NULL; /* the last, partial row tile, zero-filled to 16 rows; the threads share it */
+    if (tail) {
+        padded = aligned_alloc(64, TILE_M * k * 2);
+        memcpy(padded, x + full * TILE_M * k, tail * k * 2);
+        memset(padded + tail * k, 0, (TILE_M - tail) * k * 2);
+    }
     _Pragma("omp parallel num_threads(threads)")
     {
         KERNEL_BEGIN;
         configure_tiles();
-        uint16_t *padded = NULL; /* the last, partial row tile, zero-filled to 16 rows */
-        if (tail) {
-            padded = aligned_alloc(64, TILE_M * k * 2);
-            memcpy(padded, x + full * TILE_M * k, tail * k * 2);
-            memset(padded + tail * k, 0, (TILE_M - tail) * k * 2);
-        }
         float c[4 * TILE_M * 2 * TILE_N] __attribute__((aligned(64)));
         for (int64_t chunk = 0; chunk < row_tiles; chunk += CHUNK_TILES) {
             const int64_t chunk_end = chunk + CHUNK_TILES < row_tiles ? chunk + CHUNK_TILES : row_tiles;
@@ -177,8 +177,8 @@ void amx_linear_bf16(const uint16_t *x, const uint16_t *packed, const float *bia
             }
         }
         _tile_release();
-        free(padded);
         KERNEL_END;
     }
+    free(padded);
 #endif
 }

@@ -7,16 +7,28 @@
 /* exp(x) in plain arithmetic, so the compiler vectorizes the loops that call it (libm's expf is a scalar
  * call): Cody-Waite range reduction and Cephes' degree-6 polynomial, within 2 ulp of expf. x below -87 (and
  * -inf) gives about 1e-38 instead of 0, which the softmax sums never notice. */
+#define EXP_MIN -87.0f
+#define EXP_MAX 88.0f
+#define EXP_LOG2E 1.44269504088896341f
+#define EXP_LN2_HI 0.693359375f /* ln 2 = HI - LO, split so n * HI is exact */
+#define EXP_LN2_LO 2.12194440e-4f
+#define EXP_P0 1.9875691500e-4f /* the polynomial's coefficients, highest degree first */
+#define EXP_P1 1.3981999507e-3f
+#define EXP_P2 8.3334519073e-3f
+#define EXP_P3 4.1665795894e-2f
+#define EXP_P4 1.6666665459e-1f
+#define EXP_P5 5.0000001201e-1f
+
 static inline float exp_fast(float x) {
-    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
-    const float n = floorf(x * 1.44269504088896341f + 0.5f);
-    const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
+    x = x < EXP_MIN ? EXP_MIN : (x > EXP_MAX ? EXP_MAX : x);
+    const float n = floorf(x * EXP_LOG2E + 0.5f);
+    const float r = x - n * EXP_LN2_HI + n * EXP_LN2_LO;
+    float p = EXP_P0;
+    p = p * r + EXP_P1;
+    p = p * r + EXP_P2;
+    p = p * r + EXP_P3;
+    p = p * r + EXP_P4;
+    p = p * r + EXP_P5;
     union { int32_t i; float f; } scale = { .i = ((int32_t)n + 127) << 23 };
     return (p * r * r + r + 1.0f) * scale.f;
 }
