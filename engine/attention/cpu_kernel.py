@@ -7,7 +7,8 @@
   SiLU(gate) * up, one pass each instead of several torch ops (`TOKENMILL_CPU_LAYER_OPS=0`: torch);
 - an encoder layer's attention over packed rows of any lengths, with no padding, and its residual add +
   LayerNorm (encoder_ops.c; `TOKENMILL_CPU_LAYER_OPS=0`: torch);
-- bfloat16 GEMMs on Intel AMX tiles (amx_gemm.c), used by engine/models/cpu_gemm.py where the CPU has AMX.
+- GEMMs on prepacked weights, batch-invariant by construction, used by engine/models/cpu_gemm.py: bfloat16 on
+  Intel AMX tiles (amx_gemm.c), and bfloat16 (avx512_bf16) and float32 on AVX-512 vectors (avx512_gemm.c).
 
 Without a compiler the torch paths run."""
 
@@ -28,7 +29,7 @@ import torch
 log = logging.getLogger("tokenmill.attention")
 
 SOURCES = [Path(__file__).with_name("csrc") / name for name in ("paged_decode.c", "layer_ops.c", "encoder_ops.c",
-                                                                         "amx_gemm.c")]
+                                                                         "amx_gemm.c", "avx512_gemm.c")]
 HEADERS = [Path(__file__).with_name("csrc") / "fast_math.h"]
 FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno",
          "-fno-trapping-math", "-fassociative-math",
@@ -77,6 +78,12 @@ def _library() -> ctypes.CDLL | None:
     library.amx_pack_bf16.argtypes, library.amx_pack_bf16.restype = [ptr, ptr, i64, i64], None
     library.amx_linear_bf16.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, threads]
     library.amx_linear_bf16.restype = None
+    library.avx512_gemm_ready.argtypes, library.avx512_gemm_ready.restype = [], ctypes.c_int
+    for suffix in SUFFIXES.values():
+        getattr(library, f"avx512_pack_{suffix}").argtypes = [ptr, ptr, i64, i64]
+        getattr(library, f"avx512_pack_{suffix}").restype = None
+        getattr(library, f"avx512_linear_{suffix}").argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, threads]
+        getattr(library, f"avx512_linear_{suffix}").restype = None
     return library
 
 
@@ -210,7 +217,8 @@ def encoder_ops(dtype: torch.dtype) -> EncoderOps | None:
     return _fused_ops(EncoderOps, dtype)
 
 
-AMX_MULTIPLE = 32  # amx_linear's in and out features: whole 32-wide tiles
+GEMM_MULTIPLE = 32  # our GEMMs' out features (and AMX's in features): whole 32-column slices
+GEMM_KINDS = ("amx", "avx512")
 
 
 @functools.cache
@@ -220,19 +228,37 @@ def amx_ready() -> bool:
     return library is not None and library.amx_gemm_ready() == 1
 
 
-def amx_pack(weight: torch.Tensor) -> torch.Tensor:
-    """A bfloat16 weight [out, in] (both multiples of AMX_MULTIPLE) in amx_linear's tile layout."""
+@functools.cache
+def avx512_ready(dtype: torch.dtype) -> bool:
+    """The AVX-512 GEMM for `dtype` runs here (bfloat16 needs avx512_bf16)."""
+    library = _library()
+    level = library.avx512_gemm_ready() if library is not None else 0
+    return level >= {torch.float32: 1, torch.bfloat16: 2}.get(dtype, 3)
+
+
+def gemm_fits(kind: str, out_features: int, in_features: int) -> bool:
+    """Our `kind` GEMM takes a weight of this shape."""
+    if kind == "amx":
+        return out_features % GEMM_MULTIPLE == 0 and in_features % GEMM_MULTIPLE == 0
+    return out_features % GEMM_MULTIPLE == 0 and in_features % 2 == 0
+
+
+def gemm_pack(kind: str, weight: torch.Tensor) -> torch.Tensor:
+    """A weight [out, in] (`gemm_fits`) in the `kind` GEMM's layout: "amx" (bfloat16) or "avx512"."""
     weight = weight.detach().contiguous()
-    packed = torch.empty(weight.numel(), dtype=torch.bfloat16)
-    _library().amx_pack_bf16(weight.data_ptr(), packed.data_ptr(), *weight.shape)
+    packed = torch.empty(weight.numel(), dtype=weight.dtype)
+    pack = _library().amx_pack_bf16 if kind == "amx" else getattr(_library(), f"avx512_pack_{SUFFIXES[weight.dtype]}")
+    pack(weight.data_ptr(), packed.data_ptr(), *weight.shape)
     return packed
 
 
-def amx_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
-    """x [rows, in] bfloat16 @ weight.T + bias (float32 or None) -> [rows, out] bfloat16, float32 sums in the same
-    order at any number of rows."""
+def gemm_linear(kind: str, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+                out_features: int) -> torch.Tensor:
+    """x [rows, in] @ weight.T + bias (float32 or None) -> [rows, out] in x's dtype, through the `kind` GEMM on the
+    weight packed by `gemm_pack`: float32 sums in the same order at any number of rows."""
     x = x.contiguous()
-    out = torch.empty((x.shape[0], out_features), dtype=torch.bfloat16)
-    _library().amx_linear_bf16(x.data_ptr(), packed.data_ptr(), bias.data_ptr() if bias is not None else None,
-                               out.data_ptr(), x.shape[0], out_features, x.shape[1], torch.get_num_threads())
+    out = torch.empty((x.shape[0], out_features), dtype=x.dtype)
+    linear = _library().amx_linear_bf16 if kind == "amx" else getattr(_library(), f"avx512_linear_{SUFFIXES[x.dtype]}")
+    linear(x.data_ptr(), packed.data_ptr(), bias.data_ptr() if bias is not None else None, out.data_ptr(),
+           x.shape[0], out_features, x.shape[1], torch.get_num_threads())
     return out

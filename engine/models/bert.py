@@ -42,8 +42,8 @@ class EncoderLinear(Linear):
         self.act = act
         self.post_op: tuple[str, str] | None = None
 
-    def pack(self, amx: bool = True) -> None:
-        super().pack(amx)
+    def pack(self, own_kernels: bool = True) -> None:
+        super().pack(own_kernels)
         if self.act is not None and self.packed.packed is not None and self.packed.kind == "onednn":
             self.post_op = ONEDNN_POST_OPS[self.act]
 
@@ -218,7 +218,7 @@ class BertEncoder(nn.Module):
     def pack_for_cpu(self) -> None:
         for module in self.modules():  # oneDNN: at an encoder's thousands of rows per batch it beats our AMX kernel
             if isinstance(module, Linear):
-                module.pack(amx=False)
+                module.pack(own_kernels=False)
         self.ops = cpu_kernel.encoder_ops(self.word_embeddings.weight.dtype)
         packed = self.ops is not None and packed_attention_preferred()
         for layer in self.layers:  # the packed attention kernel takes head_dims of whole vectors only

@@ -108,4 +108,4 @@ def test_every_gemm_has_one_shape_and_a_kernel_fixed_by_dtype(llm):
     packed = [m.packed for m in model.modules() if isinstance(m, Linear)] + [model.packed_head]
     assert all(p.row_tile == INVARIANT_ROWS for p in packed)
     if model.embed_tokens.weight.dtype == torch.float32:
-        assert {p.kind for p in packed} == {fixed_float32_kernel()}
+        assert all(p.kind == fixed_float32_kernel(*p.weight.shape) for p in packed)

@@ -1,6 +1,6 @@
 """Prepacked CPU GEMMs give F.linear's results at any number of rows: bit for bit through MKL and bfloat16's
-oneDNN, within float32 rounding through float32's oneDNN; the AMX bfloat16 kernel within bfloat16 rounding, and
-each row the same bits in any batch."""
+oneDNN, within float32 rounding through float32's oneDNN; our AMX and AVX-512 kernels within their dtype's
+rounding of the exact sum, and each row the same bits in any batch."""
 
 import pytest
 import torch
@@ -33,23 +33,42 @@ def test_packed_weight_equals_f_linear_at_every_row_count(dtype, bias, monkeypat
         assert torch.equal(packed(x), F.linear(x, weight, b)), f"{dtype} rows={rows}"
 
 
-@pytest.mark.parametrize("bias", [False, True])
-def test_bfloat16_on_amx_rounds_the_exact_sum_and_gives_a_row_the_same_bits_in_any_batch(bias, monkeypatch):
-    """Where the CPU has AMX (else: oneDNN is chosen, and a shape the tiles don't cover also goes there)."""
+def own_kernels_here() -> list[tuple[str, torch.dtype]]:
+    kinds = [("amx", torch.bfloat16)] if cpu_kernel.amx_ready() else []
+    return kinds + [("avx512", dtype) for dtype in (torch.bfloat16, torch.float32) if cpu_kernel.avx512_ready(dtype)]
+
+
+def test_bfloat16_takes_our_kernel_where_the_cpu_has_one_and_the_shape_fits(monkeypatch):
     monkeypatch.delenv("TOKENMILL_BF16_GEMM", raising=False)
+    expected = "amx" if cpu_kernel.amx_ready() else "avx512" if cpu_kernel.avx512_ready(torch.bfloat16) else "onednn"
+    assert PackedWeight(torch.randn(960, 576).bfloat16()).kind == expected
+    assert PackedWeight(torch.randn(100, 576).bfloat16()).kind == "onednn", "100 columns: not whole slices"
+    assert PackedWeight(torch.randn(960, 576).bfloat16(), own_kernels=False).kind == "onednn"
+    monkeypatch.setenv("TOKENMILL_BF16_GEMM", "onednn")
+    assert PackedWeight(torch.randn(960, 576).bfloat16()).kind == "onednn"
+    monkeypatch.setenv("TOKENMILL_BF16_GEMM", "blas")
+    with pytest.raises(ValueError, match="amx, avx512 or onednn"):
+        PackedWeight(torch.randn(960, 576).bfloat16())
+
+
+@pytest.mark.parametrize("kind,dtype", own_kernels_here() or [pytest.param(
+    "avx512", torch.float32, marks=pytest.mark.skip(reason="this CPU has neither AMX nor AVX-512"))])
+@pytest.mark.parametrize("bias", [False, True])
+def test_our_kernels_round_the_exact_sum_and_give_a_row_the_same_bits_in_any_batch(kind, dtype, bias, monkeypatch):
+    """Each of our GEMM kernels this CPU runs (AMX bfloat16; AVX-512 bfloat16 and float32)."""
+    monkeypatch.setenv("TOKENMILL_BF16_GEMM", kind)
+    monkeypatch.setenv("TOKENMILL_FLOAT32_GEMM", kind)
     generator = torch.Generator().manual_seed(3)
-    weight = torch.randn(960, 576, generator=generator).bfloat16()
-    b = torch.randn(960, generator=generator).bfloat16() if bias else None
+    weight = torch.randn(960, 576, generator=generator).to(dtype)
+    b = torch.randn(960, generator=generator).to(dtype) if bias else None
     packed = PackedWeight(weight, b)
-    assert packed.kind == ("amx" if cpu_kernel.amx_ready() else "onednn")
-    assert PackedWeight(torch.randn(100, 576).bfloat16()).kind == "onednn", "100 columns: not whole tiles"
-    x = torch.randn(300, 576, generator=generator).bfloat16()
+    assert packed.kind == kind and packed.invariant_kernel
+    x = torch.randn(300, 576, generator=generator).to(dtype)
     full = packed(x)
-    exact = x.float() @ weight.float().T + (b.float() if bias else 0)
-    assert ((full.float() - exact).abs() <= exact.abs() * 2 ** -8 + 1e-2).all(), "off by more than bf16 rounding"
-    if packed.kind != "amx":
-        return
-    for first, end in ((0, 1), (5, 6), (17, 90), (63, 65), (100, 300), (299, 300)):
+    exact = x.double() @ weight.double().T + (b.double() if bias else 0)
+    tolerance = exact.abs() * 2 ** -8 + 1e-2 if dtype == torch.bfloat16 else exact.abs() * 1e-5 + 1e-3
+    assert ((full.double() - exact).abs() <= tolerance).all(), "off by more than the dtype's rounding"
+    for first, end in ((0, 1), (5, 6), (11, 13), (17, 90), (63, 65), (100, 300), (299, 300)):
         assert torch.equal(packed(x[first:end]), full[first:end]), (first, end)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -75,13 +94,14 @@ def test_float32_through_onednn_is_f_linear_within_rounding(bias, monkeypatch):
 def test_the_float32_kernel_is_timed_once_per_shape_and_can_be_forced(monkeypatch):
     monkeypatch.delenv("TOKENMILL_FLOAT32_GEMM", raising=False)
     chosen = float32_kernel(64, 32)
-    assert chosen in ("mkl", "onednn")
+    assert chosen in ("mkl", "onednn", "avx512")
     calls = fastest_float32_kernel.cache_info().hits
     assert float32_kernel(64, 32) == chosen and fastest_float32_kernel.cache_info().hits == calls + 1
     monkeypatch.setenv("TOKENMILL_FLOAT32_GEMM", "onednn")
     assert float32_kernel(64, 32) == "onednn"
+    assert float32_kernel(64, 32, own_kernels=False) in ("mkl", "onednn")
     monkeypatch.setenv("TOKENMILL_FLOAT32_GEMM", "blas")
-    with pytest.raises(ValueError, match="mkl or onednn"):
+    with pytest.raises(ValueError, match="mkl, onednn or avx512"):
         float32_kernel(64, 32)
 
 
@@ -102,4 +122,4 @@ def test_row_tiles_give_a_row_the_same_result_in_any_batch(dtype, packed):
     shifted = torch.cat([torch.randn(7, 576, generator=generator).to(dtype), x[:20]])
     assert torch.equal(linear(shifted)[7:], full[:20])
     if packed and dtype == torch.float32:
-        assert linear.packed.kind == fixed_float32_kernel()
+        assert linear.packed.kind == fixed_float32_kernel(1536, 576)
