@@ -39,8 +39,9 @@ class EngineConfig:
     seed: int = 0
     num_threads: int | None = None  # torch CPU threads; default: torch's own choice
     speculative_config: dict[str, Any] | None = None
-    # A request's output is bit-identical however it is batched (fixed-shape GEMMs, one attention path); slower
-    batch_invariant: bool = False
+    # A request's output is bit-identical however it is batched (fixed-shape GEMMs, one attention path); "auto":
+    # on where it costs nothing, i.e. our own GEMM kernels run the model's dtype (engine/models/cpu_gemm.py)
+    batch_invariant: bool | str = False
     tensor_parallel_size: int = 1  # processes the model is sharded over (engine/distributed/)
 
     def __post_init__(self) -> None:
@@ -69,6 +70,8 @@ class EngineConfig:
         need(self.long_prefill_token_threshold >= 0,
              f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
         need(self.admission_lookahead >= 1, f"admission_lookahead must be >= 1, got {self.admission_lookahead}")
+        need(self.batch_invariant in (True, False, "auto"),
+             f"batch_invariant must be true, false or 'auto', got {self.batch_invariant!r}")
         need(self.tensor_parallel_size >= 1, f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         need(0 < self.memory_utilization <= 1, f"memory_utilization must be in (0, 1], got {self.memory_utilization}")
         if not self.enable_chunked_prefill and self.max_model_len is not None:

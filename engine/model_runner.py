@@ -16,6 +16,7 @@ from engine.batch import BatchItem, PoolZeroing, build_step_batch
 from engine.config import EngineConfig
 from engine.memory_plan import plan_kv_cache
 from engine.model_loader import load_model, pick_device, pick_dtype
+from engine.models import cpu_gemm
 from engine.models.cpu_gemm import INVARIANT_ROWS
 from engine.models.llama import head_dim_of
 from engine.sampler import Sampler
@@ -69,6 +70,11 @@ class ModelRunner:
             log.info("CUDA graphs reserved %.0f MiB (planned %.0f MiB)", taken / 2**20,
                      self.kv_plan.graph_pool_bytes / 2**20)
         self.batch_invariant = False
+        if config.batch_invariant == "auto":
+            config.batch_invariant = self.device.type == "cpu" and cpu_gemm.invariant_kernels(self.dtype)
+            log.info("batch-invariant mode %s (auto: %s)", "on" if config.batch_invariant else "off",
+                     "our GEMM kernels for this dtype are invariant as they are" if config.batch_invariant
+                     else "it would need GEMMs in fixed row tiles here, a cost")
         self.set_batch_invariant(config.batch_invariant)  # after the graphs: they replay only with it off
 
     def set_batch_invariant(self, on: bool) -> None:

@@ -9,13 +9,17 @@ from typing import Any
 
 from engine.config import BACKENDS, DEFAULT_MODEL, DTYPES, SCHEDULING_POLICIES
 
+INVARIANT_CHOICES = {"auto": "auto", "on": True, "off": False}
+
 
 def add_engine_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group(
         "engine", "On CPUs, C kernels (built once into ~/.cache/tokenmill/kernels) run decode attention and the "
-                  "layers' norms, RoPE and SiLU, and on CPUs with AMX the bfloat16 GEMMs; "
+                  "layers' norms, RoPE and SiLU, and the GEMMs (bfloat16 on CPUs with AMX or avx512_bf16, "
+                  "float32 on AVX-512 where faster); "
                   "TOKENMILL_CPU_ATTENTION_KERNEL=0 and TOKENMILL_CPU_LAYER_OPS=0 switch them back to torch ops, "
-                  "TOKENMILL_BF16_GEMM=amx|onednn and TOKENMILL_FLOAT32_GEMM=mkl|onednn force a dtype's GEMM kernel.")
+                  "TOKENMILL_BF16_GEMM=amx|avx512|onednn and TOKENMILL_FLOAT32_GEMM=mkl|onednn|avx512 force a "
+                  "dtype's GEMM kernel.")
     group.add_argument("--model", default=DEFAULT_MODEL,
                        help=f"bundled model name or a local Hugging Face directory (default: {DEFAULT_MODEL})")
     group.add_argument("--dtype", choices=DTYPES, default="auto",
@@ -46,9 +50,12 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
                        help="shard the model over N processes (GPUs on CUDA; on CPU this costs time, it does not "
                             "save any) (default: 1)")
-    group.add_argument("--batch-invariant", action="store_true",
-                       help="a request's output bit-identical however it is batched (fixed-shape GEMMs, one "
-                            "attention path; slower, see the README)")
+    group.add_argument("--batch-invariant", choices=INVARIANT_CHOICES, nargs="?", const="on", default="auto",
+                       help="a request's output bit-identical however it is batched or sharded (GEMMs that sum in "
+                            "one order at any batch size, one attention path). auto (the default): on where our own "
+                            "GEMM kernels run the model's dtype (bfloat16 on AMX or avx512_bf16 CPUs, float32 on "
+                            "AVX-512), where it costs about nothing; elsewhere off, as the mode's row tiles cost "
+                            "up to half the throughput there (see the README). A bare --batch-invariant means on")
     group.add_argument("--speculative-method", choices=("ngram", "draft", "self"),
                        help="speculative decoding proposer: ngram (prompt lookup), draft (--draft-model) or self "
                             "(the model's own first layers); adaptive, so large batches are not slowed (default: off)")
@@ -63,7 +70,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=not args.no_prefix_caching,
         admission_lookahead=args.admission_lookahead, scheduling_policy=args.scheduling_policy,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
-        attention_backend=args.attention_backend, num_threads=args.threads, batch_invariant=args.batch_invariant,
+        attention_backend=args.attention_backend, num_threads=args.threads,
+        batch_invariant=INVARIANT_CHOICES[args.batch_invariant],
         tensor_parallel_size=args.tensor_parallel_size,
     )
     if args.kv_cache_memory is not None:

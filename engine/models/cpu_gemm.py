@@ -38,6 +38,7 @@ PACK_ROWS = 64  # the batch size the packed layout is tuned for; any number of r
 FAST_MARGIN = 1.1  # float32 leaves MKL only for a kernel this much faster: a clear win, the same on every run
 TIMED_ROWS = (4, 32)  # a small and a typical decode batch
 INVARIANT_ROWS = 64  # rows of every GEMM call in batch-invariant mode
+GEMM_PROBE = 64  # a weight side every kernel takes
 AMX_MAX_ROWS = 512  # more rows than this go to oneDNN (`F.linear`), except in batch-invariant mode
 
 
@@ -155,6 +156,14 @@ def float32_kernel(out_features: int, in_features: int, own_kernels: bool = True
             return forced
     own = own_kernels and _own_kernel_runs("avx512", torch.float32, out_features, in_features)
     return fastest_float32_kernel(out_features, in_features, ("mkl", "onednn", "avx512") if own else ("mkl", "onednn"))
+
+
+def invariant_kernels(dtype: torch.dtype) -> bool:
+    """Our own (invariant) GEMM kernels run `dtype` on this CPU, so batch-invariant mode needs no row tiles there
+    (checked on the model's common shape, 32-column multiples)."""
+    if dtype == torch.bfloat16:
+        return bfloat16_kernel(GEMM_PROBE, GEMM_PROBE) in cpu_kernel.GEMM_KINDS
+    return dtype == torch.float32 and fixed_float32_kernel(GEMM_PROBE, GEMM_PROBE) in cpu_kernel.GEMM_KINDS
 
 
 def fixed_float32_kernel(out_features: int, in_features: int) -> str:

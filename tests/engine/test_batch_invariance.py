@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.models.cpu_gemm import INVARIANT_ROWS, Linear, fixed_float32_kernel
+from engine.models.cpu_gemm import INVARIANT_ROWS, Linear, fixed_float32_kernel, invariant_kernels
 
 PROMPT = "The three primary colors are red, yellow and"
 REPEATING = "one two three four five six, one two three four five six, one two three four five six, one two"
@@ -109,3 +109,30 @@ def test_every_gemm_has_one_shape_and_a_kernel_fixed_by_dtype(llm):
     assert all(p.row_tile == INVARIANT_ROWS for p in packed)
     if model.embed_tokens.weight.dtype == torch.float32:
         assert all(p.kind == fixed_float32_kernel(*p.weight.shape) for p in packed)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_auto_turns_the_mode_on_exactly_where_our_gemm_kernels_make_it_free(model_dir, dtype):
+    """The CLI's and jobs' default: on where every GEMM runs on our own kernels (invariant without row tiles)."""
+    auto = LLM(str(model_dir), dtype=dtype, batch_invariant="auto", num_threads=2, max_model_len=64,
+               kv_cache_memory=16 << 20)
+    runner = auto.engine.runner
+    assert runner.batch_invariant is invariant_kernels(runner.dtype)
+    assert auto.engine.config.batch_invariant is runner.batch_invariant  # resolved once, for jobs' None too
+    packed = [m.packed for m in runner.model.modules() if isinstance(m, Linear)] + [runner.model.packed_head]
+    if runner.batch_invariant:
+        assert all(p.invariant_kernel for p in packed)
+    with pytest.raises(ValueError, match="batch_invariant must be true, false or 'auto'"):
+        LLM(str(model_dir), batch_invariant="yes")
+
+
+def test_the_command_line_default_is_auto_and_a_bare_flag_means_on():
+    import argparse
+
+    from tokenmill.options import add_engine_options, engine_kwargs
+
+    parser = argparse.ArgumentParser()
+    add_engine_options(parser)
+    assert engine_kwargs(parser.parse_args([]))["batch_invariant"] == "auto"
+    assert engine_kwargs(parser.parse_args(["--batch-invariant"]))["batch_invariant"] is True
+    assert engine_kwargs(parser.parse_args(["--batch-invariant", "off"]))["batch_invariant"] is False

@@ -38,6 +38,11 @@ url /v1/embeddings become part files of custom_id, embedding (float32 vectors) a
   tokenmill run sentences.parquet --task embed --model all-minilm-l6-v2 --openai-output"""
 
 
+def job_batch_invariant(engine_setting: bool | str) -> bool | None:
+    """The job's own setting from the engine's: "auto" leaves it to the engine (None)."""
+    return None if engine_setting == "auto" else engine_setting
+
+
 def register(commands: argparse._SubParsersAction) -> None:
     _register_run(commands)
     _register_jobs(commands)
@@ -204,7 +209,7 @@ def _new_job(args: argparse.Namespace):
                                     output_uri=args.output or default_output(args.input), model=args.model,
                                     sampling=sampling_kwargs(args), engine=engine,
                                     speculative_config=engine.get("speculative_config"),
-                                    batch_invariant=engine["batch_invariant"] or None,
+                                    batch_invariant=job_batch_invariant(engine["batch_invariant"]),
                                     shard_size=args.shard_size or DEFAULT_SHARD_SIZE,
                                     openai_output=args.openai_output,
                                     served_model_names=args.served_model_name, task=args.task,
