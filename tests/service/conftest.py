@@ -38,6 +38,7 @@ STACK_ENV = {
     "TOKENMILL_MAX_SPEC_BYTES": "262144",
     "TOKENMILL_SWEEP_GRACE_S": "10",
     "TOKENMILL_LEASE_S": "20",  # heartbeats every 5 s: a worker whose claim was taken stops within seconds
+    "TOKENMILL_TRANSIENT_RETRY_S": "6",  # a service back: tasks find it within seconds (outage tests stay short)
 }
 TERMINAL = ("completed", "failed", "cancelled", "expired")
 
