@@ -148,14 +148,20 @@ def bfloat16_kernel(out_features: int, in_features: int) -> str:
     return "onednn"
 
 
+def _forced_float32(out_features: int, in_features: int) -> str:
+    """`TOKENMILL_FLOAT32_GEMM` where that kernel runs for this shape, else ""."""
+    forced = _forced("TOKENMILL_FLOAT32_GEMM", FLOAT32_KINDS)
+    runs = forced != "avx512" or _own_kernel_runs(forced, torch.float32, out_features, in_features)
+    return forced if runs else ""
+
+
 def float32_kernel(out_features: int, in_features: int, own_kernels: bool = True) -> str:
     """"mkl", "onednn" or "avx512" for a float32 weight of this shape: `TOKENMILL_FLOAT32_GEMM` (where it runs), or
     else the one measured fastest here (our kernel only with `own_kernels`)."""
-    if forced := _forced("TOKENMILL_FLOAT32_GEMM", FLOAT32_KINDS):
-        if forced != "avx512" or _own_kernel_runs(forced, torch.float32, out_features, in_features):
-            return forced
+    if forced := _forced_float32(out_features, in_features):
+        return forced
     own = own_kernels and _own_kernel_runs("avx512", torch.float32, out_features, in_features)
-    return fastest_float32_kernel(out_features, in_features, ("mkl", "onednn", "avx512") if own else ("mkl", "onednn"))
+    return fastest_float32_kernel(out_features, in_features, FLOAT32_KINDS if own else ("mkl", "onednn"))
 
 
 def invariant_kernels(dtype: torch.dtype) -> bool:
@@ -169,9 +175,8 @@ def invariant_kernels(dtype: torch.dtype) -> bool:
 def fixed_float32_kernel(out_features: int, in_features: int) -> str:
     """The float32 kernel of batch-invariant mode: `TOKENMILL_FLOAT32_GEMM`, else our AVX-512 kernel where it runs
     (invariant as it is), else oneDNN where it runs, else MKL."""
-    if forced := _forced("TOKENMILL_FLOAT32_GEMM", FLOAT32_KINDS):
-        if forced != "avx512" or _own_kernel_runs(forced, torch.float32, out_features, in_features):
-            return forced
+    if forced := _forced_float32(out_features, in_features):
+        return forced
     if _own_kernel_runs("avx512", torch.float32, out_features, in_features):
         return "avx512"
     return "onednn" if _mkldnn_ok() else "mkl"

@@ -5,8 +5,6 @@
  * that came with it (batch-invariant by construction). Rows run in blocks of up to ROW_BLOCK over each slice while
  * the slice sits in L2; threads split the slices. Built without AVX-512, the functions report it. */
 #include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
 
 #include "fast_math.h"
 
