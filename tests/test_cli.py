@@ -135,3 +135,29 @@ def test_the_step_profile_counts_self_time_so_its_shares_add_up() -> None:
     # the inner call's 0.06 s is not counted in its caller's share too (that would be 0.10 s)
     assert 0.04 <= profile.seconds["host"] < 0.09 and 0.06 <= profile.seconds["gemm"] < 0.11
     assert not hasattr(Engine.step, "__wrapped__"), "undo leaves the original"
+
+
+def test_the_step_profile_moves_a_calls_own_kernel_seconds_to_their_categories() -> None:
+    import time as clock
+
+    from tokenmill.bench.step_profile import ATTENTION, GEMMS, MODEL_OTHER, StepProfile
+
+    class Layers:  # as cpu_kernel.DecodeLayers: running totals of its kernels' seconds
+        seconds = [0.0, 0.0, 0.0]
+
+        def run(self):
+            clock.sleep(0.05)
+            self.seconds[0] += 0.03  # as if 30 ms of the 50 were GEMMs and 10 attention
+            self.seconds[1] += 0.01
+
+    class Engine:
+        def step(self):
+            Layers().run()
+
+    profile = StepProfile()
+    profile.wrap(Engine, "step", "host", step=True)
+    profile.wrap(Layers, "run", MODEL_OTHER, split=lambda layers: layers.seconds)
+    Engine().step()
+    profile.undo()
+    assert profile.seconds[GEMMS] == pytest.approx(0.03) and profile.seconds[ATTENTION] == pytest.approx(0.01)
+    assert 0.01 <= profile.seconds[MODEL_OTHER] < 0.04  # the call's 50 ms less the 40 moved out

@@ -16,8 +16,9 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group(
         "engine", "On CPUs, C kernels (built once into ~/.cache/tokenmill/kernels) run decode attention and the "
                   "layers' norms, RoPE and SiLU, and the GEMMs (bfloat16 on CPUs with AMX or avx512_bf16, "
-                  "float32 on AVX-512 where faster); "
+                  "float32 on AVX-512 where faster), a decode step's layers in one C call where all of these run; "
                   "TOKENMILL_CPU_ATTENTION_KERNEL=0 and TOKENMILL_CPU_LAYER_OPS=0 switch them back to torch ops, "
+                  "TOKENMILL_CPU_DECODE_LAYERS=0 to the Python loop over the layers, "
                   "TOKENMILL_BF16_GEMM=amx|avx512|onednn and TOKENMILL_FLOAT32_GEMM=mkl|onednn|avx512 force a "
                   "dtype's GEMM kernel.")
     group.add_argument("--model", default=DEFAULT_MODEL,

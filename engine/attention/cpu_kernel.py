@@ -9,6 +9,9 @@
   LayerNorm (encoder_ops.c; `TOKENMILL_CPU_LAYER_OPS=0`: torch);
 - GEMMs on prepacked weights, batch-invariant by construction, used by engine/models/cpu_gemm.py: bfloat16 on
   Intel AMX tiles (amx_gemm.c), and bfloat16 (avx512_bf16) and float32 on AVX-512 vectors (avx512_gemm.c).
+- a Llama-style model's decoder layers in one call (decode_layers.c) for steps whose tokens all go through the
+  decode kernel and whose projections all run on our GEMMs: the kernels above, in the Python loop's order, without
+  Python between them (`TOKENMILL_CPU_DECODE_LAYERS=0`: the Python loop).
 
 Without a compiler the torch paths run."""
 
@@ -22,6 +25,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -29,7 +33,8 @@ import torch
 log = logging.getLogger("tokenmill.attention")
 
 SOURCES = [Path(__file__).with_name("csrc") / name for name in ("paged_decode.c", "layer_ops.c", "encoder_ops.c",
-                                                                         "amx_gemm.c", "avx512_gemm.c")]
+                                                                         "amx_gemm.c", "avx512_gemm.c",
+                                                                         "decode_layers.c")]
 HEADERS = [Path(__file__).with_name("csrc") / "fast_math.h"]
 FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno",
          "-fno-trapping-math", "-fassociative-math",
@@ -79,6 +84,10 @@ def _library() -> ctypes.CDLL | None:
     library.amx_linear_bf16.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, threads]
     library.amx_linear_bf16.restype = None
     library.avx512_gemm_ready.argtypes, library.avx512_gemm_ready.restype = [], ctypes.c_int
+    for suffix in SUFFIXES.values():
+        function = getattr(library, f"decode_layers_{suffix}")
+        function.argtypes = [ptr, i64, ptr, f32, ptr, ptr, ptr, ptr, ptr, ctypes.c_int, threads]
+        function.restype = None
     for suffix in SUFFIXES.values():
         getattr(library, f"avx512_pack_{suffix}").argtypes = [ptr, ptr, i64, i64]
         getattr(library, f"avx512_pack_{suffix}").restype = None
@@ -262,3 +271,76 @@ def gemm_linear(kind: str, x: torch.Tensor, packed: torch.Tensor, bias: torch.Te
     linear(x.data_ptr(), packed.data_ptr(), bias.data_ptr() if bias is not None else None, out.data_ptr(),
            x.shape[0], out_features, x.shape[1], torch.get_num_threads())
     return out
+
+
+class _DecoderLayer(ctypes.Structure):  # decoder_layer in decode_layers.c
+    _fields_ = [(name, ctypes.c_void_p) for name in ("qkv", "o", "gate_up", "down", "qkv_bias", "o_bias",
+                                                     "gate_up_bias", "down_bias", "input_norm", "post_norm")] \
+        + [("input_eps", ctypes.c_float), ("post_eps", ctypes.c_float)]
+
+
+class _DecodeStep(ctypes.Structure):  # decode_step in decode_layers.c
+    _fields_ = [(name, ctypes.c_int64) for name in ("tokens", "hidden", "heads", "kv_heads", "head_dim", "inter",
+                                                    "num_blocks", "block_size", "table_stride")] \
+        + [(name, ctypes.c_void_p) for name in ("positions", "slots", "tables", "context_lens", "cos_table",
+                                                "sin_table", "k_pools", "v_pools")]
+
+
+@dataclass
+class DecoderLayerWeights:
+    """One layer's tensors for `DecodeLayers`: projections packed by `gemm_pack` (all of one kind), float32 biases
+    or None, RMSNorm weights in the model's dtype."""
+
+    qkv: torch.Tensor
+    o: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    biases: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
+    input_norm: torch.Tensor
+    input_eps: float
+    post_norm: torch.Tensor
+    post_eps: float
+
+
+class DecodeLayers:
+    """A decoder's layers over a step of decode-kernel tokens in one C call (decode_layers.c): the same kernels in
+    the same order as the model's Python loop, without Python between them. `seconds` accumulates the time in
+    GEMMs, attention and the elementwise kernels (for `bench throughput --profile`)."""
+
+    def __init__(self, kind: str, dtype: torch.dtype, layers: list[DecoderLayerWeights], final_norm: torch.Tensor,
+                 final_eps: float, heads: int, kv_heads: int, head_dim: int, inter: int) -> None:
+        self._function = getattr(_library(), f"decode_layers_{SUFFIXES[dtype]}")
+        self.amx, self.dtype, self.final_norm, self.final_eps = kind == "amx", dtype, final_norm, final_eps
+        self.shape = (heads, kv_heads, head_dim, inter)
+        self._keep = layers  # the tensors the table points into
+        self._layers = (_DecoderLayer * len(layers))(*(_DecoderLayer(
+            w.qkv.data_ptr(), w.o.data_ptr(), w.gate_up.data_ptr(), w.down.data_ptr(),
+            *(b.data_ptr() if b is not None else None for b in w.biases), w.input_norm.data_ptr(),
+            w.post_norm.data_ptr(), w.input_eps, w.post_eps) for w in layers))
+        self._pools: tuple | None = None  # (k_pools, v_pools, their pointer arrays) of the last call
+        self.seconds = (ctypes.c_double * 3)()
+
+    def run(self, residual: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
+            context_lens: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], k_pools: list[torch.Tensor],
+            v_pools: list[torch.Tensor], num_layers: int | None = None) -> torch.Tensor:
+        """residual [tokens, hidden] (the embeddings; updated in place) -> the last layer's output through the
+        final norm, after `num_layers` layers (default all). positions, slots: int64 per token; tables [tokens,
+        blocks] and context_lens, int32: the decode kernel's; k_pools, v_pools: each layer's [Hkv, NB, BS, D]."""
+        heads, kv_heads, head_dim, inter = self.shape
+        tokens, hidden = residual.shape
+        if self._pools is None or self._pools[0] is not k_pools or self._pools[1] is not v_pools:
+            pointers = ctypes.c_void_p * len(k_pools)
+            self._pools = (k_pools, v_pools, pointers(*(t.data_ptr() for t in k_pools)),
+                           pointers(*(t.data_ptr() for t in v_pools)))
+        num_blocks, block_size = k_pools[0].shape[1:3]
+        step = _DecodeStep(tokens, hidden, heads, kv_heads, head_dim, inter, num_blocks, block_size, tables.stride(0),
+                           positions.data_ptr(), slots.data_ptr(), tables.data_ptr(), context_lens.data_ptr(),
+                           rope[0].data_ptr(), rope[1].data_ptr(), ctypes.addressof(self._pools[2]),
+                           ctypes.addressof(self._pools[3]))
+        width = (heads + 2 * kv_heads) * head_dim
+        scratch = torch.empty(tokens * (hidden + width + heads * head_dim + 3 * inter), dtype=self.dtype)
+        normed = torch.empty_like(residual)
+        self._function(self._layers, len(self._keep) if num_layers is None else num_layers, self.final_norm.data_ptr(),
+                       self.final_eps, ctypes.byref(step), residual.data_ptr(), normed.data_ptr(), scratch.data_ptr(),
+                       self.seconds, int(self.amx), torch.get_num_threads())
+        return normed

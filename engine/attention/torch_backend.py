@@ -136,6 +136,18 @@ class TorchAttention(AttentionBackend):
                 self.groups.append(self._prefill_group(run, start, heads))
                 start += sum(run.query_lens)
 
+    def kernel_plan(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(slots, block tables, context lengths) when every token of this step goes through the CPU decode kernel
+        as one group with no shared prefix (decodes alone, or any step in batch-invariant mode): then the model may
+        run its layers in one C call (cpu_kernel.DecodeLayers). Else None."""
+        if self.kernel_slots is None or len(self.groups) != 1:
+            return None
+        group = self.groups[0]
+        if group.kernel_tables is None or group.prefix_index is not None \
+                or group.num_tokens != self.kernel_slots.shape[0]:
+            return None
+        return self.kernel_slots, group.kernel_tables, group.kernel_context_lens
+
     def set_batch_invariant(self, on: bool) -> None:
         pool = self.k_caches[0]
         if on and not (pool.device.type == "cpu" and cpu_kernel.available(pool.dtype)):

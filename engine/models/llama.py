@@ -7,6 +7,7 @@ one gate/up matmul per layer.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable
 
 import torch
@@ -14,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import cpu_kernel
-from engine.models.cpu_gemm import Linear, PackedWeight
+from engine.models.cpu_gemm import AMX_MAX_ROWS, Linear, PackedWeight
 
 Attention = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -132,6 +133,8 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
         self.packed_head: PackedWeight | None = None
         self.fused_ops: cpu_kernel.LayerOps | None = None  # set by pack_for_cpu where the C kernels build
+        self.decode_layers: cpu_kernel.DecodeLayers | None = None  # the layers in one C call, where they run
+        self.decode_rows_max: int | None = None  # more tokens than this take the Python loop
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -152,6 +155,11 @@ class LlamaForCausalLM(nn.Module):
 
     def _forward_fused(self, residual: torch.Tensor, positions: torch.Tensor, attention: Attention,
                        num_layers: int | None) -> torch.Tensor:
+        backend = getattr(attention, "__self__", None)  # the attention backend the bound `forward` belongs to
+        plan = backend.kernel_plan() if self.decode_layers is not None and hasattr(backend, "kernel_plan") else None
+        if plan is not None and (self.decode_rows_max is None or residual.shape[0] <= self.decode_rows_max):
+            return self.decode_layers.run(residual, positions, *plan, self.rope_tables_f32, backend.k_caches,
+                                          backend.v_caches, num_layers)
         ops, layers = self.fused_ops, self.layers[:num_layers]
         first = layers[0].input_layernorm
         normed = ops.rms_norm(residual, first.weight, first.eps)
@@ -175,6 +183,31 @@ class LlamaForCausalLM(nn.Module):
         if self.layers[0].q_norm is None and self.embed_tokens.weight.device.type == "cpu":
             self.fused_ops = cpu_kernel.layer_ops(self.embed_tokens.weight.dtype)
             self.rope_tables_f32 = (self.rope_cos.float(), self.rope_sin.float())  # exact: cast from float32
+        self._build_decode_layers()
+
+    def _build_decode_layers(self) -> None:
+        """The one-call layers (cpu_kernel.DecodeLayers) where the fused ops run and every projection is packed
+        for one of our own GEMM kinds; they stop at AMX_MAX_ROWS tokens where the projections would leave the AMX
+        kernel for oneDNN (outside batch-invariant mode)."""
+        self.decode_layers = self.decode_rows_max = None
+        if self.fused_ops is None or os.environ.get("TOKENMILL_CPU_DECODE_LAYERS", "1") == "0":
+            return
+        projections = [(layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj) for layer in self.layers]
+        packed = [linear.packed for group in projections for linear in group]
+        kinds = {p.kind if p is not None and p.packed is not None else None for p in packed}
+        if len(kinds) != 1 or not kinds <= set(cpu_kernel.GEMM_KINDS):
+            return
+        kind = kinds.pop()
+        weights = [cpu_kernel.DecoderLayerWeights(
+            *(linear.packed.packed for linear in group), tuple(linear.packed.bias_f32 for linear in group),
+            layer.input_layernorm.weight, layer.input_layernorm.eps, layer.post_attention_layernorm.weight,
+            layer.post_attention_layernorm.eps) for layer, group in zip(self.layers, projections, strict=True)]
+        first = self.layers[0]
+        self.decode_layers = cpu_kernel.DecodeLayers(kind, self.embed_tokens.weight.dtype, weights, self.norm.weight,
+                                                     self.norm.eps, first.num_heads, first.num_kv_heads,
+                                                     first.head_dim, first.intermediate_size)
+        if kind == "amx" and not packed[0].row_tile:
+            self.decode_rows_max = AMX_MAX_ROWS
 
     def set_row_tile(self, tile: int) -> None:
         """Batch-invariant mode (`tile` > 0): every projection and the LM head in GEMMs of exactly `tile` rows."""
@@ -184,6 +217,8 @@ class LlamaForCausalLM(nn.Module):
         if self.packed_head is None:  # not packed (e.g. CUDA): F.linear, tiled the same way
             self.packed_head = PackedWeight(self.lm_head_weight)
         self.packed_head.set_row_tile(tile)
+        if self.fused_ops is not None:  # float32 may have changed kernels; AMX's row limit is lifted
+            self._build_decode_layers()
 
     def load_hf_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load Hugging Face parameter names, fusing q/k/v and gate/up as they arrive."""

@@ -9,12 +9,13 @@ import collections
 import contextlib
 import functools
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 GEMMS, ATTENTION, ELEMENTWISE = "GEMMs", "attention", "norms, RoPE, activation"
 SAMPLING, MODEL_OTHER, HOST = "sampling", "other model ops (embedding, KV writes, copies)", \
     "scheduler, batch building, Python"
 CATEGORIES = (GEMMS, ATTENTION, ELEMENTWISE, SAMPLING, MODEL_OTHER, HOST)
+SPLIT = (GEMMS, ATTENTION, ELEMENTWISE)  # the order of cpu_kernel.DecodeLayers.seconds
 
 
 class StepProfile:
@@ -24,9 +25,11 @@ class StepProfile:
         self._children: list[float] = []  # per open timed call: time spent in timed calls inside it
         self._restore: list[tuple[object, str, object]] = []
 
-    def wrap(self, owner: object, name: str, category: str, step: bool = False) -> None:
+    def wrap(self, owner: object, name: str, category: str, step: bool = False,
+             split: Callable[[object], Sequence[float]] | None = None) -> None:
         """Time `owner.name` under `category`; `step`: it is the engine step, the only call timed at top level
-        (the rest is timed only inside a step, not while the model loads)."""
+        (the rest is timed only inside a step, not while the model loads). `split(instance)`: running totals of
+        seconds the call itself spent in GEMMs, attention and elementwise kernels, moved out of `category`."""
         original = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
 
         @functools.wraps(original)
@@ -34,12 +37,18 @@ class StepProfile:
             if not (step or self._children):
                 return original(*args, **kwargs)
             self._children.append(0.0)
+            before = list(split(args[0])) if split else []
             started = time.perf_counter()
             try:
                 return original(*args, **kwargs)
             finally:
                 elapsed = time.perf_counter() - started
-                self.seconds[category] += elapsed - self._children.pop()
+                inside = self._children.pop()
+                if split:
+                    for part, was, now in zip(SPLIT, before, split(args[0]), strict=True):
+                        self.seconds[part] += now - was
+                        inside += now - was
+                self.seconds[category] += elapsed - inside
                 if self._children:
                     self._children[-1] += elapsed
                 else:
@@ -87,6 +96,7 @@ def profiled() -> Iterator[StepProfile]:
     try:
         for owner, name, category in targets:
             profile.wrap(owner, name, category)
+        profile.wrap(cpu_kernel.DecodeLayers, "run", MODEL_OTHER, split=lambda layers: layers.seconds)
         yield profile
     finally:
         profile.undo()
