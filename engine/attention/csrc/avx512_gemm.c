@@ -10,7 +10,7 @@
 
 #define SLICE 32      /* columns per packed slice: two vectors of 16 */
 #define ROW_BLOCK 12  /* rows per micro-kernel call: 24 accumulators, 2 weight vectors and a broadcast */
-#define PREFETCH_AHEAD 1024 /* bytes of the slice prefetched ahead of the first row block's reads */
+#define PREFETCH_AHEAD 1024 /* one pass over a slice (up to ROW_BLOCK rows): bytes prefetched ahead of the reads */
 
 #if defined(__AVX512F__)
 #define HAVE_AVX512 1
@@ -54,18 +54,22 @@ static inline __m512 bias_or_zero(const float *bias, int half) {
 }
 
 /* ROWS rows of x (row stride k elements) times one packed slice b -> acc, then + bias, stored by `store`. The
- * chain per output element: acc = 0, then one dot step per k step in order; bias added last. */
-#define MICRO_KERNEL(NAME, ELEM, STEP_ELEMS, LOAD_A, DOT, STORE)                                                   \
-    static inline __attribute__((always_inline)) void NAME(const ELEM *x, int64_t k, const ELEM *b,               \
+ * chain per output element: acc = 0, then one dot step per k step in order; bias added last. Each k step
+ * prefetches `pf_lines` lines from pf on: into L1 (`pf_near`) just ahead in this slice, or into L2 a share of the
+ * next slice. */
+#define MICRO_KERNEL(NAME, ELEM, STEP_ELEMS, LOAD_A, DOT, STORE)                                                    \
+    static inline __attribute__((always_inline)) void NAME(const ELEM *x, int64_t k, const ELEM *b,                 \
                                                            const float *bias, ELEM *y, int64_t n, int rows,         \
-                                                           int prefetch) {                                          \
+                                                           const char *pf, int pf_lines, int pf_near) {             \
         __m512 acc[ROW_BLOCK][2];                                                                                   \
-        _Pragma("GCC unroll 12") for (int r = 0; r < ROW_BLOCK; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps(); \
+        _Pragma("GCC unroll 12") for (int r = 0; r < ROW_BLOCK; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();   \
         const int64_t steps = k / STEP_ELEMS;                                                                       \
         for (int64_t s = 0; s < steps; s++) {                                                                       \
             const ELEM *bs = b + s * STEP_ELEMS * SLICE;                                                            \
-            if (prefetch) _mm_prefetch((const char *)bs + PREFETCH_AHEAD, _MM_HINT_T0);                             \
-            if (prefetch) _mm_prefetch((const char *)bs + PREFETCH_AHEAD + 64, _MM_HINT_T0);                        \
+            for (int line = 0; line < pf_lines; line++) {                                                           \
+                if (pf_near) _mm_prefetch(pf + (s * pf_lines + line) * 64, _MM_HINT_T0);                            \
+                else _mm_prefetch(pf + (s * pf_lines + line) * 64, _MM_HINT_T1);                                    \
+            }                                                                                                       \
             const __m512 b0 = (__m512)_mm512_loadu_si512(bs), b1 = (__m512)_mm512_loadu_si512(bs + 16 * STEP_ELEMS); \
             _Pragma("GCC unroll 12") for (int r = 0; r < ROW_BLOCK; r++) {                                          \
                 if (r < rows) {                                                                                     \
@@ -94,33 +98,41 @@ MICRO_KERNEL(slice_bf16, uint16_t, 2, LOAD_BF16_PAIR, DOT_BF16, STORE_BF16)
 #endif
 
 /* Each rows-count a constant, so the micro-kernel's row loop unrolls and its accumulators stay in registers. */
-#define DISPATCH_ROWS(KERNEL, x, k, b, bias, y, n, rows, prefetch)                                                 \
+#define DISPATCH_ROWS(KERNEL, x, k, b, bias, y, n, rows, pf, pf_lines, pf_near)                                     \
     switch (rows) {                                                                                                 \
-    case 12: KERNEL(x, k, b, bias, y, n, 12, prefetch); break;                                                      \
-    case 11: KERNEL(x, k, b, bias, y, n, 11, prefetch); break;                                                      \
-    case 10: KERNEL(x, k, b, bias, y, n, 10, prefetch); break;                                                      \
-    case 9: KERNEL(x, k, b, bias, y, n, 9, prefetch); break;                                                        \
-    case 8: KERNEL(x, k, b, bias, y, n, 8, prefetch); break;                                                        \
-    case 7: KERNEL(x, k, b, bias, y, n, 7, prefetch); break;                                                        \
-    case 6: KERNEL(x, k, b, bias, y, n, 6, prefetch); break;                                                        \
-    case 5: KERNEL(x, k, b, bias, y, n, 5, prefetch); break;                                                        \
-    case 4: KERNEL(x, k, b, bias, y, n, 4, prefetch); break;                                                        \
-    case 3: KERNEL(x, k, b, bias, y, n, 3, prefetch); break;                                                        \
-    case 2: KERNEL(x, k, b, bias, y, n, 2, prefetch); break;                                                        \
-    default: KERNEL(x, k, b, bias, y, n, 1, prefetch); break;                                                       \
+    case 12: KERNEL(x, k, b, bias, y, n, 12, pf, pf_lines, pf_near); break;                                         \
+    case 11: KERNEL(x, k, b, bias, y, n, 11, pf, pf_lines, pf_near); break;                                         \
+    case 10: KERNEL(x, k, b, bias, y, n, 10, pf, pf_lines, pf_near); break;                                         \
+    case 9: KERNEL(x, k, b, bias, y, n, 9, pf, pf_lines, pf_near); break;                                           \
+    case 8: KERNEL(x, k, b, bias, y, n, 8, pf, pf_lines, pf_near); break;                                           \
+    case 7: KERNEL(x, k, b, bias, y, n, 7, pf, pf_lines, pf_near); break;                                           \
+    case 6: KERNEL(x, k, b, bias, y, n, 6, pf, pf_lines, pf_near); break;                                           \
+    case 5: KERNEL(x, k, b, bias, y, n, 5, pf, pf_lines, pf_near); break;                                           \
+    case 4: KERNEL(x, k, b, bias, y, n, 4, pf, pf_lines, pf_near); break;                                           \
+    case 3: KERNEL(x, k, b, bias, y, n, 3, pf, pf_lines, pf_near); break;                                           \
+    case 2: KERNEL(x, k, b, bias, y, n, 2, pf, pf_lines, pf_near); break;                                           \
+    default: KERNEL(x, k, b, bias, y, n, 1, pf, pf_lines, pf_near); break;                                          \
     }
 
-/* Threads split the 32-column slices; each runs all rows over its slice, ROW_BLOCK at a time. */
+/* Threads split the 32-column slices; each runs all rows over its slice, ROW_BLOCK at a time. With one pass per
+ * slice, the pass prefetches its own slice just ahead; with several, each prefetches its share of the next slice into
+ * L2, so the weight streams in while the passes compute instead of during the first one alone (a 2-core Xeon, the
+ * float32 layers from memory: 16 rows 30.3 -> 26.3 ms, 35 rows 43.7 -> 39.2). */
 #define LINEAR(KERNEL, ELEM)                                                                                        \
+    const int64_t passes = (m + ROW_BLOCK - 1) / ROW_BLOCK, slice_lines = k * SLICE * (int64_t)sizeof(ELEM) / 64;   \
+    const int64_t pass_lines = (slice_lines + passes - 1) / passes, k_steps = k * (int64_t)sizeof(ELEM) / 4;        \
+    const int step_lines = (int)((pass_lines + k_steps - 1) / k_steps);                                             \
     _Pragma("omp parallel num_threads(threads)") {                                                                  \
         KERNEL_BEGIN;                                                                                               \
         _Pragma("omp for schedule(static)") for (int64_t s = 0; s < n / SLICE; s++) {                               \
             const ELEM *b = packed + s * k * SLICE;                                                                 \
             const float *slice_bias = bias ? bias + s * SLICE : NULL;                                               \
-            for (int64_t first = 0; first < m; first += ROW_BLOCK) {                                                \
+            const char *next = (const char *)(b + k * SLICE);                                                       \
+            for (int64_t first = 0, pass = 0; first < m; first += ROW_BLOCK, pass++) {                              \
                 const int rows = m - first < ROW_BLOCK ? (int)(m - first) : ROW_BLOCK;                              \
                 DISPATCH_ROWS(KERNEL, x + first * k, k, b, slice_bias, y + first * n + s * SLICE, n, rows,          \
-                              first == 0);                                                                          \
+                              passes == 1 ? (const char *)b + PREFETCH_AHEAD : next + pass * pass_lines * 64,       \
+                              passes == 1 ? 2 : step_lines, passes == 1);                                           \
             }                                                                                                       \
         }                                                                                                           \
         KERNEL_END;                                                                                                 \
