@@ -193,6 +193,8 @@ class LlamaForCausalLM(nn.Module):
         if self.fused_ops is None or os.environ.get("TOKENMILL_CPU_DECODE_LAYERS", "1") == "0":
             return
         projections = [(layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj) for layer in self.layers]
+        if any(type(linear) is not Linear for group in projections for linear in group):
+            return  # e.g. tensor parallelism's row-parallel projections, which all-reduce their output
         packed = [linear.packed for group in projections for linear in group]
         kinds = {p.kind if p is not None and p.packed is not None else None for p in packed}
         if len(kinds) != 1 or not kinds <= set(cpu_kernel.GEMM_KINDS):
