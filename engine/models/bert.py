@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import cpu_kernel
-from engine.models.cpu_gemm import Linear
+from engine.models.cpu_gemm import Linear, onednn_rows
 from engine.pooling import pool
 
 SUPPORTED_MODEL_TYPES = ("bert",)
@@ -50,7 +50,8 @@ class EncoderLinear(Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.post_op is not None and x.dim() == 2 and x.dtype == self.weight.dtype and not self.packed.row_tile:
             kind, algorithm = self.post_op
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed.packed, self.bias, kind, [], algorithm)
+            return onednn_rows(lambda rows: torch.ops.mkldnn._linear_pointwise(rows, self.packed.packed, self.bias,
+                                                                               kind, [], algorithm), x)
         out = super().forward(x)
         return out if self.act is None else ACTIVATIONS[self.act](out)
 

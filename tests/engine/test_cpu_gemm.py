@@ -14,6 +14,7 @@ from engine.models.cpu_gemm import (
     fastest_float32_kernel,
     fixed_float32_kernel,
     float32_kernel,
+    onednn_rows,
 )
 
 
@@ -123,3 +124,16 @@ def test_row_tiles_give_a_row_the_same_result_in_any_batch(dtype, packed):
     assert torch.equal(linear(shifted)[7:], full[:20])
     if packed and dtype == torch.float32:
         assert linear.packed.kind == fixed_float32_kernel(1536, 576)
+
+
+def test_long_inputs_reach_onednn_padded_to_a_multiple_of_its_rows():
+    """oneDNN compiles a kernel per new row count: prefills and encoder batches of any length share a few."""
+    seen = []
+
+    def linear(x):
+        seen.append(x.shape[0])
+        return x * 2
+
+    x = torch.randn(130, 8)
+    assert torch.equal(onednn_rows(linear, x), x * 2) and seen == [192]
+    assert torch.equal(onednn_rows(linear, x[:64]), x[:64] * 2) and seen[-1] == 64  # short inputs as they come
