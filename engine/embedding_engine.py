@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from engine import heap
 from engine.config import EngineConfig
 from engine.model_loader import pick_device, pick_dtype, resolve_model
 from engine.models.bert import SUPPORTED_MODEL_TYPES, BertEncoder, PackedBatch
@@ -71,6 +72,8 @@ class EmbeddingEngine:
         self.device = pick_device(config.device)
         if config.num_threads and self.device.type == "cpu":
             torch.set_num_threads(config.num_threads)
+        if self.device.type == "cpu":
+            heap.keep_freed_memory()
         self.dtype = pick_dtype(config.dtype, self.device)
         self.model = load_encoder(self.model_dir, hf_config, self.dtype, self.device)
         self.embedding_size = hf_config.hidden_size

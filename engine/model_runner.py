@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from engine import heap
 from engine.attention.base import AttentionBackend, StepBatch, allocate_kv_pool
 from engine.batch import BatchItem, PoolZeroing, build_step_batch
 from engine.config import EngineConfig
@@ -38,6 +39,8 @@ class ModelRunner:
         self.dtype = pick_dtype(config.dtype, self.device)
         if config.num_threads and self.device.type == "cpu":
             torch.set_num_threads(config.num_threads)
+        if self.device.type == "cpu":
+            heap.keep_freed_memory()
         self.block_size = config.block_size
         self.max_model_len = max_model_len
         if tp is None:
