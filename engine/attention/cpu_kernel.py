@@ -83,6 +83,8 @@ def _library() -> ctypes.CDLL | None:
     library.amx_pack_bf16.argtypes, library.amx_pack_bf16.restype = [ptr, ptr, i64, i64], None
     library.amx_linear_bf16.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, threads]
     library.amx_linear_bf16.restype = None
+    library.amx_packed_attention_bf16.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32, threads]
+    library.amx_packed_attention_bf16.restype = ctypes.c_int
     library.avx512_gemm_ready.argtypes, library.avx512_gemm_ready.restype = [], ctypes.c_int
     for suffix in SUFFIXES.values():
         function = getattr(library, f"decode_layers_{suffix}")
@@ -105,6 +107,7 @@ def _cpu_flags() -> str:
 
 SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 HEAD_DIM_MULTIPLE = 16  # packed_attention's head_dim: a whole number of its vectors (LANES in encoder_ops.c)
+AMX_DEPTH = 32  # bfloat16 elements in one AMX tile row: amx_packed_attention's head_dim is a multiple
 
 
 def available(dtype: torch.dtype = torch.float32) -> bool:
@@ -199,6 +202,7 @@ class EncoderOps:
         suffix = SUFFIXES[dtype]
         self._attention = getattr(library, f"packed_attention_{suffix}")
         self._add_layer_norm = getattr(library, f"add_layer_norm_{suffix}")
+        self._amx_attention = library.amx_packed_attention_bf16 if dtype == torch.bfloat16 and amx_ready() else None
 
     def packed_attention(self, qkv: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor, longest: int,
                          heads: int) -> torch.Tensor:
@@ -208,9 +212,14 @@ class EncoderOps:
         size = qkv.shape[1] // 3
         out = torch.empty((qkv.shape[0], size), dtype=qkv.dtype)
         head_dim = size // heads
-        self._attention(qkv.data_ptr(), out.data_ptr(), starts.data_ptr(), lengths.data_ptr(), len(lengths),
-                        longest, heads, head_dim, head_dim ** -0.5, torch.get_num_threads())
+        attention = self._amx_attention if self.tiles_take(head_dim) else self._attention
+        attention(qkv.data_ptr(), out.data_ptr(), starts.data_ptr(), lengths.data_ptr(), len(lengths), longest, heads,
+                  head_dim, head_dim ** -0.5, torch.get_num_threads())
         return out
+
+    def tiles_take(self, head_dim: int) -> bool:
+        """Attention runs on AMX tiles (bfloat16 on a CPU with AMX, head_dim a whole number of tile depths)."""
+        return self._amx_attention is not None and head_dim % AMX_DEPTH == 0
 
     def add_layer_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: torch.nn.LayerNorm) -> torch.Tensor:
         """norm(x + residual) for [rows, hidden] tensors."""

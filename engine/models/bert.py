@@ -221,23 +221,24 @@ class BertEncoder(nn.Module):
             if isinstance(module, Linear):
                 module.pack(own_kernels=False)
         self.ops = cpu_kernel.encoder_ops(self.word_embeddings.weight.dtype)
-        packed = self.ops is not None and packed_attention_preferred()
         for layer in self.layers:  # the packed attention kernel takes head_dims of whole vectors only
             layer.ops = self.ops
-            layer.packed_attention = packed and layer.head_dim % cpu_kernel.HEAD_DIM_MULTIPLE == 0
+            layer.packed_attention = self.ops is not None and packed_attention_preferred(self.ops, layer.head_dim) \
+                and layer.head_dim % cpu_kernel.HEAD_DIM_MULTIPLE == 0
 
 
-def packed_attention_preferred() -> bool:
+def packed_attention_preferred(ops: cpu_kernel.EncoderOps, head_dim: int) -> bool:
     """The C kernel's attention over packed rows (no padding), or torch's fused attention per bucket of like-length
-    rows: `TOKENMILL_ENCODER_ATTENTION=packed|torch`, else packed except on CPUs with AMX, where torch's kernel
-    multiplies on the tiles (all-MiniLM-L6-v2 on an Intel Xeon, 2 threads: 344 -> 420 sentences/s in bfloat16,
-    float32 about the same; on AMD EPYCs without AMX the packed kernel was the faster)."""
+    rows: `TOKENMILL_ENCODER_ATTENTION=packed|torch`, else packed, on AMX tiles where it runs there (bfloat16), and
+    torch's elsewhere on CPUs with AMX, where torch's multiplies on the tiles and the packed kernel would not
+    (all-MiniLM-L6-v2 on an Intel Xeon, 2 threads: 344 -> 420 sentences/s in bfloat16, float32 about the same; on
+    AMD EPYCs without AMX the packed kernel was the faster)."""
     forced = os.environ.get("TOKENMILL_ENCODER_ATTENTION")
     if forced not in (None, "", "packed", "torch"):
         raise ValueError(f"TOKENMILL_ENCODER_ATTENTION must be packed or torch, not {forced!r}")
     if forced:
         return forced == "packed"
-    return not torch.cpu._is_amx_tile_supported()
+    return ops.tiles_take(head_dim) or not torch.cpu._is_amx_tile_supported()
 
 
 def _table(rows: int, size: int) -> nn.Module:

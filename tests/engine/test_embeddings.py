@@ -88,3 +88,44 @@ def test_dimensions_refused_and_generation_refused(llm):
         llm.embed(["x"], PoolingParams(dimensions=128))
     with pytest.raises(ValueError, match="embedding model: use LLM.embed"):
         llm.generate(["x"])
+
+
+def test_bfloat16_attention_runs_on_amx_tiles_where_it_can(sentences, reference, monkeypatch):
+    """On CPUs with AMX, bfloat16 attention over the packed rows runs on the tiles (amx_gemm.c), close to torch's
+    fused attention per bucket and to the float32 reference; elsewhere the vector kernel or torch's run."""
+    from engine.attention import cpu_kernel
+
+    tiled = LLM(model=MODEL, dtype="bfloat16", num_threads=2)
+    layers = tiled.engine.model.layers
+    assert all(layer.ops.tiles_take(layer.head_dim) == cpu_kernel.amx_ready() for layer in layers)
+    if not cpu_kernel.amx_ready():
+        return
+    assert all(layer.packed_attention for layer in layers)
+    monkeypatch.setenv("TOKENMILL_ENCODER_ATTENTION", "torch")
+    by_torch = LLM(model=MODEL, dtype="bfloat16", num_threads=2)
+    ours, torchs = _matrix(tiled.embed(sentences)), _matrix(by_torch.embed(sentences))
+    theirs = reference.encode(sentences, normalize_embeddings=True, convert_to_numpy=True)
+    assert (ours * torchs).sum(1).min() >= 0.9995  # both unit vectors
+    assert (ours * theirs).sum(1).min() >= 0.999
+
+
+def test_the_tiles_attention_kernel_matches_softmax_attention_per_row():
+    """Rows of 1 to 256 tokens (across tile edges), head_dim 32 and 64, against torch's attention in float32."""
+    import torch
+
+    from engine.attention import cpu_kernel
+
+    ops = cpu_kernel.encoder_ops(torch.bfloat16)
+    if not cpu_kernel.amx_ready():
+        assert ops is None or not ops.tiles_take(32)
+        return
+    generator = torch.Generator().manual_seed(3)
+    lengths = [1, 3, 16, 17, 31, 32, 33, 50, 64, 100, 256]
+    starts = torch.tensor([sum(lengths[:i]) for i in range(len(lengths))])
+    for heads, head_dim in ((12, 32), (4, 64)):
+        qkv = torch.randn(sum(lengths), 3 * heads * head_dim, generator=generator).bfloat16()
+        out = ops.packed_attention(qkv, starts, torch.tensor(lengths), max(lengths), heads).float()
+        for start, length in zip(starts.tolist(), lengths, strict=True):
+            q, k, v = qkv[start:start + length].float().view(length, 3, heads, head_dim).permute(1, 2, 0, 3)
+            expected = torch.nn.functional.scaled_dot_product_attention(q, k, v).transpose(0, 1).reshape(length, -1)
+            assert (out[start:start + length] - expected).abs().max() < 0.03, f"length {length}, head_dim {head_dim}"

@@ -3,7 +3,8 @@
  * output tile sums over k in the same order whatever the number of rows, so a row's result never depends on the
  * rows that came with it (batch-invariant by construction). Rows run in pairs of 16-row tiles over each 32-column
  * slice of the weight (2 x 2 tiles) while that slice is in cache; more than 256 rows take one pass over the weight
- * per 256, so those rows of x stay in L2. Built without AMX, the functions report it. */
+ * per 256, so those rows of x stay in L2. Also an encoder's attention on the tiles (amx_packed_attention_bf16).
+ * Built without AMX, the functions report it. */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -151,5 +152,126 @@ void amx_linear_bf16(const uint16_t *x, const uint16_t *packed, const float *bia
         KERNEL_END;
     }
     free(padded);
+#endif
+}
+
+/* An encoder's bidirectional attention over packed rows on the tiles, bfloat16, for head_dim a multiple of 32 (one
+ * tile's depth): the same contract as packed_attention_bf16 in encoder_ops.c. Per (row, head): keys packed into B
+ * tiles (16 keys by 32 dims, the pairs of dims interleaved), S = Q K^T in 16 x 16 float32 tiles, softmax in float32
+ * with the probabilities rounded to bfloat16, values packed into B tiles (16 pairs of keys by 16 dims) and
+ * O = P V, divided by the row's sum. Returns 0 (doing nothing) where the build has no AMX. */
+int amx_packed_attention_bf16(const uint16_t *qkv, uint16_t *out, const int64_t *starts, const int64_t *lengths,
+                              int64_t rows, int64_t longest, int64_t H, int64_t D, float scale, int threads) {
+#ifdef HAVE_AMX
+    const int64_t width = 3 * H * D, chunks = D / TILE_K, d_tiles = D / TILE_N;
+    const int64_t max16 = (longest + 15) / 16 * 16, max32 = (longest + 31) / 32 * 32;
+    _Pragma("omp parallel num_threads(threads)")
+    {
+        KERNEL_BEGIN;
+        configure_tiles();
+        uint16_t *k_tiles = aligned_alloc(64, (max16 / 16) * chunks * BLOCK_ELEMS * 2);
+        uint16_t *v_tiles = aligned_alloc(64, (max32 / 32) * d_tiles * BLOCK_ELEMS * 2);
+        uint16_t *p = aligned_alloc(64, max16 * max32 * 2);          /* probabilities, [query][key], bf16 */
+        uint16_t *q_tail = aligned_alloc(64, TILE_M * D * 2);        /* a last, partial block of queries */
+        float *s = aligned_alloc(64, max16 * max16 * 4);             /* scores, [query][key] */
+        float *inv = aligned_alloc(64, max16 * 4), o[TILE_M * TILE_N] __attribute__((aligned(64)));
+        _Pragma("omp for collapse(2) schedule(dynamic, 1)")
+        for (int64_t r = 0; r < rows; r++) {
+            for (int64_t h = 0; h < H; h++) {
+                const int64_t L = lengths[r], L16 = (L + 15) / 16 * 16, L32 = (L + 31) / 32 * 32;
+                const uint16_t *base = qkv + starts[r] * width;
+                /* keys: tile (key block kb, dim chunk c) as int32 pairs [pair][key] = K[key][pair] */
+                for (int64_t kb = 0; kb < L16 / 16; kb++)
+                    for (int64_t c = 0; c < chunks; c++) {
+                        uint32_t *tile = (uint32_t *)(k_tiles + (kb * chunks + c) * BLOCK_ELEMS);
+                        for (int64_t n = 0; n < 16; n++) {
+                            const int64_t key = kb * 16 + n;
+                            const uint32_t *k = (const uint32_t *)(base + key * width + (H + h) * D + c * TILE_K);
+                            for (int64_t pair = 0; pair < 16; pair++) tile[pair * 16 + n] = key < L ? k[pair] : 0;
+                        }
+                    }
+                /* values: tile (key chunk kc, dim tile dt) as [key pair][dim][2]: two keys' rows interleaved */
+                for (int64_t kc = 0; kc < L32 / 32; kc++)
+                    for (int64_t dt = 0; dt < d_tiles; dt++) {
+                        uint16_t *tile = v_tiles + (kc * d_tiles + dt) * BLOCK_ELEMS;
+                        for (int64_t pair = 0; pair < 16; pair++) {
+                            const int64_t key = kc * 32 + pair * 2;
+                            const uint16_t *v = base + key * width + (2 * H + h) * D + dt * TILE_N;
+                            const __m256i zero = _mm256_setzero_si256();
+                            const __m256i even = key < L ? _mm256_loadu_si256((const __m256i *)v) : zero;
+                            const __m256i odd = key + 1 < L ? _mm256_loadu_si256((const __m256i *)(v + width)) : zero;
+                            const __m256i low = _mm256_unpacklo_epi16(even, odd);
+                            const __m256i high = _mm256_unpackhi_epi16(even, odd);
+                            __m256i *row = (__m256i *)(tile + pair * 32);
+                            _mm256_storeu_si256(row, _mm256_permute2x128_si256(low, high, 0x20));
+                            _mm256_storeu_si256(row + 1, _mm256_permute2x128_si256(low, high, 0x31));
+                        }
+                    }
+                for (int64_t qb = 0; qb < L16 / 16; qb++) {
+                    const uint16_t *q = base + qb * 16 * width + h * D;
+                    int64_t q_stride = width * 2;
+                    if (qb * 16 + 16 > L) { /* rows past the end of the row (maybe of the buffer): zeros */
+                        const int64_t n = L - qb * 16;
+                        for (int64_t i = 0; i < TILE_M; i++)
+                            for (int64_t d = 0; d < D; d++) q_tail[i * D + d] = i < n ? q[i * width + d] : 0;
+                        q = q_tail, q_stride = D * 2;
+                    }
+                    for (int64_t kb = 0; kb < L16 / 16; kb++) {
+                        _tile_zero(0);
+                        for (int64_t c = 0; c < chunks; c++) {
+                            _tile_loadd(4, q + c * TILE_K, q_stride);
+                            _tile_loadd(6, k_tiles + (kb * chunks + c) * BLOCK_ELEMS, 64);
+                            _tile_dpbf16ps(0, 4, 6);
+                        }
+                        _tile_stored(0, s + qb * 16 * L16 + kb * 16, L16 * 4);
+                    }
+                    for (int64_t i = qb * 16; i < qb * 16 + 16; i++) { /* softmax, 16 keys a vector */
+                        const float *si = s + i * L16;
+                        uint16_t *pi = p + i * L32;
+                        __m512 top = _mm512_set1_ps(-INFINITY), sum = _mm512_setzero_ps();
+                        for (int64_t j = 0; j < L16; j += 16) {
+                            const __mmask16 real = j + 16 <= L ? 0xffff : (__mmask16)((1u << (L - j)) - 1);
+                            top = _mm512_max_ps(top, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), real, si + j));
+                        }
+                        const __m512 peak = _mm512_set1_ps(_mm512_reduce_max_ps(top)), by = _mm512_set1_ps(scale);
+                        for (int64_t j = 0; j < L16; j += 16) {
+                            const __mmask16 real = j + 16 <= L ? 0xffff : (__mmask16)((1u << (L - j)) - 1);
+                            const __m512 e = _mm512_maskz_mov_ps(real, exp_fast16(_mm512_mul_ps(
+                                _mm512_sub_ps(_mm512_loadu_ps(si + j), peak), by)));
+                            const __m256bh rounded = _mm512_cvtneps_pbh(e);
+                            _mm256_storeu_si256((__m256i *)(pi + j), (__m256i)rounded);
+                            sum = _mm512_add_ps(sum, _mm512_cvtpbh_ps(rounded));
+                        }
+                        for (int64_t j = L16; j < L32; j += 16)
+                            _mm256_storeu_si256((__m256i *)(pi + j), _mm256_setzero_si256());
+                        inv[i] = 1.0f / _mm512_reduce_add_ps(sum);
+                    }
+                    for (int64_t dt = 0; dt < d_tiles; dt++) {
+                        _tile_zero(1);
+                        for (int64_t kc = 0; kc < L32 / 32; kc++) {
+                            _tile_loadd(5, p + qb * 16 * L32 + kc * 32, L32 * 2);
+                            _tile_loadd(7, v_tiles + (kc * d_tiles + dt) * BLOCK_ELEMS, 64);
+                            _tile_dpbf16ps(1, 5, 7);
+                        }
+                        _tile_stored(1, o, TILE_N * 4);
+                        for (int64_t i = 0; i < 16 && qb * 16 + i < L; i++) {
+                            uint16_t *dst = out + (starts[r] + qb * 16 + i) * H * D + h * D + dt * TILE_N;
+                            const __m512 row = _mm512_mul_ps(_mm512_load_ps(o + i * TILE_N),
+                                                             _mm512_set1_ps(inv[qb * 16 + i]));
+                            _mm256_storeu_si256((__m256i *)dst, (__m256i)_mm512_cvtneps_pbh(row));
+                        }
+                    }
+                }
+            }
+        }
+        free(k_tiles); free(v_tiles); free(p); free(q_tail); free(s); free(inv);
+        _tile_release();
+        KERNEL_END;
+    }
+    return 1;
+#else
+    (void)qkv; (void)out; (void)starts; (void)lengths; (void)rows; (void)longest; (void)H; (void)D; (void)scale;
+    (void)threads;
+    return 0;
 #endif
 }
