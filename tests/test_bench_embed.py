@@ -29,3 +29,12 @@ def test_bench_embed_prints_every_system_side_by_side(tmp_path, capsys):
     assert rows["tokenmill"]["sentences"] == 64 and rows["tokenmill"]["tokens"] > 64 * 5
     ours, *others = [r["sentences"] / r["seconds"] for r in rows.values() if r["seconds"]]
     assert "x best other" in printed and f"{ours / max(others):.2f}x" in printed
+
+
+def test_bench_embed_skips_bfloat16_on_a_cpu_without_native_bfloat16(monkeypatch, capsys):
+    monkeypatch.setattr("engine.model_loader.cpu_has_native_bf16", lambda: False)
+    code = main(["bench", "embed", "--num-sentences", "8", "--dtypes", "bfloat16", "--threads", "2"])
+    printed = " ".join(capsys.readouterr().out.split())
+    assert code == 0, printed
+    assert "bfloat16 skipped: this CPU has no native bfloat16" in printed
+    assert "embedding throughput" not in printed

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import cpu_kernel
-from engine.models.cpu_gemm import Linear, onednn_rows
+from engine.models.cpu_gemm import ONEDNN_ROWS, Linear, onednn_rows
 from engine.pooling import pool
 
 SUPPORTED_MODEL_TYPES = ("bert",)
@@ -33,9 +33,16 @@ ONEDNN_POST_OPS = {"gelu": ("gelu", "none"), "gelu_new": ("gelu", "tanh"), "gelu
                    "relu": ("relu", "")}  # hidden_act -> oneDNN post-op and its algorithm ("none": exact erf)
 
 
+def post_ops_pay() -> bool:
+    """oneDNN's GELU post-op beats a separate pass on AVX-512 CPUs; on AVX2 it slows the whole GEMM (AMD Zen 3,
+    2,048 x 384 @ 384 x 1,536: 26 ms fused against 17.4 + 2.2 ms for the GEMM and torch's GELU after it)."""
+    return "AVX512" in torch.backends.cpu.get_cpu_capability()
+
+
 class EncoderLinear(Linear):
     """`Linear` followed by an activation (`act`: a key of `ACTIVATIONS`, or None), which runs inside the GEMM as
-    a oneDNN post-op once the weight is packed for oneDNN, instead of as its own pass over the output."""
+    a oneDNN post-op once the weight is packed for oneDNN (on CPUs where that pays), instead of as its own pass
+    over the output."""
 
     def __init__(self, in_features: int, out_features: int, act: str | None = None) -> None:
         super().__init__(in_features, out_features)
@@ -44,7 +51,8 @@ class EncoderLinear(Linear):
 
     def pack(self, own_kernels: bool = True) -> None:
         super().pack(own_kernels)
-        if self.act is not None and self.packed.packed is not None and self.packed.kind == "onednn":
+        if self.act is not None and self.packed.packed is not None and self.packed.kind == "onednn" \
+                and post_ops_pay():
             self.post_op = ONEDNN_POST_OPS[self.act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -74,12 +82,17 @@ class EncoderLayer(nn.Module):
         self.packed_attention = False  # the C kernel's attention over packed rows, else torch's per bucket
 
     def forward(self, x: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
+        """x: the batch's tokens, then any padding rows (zeros in, never read by a real token)."""
         qkv = self.qkv(x)
+        tokens = len(batch.token_ids)
         if self.packed_attention:
             context = self.ops.packed_attention(qkv, batch.row_starts, batch.lengths, batch.longest, self.num_heads)
+            context[tokens:].zero_()
         else:
             pieces = [self._attend(qkv[b.start:b.end], b) for b in batch.buckets]
             context = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+            if x.shape[0] > tokens:
+                context = F.pad(context, (0, 0, 0, x.shape[0] - tokens))
         if self.ops is not None:
             x = self.ops.add_layer_norm(self.attn_out(context), x, self.attn_norm)
             return self.ops.add_layer_norm(self.down(self.up(x)), x, self.out_norm)
@@ -183,9 +196,12 @@ class BertEncoder(nn.Module):
         x = F.embedding(batch.token_ids, self.word_embeddings.weight)
         extra = F.embedding(batch.positions, self.position_embeddings.weight) + self.token_type_embeddings.weight[0]
         x = self.embed_norm(x + extra) if self.ops is None else self.ops.add_layer_norm(x, extra, self.embed_norm)
+        tokens = x.shape[0]
+        if self.ops is not None and tokens > ONEDNN_ROWS:  # padded once here, not before every GEMM (onednn_rows)
+            x = F.pad(x, (0, 0, 0, -tokens % ONEDNN_ROWS))
         for layer in self.layers:
             x = layer(x, batch)
-        return pool(x, batch.row_of_token, batch.row_starts, batch.lengths, pooling)
+        return pool(x[:tokens], batch.row_of_token, batch.row_starts, batch.lengths, pooling)
 
     def load_hf_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Hugging Face `BertModel` (or `BertFor*` with a `bert.` prefix) names; the pooler head is not used."""

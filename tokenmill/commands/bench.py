@@ -166,7 +166,9 @@ def register(commands: argparse._SubParsersAction) -> None:
                     "vectors, under the CPU model and flags.")
     em.add_argument("--model", default="all-minilm-l6-v2", help="embedding model (default: all-minilm-l6-v2)")
     em.add_argument("--num-sentences", type=int, default=10_000, help="sentences embedded (default: 10000)")
-    em.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated (default: float32,bfloat16)")
+    em.add_argument("--dtypes", default="float32,bfloat16",
+                    help="comma-separated (default: float32,bfloat16; bfloat16 is skipped on a CPU without "
+                         "avx512_bf16 or AMX, where every system emulates it at a sixth of float32's speed)")
     em.add_argument("--threads", type=int, default=2, help="torch CPU threads for every system (default: 2)")
     em.add_argument("--batch-tokens", type=int, default=2048,
                     help="tokenmill's token budget of one packed batch (default: 2048)")
@@ -199,7 +201,7 @@ def run_embed(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from engine.model_loader import resolve_model
-    from tokenmill.bench import embed
+    from tokenmill.bench import embed, peak
     from tokenmill.bench.sentences import held_out_sentences
     from tokenmill.bench.vllm_compare import cpu_description
 
@@ -211,6 +213,11 @@ def run_embed(args: argparse.Namespace) -> int:
     console = Console(width=max(Console().width, 150))
     console.print(f"machine: {cpu_description()}; {args.threads} threads")
     model_dir = resolve_model(args.model)
+    for dtype in [d for d in dtypes if not peak.native(d)]:
+        console.print(f"{dtype} skipped: this CPU has no native {dtype} (avx512_bf16 or AMX)")
+    dtypes = [d for d in dtypes if peak.native(d)]
+    if not dtypes:
+        return 0
     texts = held_out_sentences(args.num_sentences, seed=args.seed)
     results = []
     def done(*new) -> None:
