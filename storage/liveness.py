@@ -28,6 +28,15 @@ def db_now(session: Session) -> datetime:
     return now.replace(tzinfo=UTC) if now.tzinfo is None else now.astimezone(UTC)
 
 
+def database_started_at(session: Session) -> datetime | None:
+    """When the database server last started (PostgreSQL's postmaster start time, on its clock); None where it
+    has no such notion (SQLite)."""
+    if session.get_bind().dialect.name != "postgresql":
+        return None
+    started = session.scalar(select(func.pg_postmaster_start_time()))
+    return started.replace(tzinfo=UTC) if started.tzinfo is None else started.astimezone(UTC)
+
+
 def lease_until(session: Session) -> datetime:
     """When a lease taken or renewed now lapses, on the database's clock."""
     return db_now(session) + LEASE

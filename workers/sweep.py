@@ -4,6 +4,9 @@ database's clock:
 - a running shard whose lease lapsed (its worker stopped renewing it: dead, paused, cut off) is fenced, goes
   back to pending and is queued again; the attempt limit is applied when a worker claims it;
 - a plan or finalize step whose holder's lease lapsed is fenced and sent again;
+- except within one lease of the database (re)starting: every lease lapsed while it was down, and the holders
+  get one whole lease to renew before a lapse counts (a sweep right after a restart took shards from live
+  workers and used an attempt each);
 - a cancel request whose shards' leases all ended finishes the job `cancelled`;
 - the reconciler: the database is the record, the broker only a hint. A shard `pending` or `failed` (to be
   retried) for longer than the grace period while its model's queue is empty lost its task and is sent again;
@@ -28,7 +31,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from storage import repository as repo
 from storage.claims import expire, mark_cancelled
 from storage.job_settings import CELERY
-from storage.liveness import db_now, holder_alive, runner_alive, shard_runner_alive
+from storage.liveness import LEASE, database_started_at, db_now, holder_alive, runner_alive, shard_runner_alive
 from storage.models import Job, JobStatus, Shard, ShardStatus
 
 log = logging.getLogger("tokenmill.sweep")
@@ -56,25 +59,36 @@ def sweep(sessions: sessionmaker[Session], now: datetime | None = None, stale: t
     grace = timedelta(0) if broker_lost else stale
     with sessions.begin() as session:
         now = now or db_now(session)
+        settling = _database_settling(session, now)
         for job in _service_jobs(session, (S.VALIDATING, S.QUEUED, S.IN_PROGRESS)):
             if job.expires_at is not None and job.expires_at <= now:
                 expire(job)
                 result.expired.append(job.id)
         for job in _service_jobs(session, (S.QUEUED, S.IN_PROGRESS, S.CANCELLING)):
-            _requeue_lapsed_shards(job, now, result)
+            if not settling:
+                _requeue_lapsed_shards(job, now, result)
             if job.status == S.CANCELLING and not runner_alive(job, now):
                 mark_cancelled(job)
                 result.cancelled.append(job.id)
             elif job.status != S.CANCELLING:
                 _resend_lost_shards(job, now, grace, waiting, result)
         for job in _service_jobs(session, (S.VALIDATING, S.FINALIZING)):
-            if _step_lost(job, now, grace, waiting):
+            if not (settling and job.worker is not None) and _step_lost(job, now, grace, waiting):
                 (result.plan if job.status == S.VALIDATING else result.finalize).append(job.id)
     if any((result.requeue, result.plan, result.finalize, result.cancelled, result.expired)):
         log.info("sweep: requeued shards %s, validating again %s, finalizing again %s, cancelled %s, expired %s%s",
                  [shard for _, shard, _ in result.requeue], result.plan, result.finalize, result.cancelled,
                  result.expired, " (the broker lost its state)" if broker_lost else "")
     return result
+
+
+def _database_settling(session: Session, now: datetime) -> bool:
+    """Did the database start less than one lease ago? Then no lapsed lease counts yet."""
+    started = database_started_at(session)
+    if started is None or not timedelta(0) <= now - started < LEASE:
+        return False
+    log.info("sweep: the database started at %s; lapsed leases count from %s", started, started + LEASE)
+    return True
 
 
 def _service_jobs(session: Session, statuses) -> list[Job]:

@@ -84,6 +84,31 @@ def test_a_lease_is_stamped_on_the_database_clock_not_the_workers(pg_databases) 
         sessions.kw["bind"].dispose()
 
 
+def test_a_lease_lapsed_while_the_database_was_down_counts_only_a_lease_after_it_started(pg_databases) -> None:
+    """Every lease lapses while PostgreSQL is down. Within one lease of its start the sweep leaves a lapsed shard
+    and a lapsed step holder alone (their workers are renewing); from one lease on, it takes them."""
+    from storage.liveness import database_started_at
+
+    url = pg_databases()
+    migrate.upgrade(url)
+    sessions = db.session_factory(db.make_engine(url))
+    try:
+        shard_job, step_job = make_job(sessions, "s3://b/out", shards=1), make_job(sessions, "s3://b/out2")
+        with sessions.begin() as session:
+            started = database_started_at(session)
+            shard = repo.shards(session, shard_job)[0]
+            shard.status, shard.attempts, shard.worker = "running", 1, "other-host:1"
+            shard.lease_expires_at = started - timedelta(seconds=1)
+            job = repo.get_job(session, step_job)
+            job.status, job.worker, job.lease_expires_at = "finalizing", "other-host:2", started
+        settling = sweep(sessions, now=started + LEASE / 2)
+        assert settling.requeue == [] and settling.finalize == []
+        after = sweep(sessions, now=started + LEASE + timedelta(seconds=1))
+        assert [job_id for job_id, _, _ in after.requeue] == [shard_job] and after.finalize == [step_job]
+    finally:
+        sessions.kw["bind"].dispose()
+
+
 def test_a_sibling_process_takes_over_a_shard_whose_lease_lapsed(sqlite_sessions, tmp_path) -> None:
     """On one host, a live process no longer keeps a shard: its lease does. A process still alive whose lease
     lapsed (its write and its refund failed in a database blip) gives way; one whose lease runs keeps it."""
