@@ -12,10 +12,10 @@
  * write_kv stores a step's new keys and values into the pools: token i's [Hkv, D] rows (src_stride elements
  * apart per token) at slot slots[i] of every head.
  *
- * head_dim a multiple of 16 (64 and 128 in practice) takes the vector kernel: 16 keys scored at once per query
- * head (their dot products summed across lanes in one transpose tree), keys and values two blocks ahead
- * prefetched a row at a time while this one is computed (the blocks are scattered over a pool far larger than the
- * caches; a whole block's prefetches at once stalled on full miss queues, 1.25x slower), and
+ * head_dim a multiple of 16 (64 and 128 in practice) takes the vector kernel: LANES keys (16; 8 on AVX2) scored
+ * at once per query head (their dot products summed across lanes in one transpose tree), keys and values two
+ * blocks ahead prefetched a row at a time while this one is computed (the blocks are scattered over a pool far
+ * larger than the caches; a whole block's prefetches at once stalled on full miss queues, 1.25x slower), and
  * with avx512_bf16 the bfloat16 scores as bf16 dot products (exact products, float32 sums). Other head_dims take
  * the scalar kernel. Either way a query's result never depends on the other sequences of the call. */
 #include <math.h>
@@ -28,7 +28,11 @@
 
 #include "fast_math.h"
 
-#define LANES 16  /* floats per vector (GCC vector extension: AVX-512, or two AVX2 registers) */
+#if defined(__AVX512F__)
+#define LANES 16  /* floats per vector (GCC vector extension): one AVX-512 register */
+#else
+#define LANES 8   /* one AVX2 register: 16 took two */
+#endif
 #define CACHE_LINE 64
 #define PREFETCH_LEVEL 1      /* into L2 (1.3-1.5x faster here than into L1, whose fill buffers it would clog) */
 #define PREFETCH_DISTANCE 2   /* blocks ahead */
@@ -42,15 +46,27 @@ typedef uint16_t vhalf __attribute__((vector_size(LANES * sizeof(uint16_t)), ali
 /* One 64-byte load: the memcpy below became two 32-byte stores to the stack and a 64-byte reload, a store-forwarding
  * stall on every key row (Intel; 3x the float32 kernel's time). */
 static inline vfloat load_f32(const float *p) { return (vfloat)_mm512_loadu_ps(p); }
-#else
-static inline vfloat load_f32(const float *p) { vfloat v; __builtin_memcpy(&v, p, sizeof v); return v; }
+#else  /* a plain dereference (the type's alignment is 4): a memcpy went through the stack here too */
+static inline vfloat load_f32(const float *p) { return *(const vfloat *)p; }
 #endif
 static inline vfloat load_bf16(const uint16_t *p) {
-    vhalf h;
-    __builtin_memcpy(&h, p, sizeof h);
-    return (vfloat)(__builtin_convertvector(h, vint) << 16);
+    return (vfloat)(__builtin_convertvector(*(const vhalf *)p, vint) << 16);
 }
 
+#if LANES == 8
+/* r[i] = the sum of v[i]'s lanes, for 8 vectors at once: three levels of pairing halves. */
+static inline vfloat lane_sums(const vfloat v[LANES]) {
+    vfloat x[4], y[2];
+    for (int i = 0; i < 4; i++)  /* x[i]: 4 partial sums of v[2i], then 4 of v[2i+1] */
+        x[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11)
+             + __builtin_shufflevector(v[2 * i], v[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+    for (int i = 0; i < 2; i++)  /* y[i]: 2 partial sums each of v[4i .. 4i+3] */
+        y[i] = __builtin_shufflevector(x[2 * i], x[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13)
+             + __builtin_shufflevector(x[2 * i], x[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15);
+    return __builtin_shufflevector(y[0], y[1], 0, 2, 4, 6, 8, 10, 12, 14)
+         + __builtin_shufflevector(y[0], y[1], 1, 3, 5, 7, 9, 11, 13, 15);
+}
+#else
 /* r[i] = the sum of v[i]'s lanes, for 16 vectors at once: four levels of pairing halves. */
 static inline vfloat lane_sums(const vfloat v[LANES]) {
     vfloat w[8], x[4], y[2];
@@ -69,6 +85,7 @@ static inline vfloat lane_sums(const vfloat v[LANES]) {
     return __builtin_shufflevector(y[0], y[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30)
          + __builtin_shufflevector(y[0], y[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
+#endif
 
 static inline void prefetch(const void *p, int64_t bytes) {
     for (int64_t i = 0; i < bytes; i += CACHE_LINE) __builtin_prefetch((const char *)p + i, 0, PREFETCH_LEVEL);
@@ -186,19 +203,19 @@ static void NAME(const T *q, int64_t q_stride, const T *k, const T *v, const int
 #define DOT_F32 DOT_WIDE(load_f32)
 #define DOT_BF16_WIDE DOT_WIDE(load_bf16)
 
-PAGED_DECODE_VEC(decode_f32_d16, float, 1, load_f32, DOT_F32, NO_QDECL, NO_QLOAD, f32_put)
-PAGED_DECODE_VEC(decode_f32_d32, float, 2, load_f32, DOT_F32, NO_QDECL, NO_QLOAD, f32_put)
-PAGED_DECODE_VEC(decode_f32_d64, float, 4, load_f32, DOT_F32, NO_QDECL, NO_QLOAD, f32_put)
-PAGED_DECODE_VEC(decode_f32_d128, float, 8, load_f32, DOT_F32, NO_QDECL, NO_QLOAD, f32_put)
-PAGED_DECODE_VEC(decode_bf16_d16, uint16_t, 1, load_bf16, DOT_BF16_WIDE, NO_QDECL, NO_QLOAD, bf16_put)
+PAGED_DECODE_VEC(decode_f32_d16, float, 16 / LANES, load_f32, DOT_F32, NO_QDECL, NO_QLOAD, f32_put)
+PAGED_DECODE_VEC(decode_f32_d32, float, 32 / LANES, load_f32, DOT_F32, NO_QDECL, NO_QLOAD, f32_put)
+PAGED_DECODE_VEC(decode_f32_d64, float, 64 / LANES, load_f32, DOT_F32, NO_QDECL, NO_QLOAD, f32_put)
+PAGED_DECODE_VEC(decode_f32_d128, float, 128 / LANES, load_f32, DOT_F32, NO_QDECL, NO_QLOAD, f32_put)
+PAGED_DECODE_VEC(decode_bf16_d16, uint16_t, 16 / LANES, load_bf16, DOT_BF16_WIDE, NO_QDECL, NO_QLOAD, bf16_put)
 #if defined(__AVX512BF16__)
 PAGED_DECODE_VEC(decode_bf16_d32, uint16_t, 2, load_bf16, DOT_BF16_NATIVE, QBF_DECL, QBF_LOAD, bf16_put)
 PAGED_DECODE_VEC(decode_bf16_d64, uint16_t, 4, load_bf16, DOT_BF16_NATIVE, QBF_DECL, QBF_LOAD, bf16_put)
 PAGED_DECODE_VEC(decode_bf16_d128, uint16_t, 8, load_bf16, DOT_BF16_NATIVE, QBF_DECL, QBF_LOAD, bf16_put)
 #else
-PAGED_DECODE_VEC(decode_bf16_d32, uint16_t, 2, load_bf16, DOT_BF16_WIDE, NO_QDECL, NO_QLOAD, bf16_put)
-PAGED_DECODE_VEC(decode_bf16_d64, uint16_t, 4, load_bf16, DOT_BF16_WIDE, NO_QDECL, NO_QLOAD, bf16_put)
-PAGED_DECODE_VEC(decode_bf16_d128, uint16_t, 8, load_bf16, DOT_BF16_WIDE, NO_QDECL, NO_QLOAD, bf16_put)
+PAGED_DECODE_VEC(decode_bf16_d32, uint16_t, 32 / LANES, load_bf16, DOT_BF16_WIDE, NO_QDECL, NO_QLOAD, bf16_put)
+PAGED_DECODE_VEC(decode_bf16_d64, uint16_t, 64 / LANES, load_bf16, DOT_BF16_WIDE, NO_QDECL, NO_QLOAD, bf16_put)
+PAGED_DECODE_VEC(decode_bf16_d128, uint16_t, 128 / LANES, load_bf16, DOT_BF16_WIDE, NO_QDECL, NO_QLOAD, bf16_put)
 #endif
 
 /* A row of D values as float32: float32 rows are read in place, bfloat16 rows are widened into `tmp`. */
