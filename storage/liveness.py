@@ -24,8 +24,7 @@ def db_now(session: Session) -> datetime:
     """The database's clock (UTC): PostgreSQL's `now()`, the transaction's start; SQLite: this host's."""
     if session.get_bind().dialect.name == "sqlite":
         return utcnow()
-    now = session.scalar(select(func.now()))
-    return now.replace(tzinfo=UTC) if now.tzinfo is None else now.astimezone(UTC)
+    return _utc(session.scalar(select(func.now())))
 
 
 def database_started_at(session: Session) -> datetime | None:
@@ -33,8 +32,11 @@ def database_started_at(session: Session) -> datetime | None:
     has no such notion (SQLite)."""
     if session.get_bind().dialect.name != "postgresql":
         return None
-    started = session.scalar(select(func.pg_postmaster_start_time()))
-    return started.replace(tzinfo=UTC) if started.tzinfo is None else started.astimezone(UTC)
+    return _utc(session.scalar(select(func.pg_postmaster_start_time())))
+
+
+def _utc(moment: datetime) -> datetime:
+    return moment.replace(tzinfo=UTC) if moment.tzinfo is None else moment.astimezone(UTC)
 
 
 def lease_until(session: Session) -> datetime:

@@ -201,7 +201,7 @@ def run_embed(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from engine.model_loader import resolve_model
-    from tokenmill.bench import embed, peak
+    from tokenmill.bench import embed
     from tokenmill.bench.sentences import held_out_sentences
     from tokenmill.bench.vllm_compare import cpu_description
 
@@ -213,9 +213,7 @@ def run_embed(args: argparse.Namespace) -> int:
     console = Console(width=max(Console().width, 150))
     console.print(f"machine: {cpu_description()}; {args.threads} threads")
     model_dir = resolve_model(args.model)
-    for dtype in [d for d in dtypes if not peak.native(d)]:
-        console.print(f"{dtype} skipped: this CPU has no native {dtype} (avx512_bf16 or AMX)")
-    dtypes = [d for d in dtypes if peak.native(d)]
+    dtypes = native_dtypes(dtypes, console)
     if not dtypes:
         return 0
     texts = held_out_sentences(args.num_sentences, seed=args.seed)
@@ -242,6 +240,15 @@ def run_embed(args: argparse.Namespace) -> int:
             json.dump({"machine": cpu_description(), "results": [dataclasses.asdict(r) for r in results]}, f,
                       indent=2)
     return 0
+
+
+def native_dtypes(dtypes: list[str], console) -> list[str]:
+    """The dtypes this CPU runs natively; a line for each one skipped (bfloat16 without avx512_bf16 or AMX)."""
+    from tokenmill.bench import peak
+
+    for dtype in [d for d in dtypes if not peak.native(d)]:
+        console.print(f"{dtype} skipped: this CPU has no native {dtype} (avx512_bf16 or AMX)")
+    return [d for d in dtypes if peak.native(d)]
 
 
 def add_against_options(parser: argparse.ArgumentParser, batch1: bool = True) -> None:
@@ -427,9 +434,7 @@ def run_peak(args: argparse.Namespace) -> int:
     console = Console(width=max(Console().width, 120))
     console.print(f"machine: {vllm_compare.cpu_description()}, {args.threads} threads")
     model_dir = resolve_model(args.model)
-    for dtype in [d for d in dtypes if not peak.native(d)]:
-        console.print(f"{dtype} skipped: this CPU has no native {dtype} (avx512_bf16 or AMX)")
-    peaks = [peak.measure(model_dir, dtype) for dtype in dtypes if peak.native(dtype)]
+    peaks = [peak.measure(model_dir, dtype) for dtype in native_dtypes(dtypes, console)]
     console.print(peak.peak_table(peaks))
     console.print(peak.limit_table(peaks))
     if args.json:
