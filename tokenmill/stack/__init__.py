@@ -115,17 +115,25 @@ def _has_live_member(pgid: int) -> bool:
 
 def stop_group(pgid: int, grace_s: float = STOP_GRACE_S) -> bool:
     """SIGTERM the process group, SIGKILL what is left after grace_s; True once it is gone."""
+    return not stop_groups([pgid], grace_s)
+
+
+def stop_groups(pgids: list[int], grace_s: float = STOP_GRACE_S) -> list[int]:
+    """stop_group for all of them at once: their graceful shutdowns overlap, so `stack down` waits for the slowest,
+    not their sum. Returns the groups still alive."""
+    left = list(pgids)
     for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
-        try:
-            os.killpg(pgid, sig)
-        except ProcessLookupError:
-            return True
+        for pgid in left:
+            try:
+                os.killpg(pgid, sig)
+            except ProcessLookupError:
+                pass
         deadline = time.monotonic() + wait
-        while time.monotonic() < deadline:
-            if not group_alive(pgid):
-                return True
+        while (left := [g for g in left if group_alive(g)]) and time.monotonic() < deadline:
             time.sleep(0.1)
-    return not group_alive(pgid)
+        if not left:
+            return []
+    return left
 
 
 def port_open(port: int) -> bool:
@@ -426,10 +434,11 @@ def down(state_dir: Path) -> list[str]:
     stack = Stack(state_dir)
     if not stack.state:
         return []
-    problems = []
-    for name, pgid in reversed(list(stack.state.get("processes", {}).items())):
-        if not stop_group(pgid):
-            problems.append(f"{name} (process group {pgid}) would not stop")
+    processes = stack.state.get("processes", {})
+    stuck: set[int] = set()
+    for last in (False, True):  # Redis last: the workers' warm shutdown acks through it
+        stuck |= set(stop_groups([pgid for name, pgid in processes.items() if (name == "redis") == last]))
+    problems = [f"{name} (process group {pgid}) would not stop" for name, pgid in processes.items() if pgid in stuck]
     for script in reversed(stack.state.get("scripts", [])):
         try:
             stack.script(script, "stop", str(stack.dir / script))
