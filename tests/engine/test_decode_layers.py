@@ -73,15 +73,3 @@ def test_the_one_call_stops_where_amx_hands_long_prefills_to_onednn(model_dir):
     assert model.decode_layers is not None and model.decode_rows_max == cpu_gemm.AMX_MAX_ROWS
     model.set_row_tile(cpu_gemm.INVARIANT_ROWS)  # batch-invariant mode: the AMX kernel at any number of rows
     assert model.decode_layers is not None and model.decode_rows_max is None
-
-
-def test_tensor_parallel_shards_keep_the_python_loop(model_dir):
-    """A shard's row-parallel projections all-reduce their partial sums, which the one call would skip."""
-    llm = LLM(str(model_dir), dtype="bfloat16", tensor_parallel_size=3, num_threads=1, max_model_len=128,
-              kv_cache_memory=32 << 20)
-    try:
-        assert llm.engine.runner.model.decode_layers is None
-        (output,) = llm.generate(["The capital of France is"], SamplingParams(max_tokens=3, temperature=0))
-        assert output.outputs[0].text.strip().startswith("Paris")
-    finally:
-        llm.engine.shutdown()

@@ -199,6 +199,13 @@ def smollm_engines(model_dir):
     tp3.engine.shutdown()
 
 
+def test_tensor_parallel_shards_keep_the_python_loop(smollm_engines):
+    """A shard's row-parallel projections all-reduce their partial sums, which the one-call decode layers
+    (cpu_kernel.DecodeLayers) would skip: a TP rank's model runs its Python loop of layers."""
+    _, tp3 = smollm_engines
+    assert tp3.engine.runner.model.decode_layers is None  # test_smollm2_tp3_matches_tp1 checks its tokens
+
+
 def test_smollm2_tp3_matches_tp1(smollm_engines):
     tp1, tp3 = smollm_engines
     shard = tp3.engine.runner
