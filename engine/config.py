@@ -10,6 +10,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 BACKENDS = ("auto", "torch", "triton")
 DEVICES = ("auto", "cpu", "cuda")
 SCHEDULING_POLICIES = ("fcfs", "priority")
+FLOAT32_MATMUL_PRECISIONS = ("highest", "high")  # as torch.set_float32_matmul_precision
 
 
 @dataclass
@@ -43,6 +44,9 @@ class EngineConfig:
     # on where it costs nothing, i.e. our own GEMM kernels run the model's dtype (engine/models/cpu_gemm.py)
     batch_invariant: bool | str = False
     tensor_parallel_size: int = 1  # processes the model is sharded over (engine/distributed/)
+    # float32 encoders: "high" runs their GEMMs as 3 bfloat16 products on AMX tiles (about 16 bits of precision,
+    # what PyTorch's "high" allows), where the CPU has AMX; "highest": float32 arithmetic
+    float32_matmul_precision: str = "highest"
 
     def __post_init__(self) -> None:
         self.validate()
@@ -72,6 +76,9 @@ class EngineConfig:
         need(self.admission_lookahead >= 1, f"admission_lookahead must be >= 1, got {self.admission_lookahead}")
         need(self.batch_invariant in (True, False, "auto"),
              f"batch_invariant must be true, false or 'auto', got {self.batch_invariant!r}")
+        need(self.float32_matmul_precision in FLOAT32_MATMUL_PRECISIONS,
+             f"float32_matmul_precision must be one of {FLOAT32_MATMUL_PRECISIONS}, "
+             f"got {self.float32_matmul_precision!r}")
         need(self.tensor_parallel_size >= 1, f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         need(0 < self.memory_utilization <= 1, f"memory_utilization must be in (0, 1], got {self.memory_utilization}")
         if not self.enable_chunked_prefill and self.max_model_len is not None:

@@ -75,12 +75,14 @@ class EmbeddingEngine:
         if self.device.type == "cpu":
             heap.keep_freed_memory()
         self.dtype = pick_dtype(config.dtype, self.device)
-        self.model = load_encoder(self.model_dir, hf_config, self.dtype, self.device)
+        self.model = load_encoder(self.model_dir, hf_config, self.dtype, self.device,
+                                  float32_split=config.float32_matmul_precision == "high")
         self.embedding_size = hf_config.hidden_size
         self.vocab_size = hf_config.vocab_size
         self.waiting: OrderedDict[str, _Waiting] = OrderedDict()
         self.num_batches = self.num_tokens = 0
-        log.info("embedding model %s: %s, %s, max_model_len %d, pooling %s%s", config.model, self.dtype, self.device,
+        log.info("embedding model %s: %s%s, %s, max_model_len %d, pooling %s%s", config.model, self.dtype,
+                 ", matmul precision high" if config.float32_matmul_precision == "high" else "", self.device,
                  self.max_model_len, self.pooling.mode, " + normalize" if self.pooling.normalize else "")
 
     # -- requests -------------------------------------------------------------------------------------
@@ -198,7 +200,8 @@ class EmbeddingEngine:
         return result.cpu()
 
 
-def load_encoder(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.device) -> BertEncoder:
+def load_encoder(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.device,
+                 float32_split: bool = False) -> BertEncoder:
     from safetensors import safe_open
 
     with torch.device("meta"):
@@ -214,7 +217,7 @@ def load_encoder(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.d
     model.load_hf_weights(weights())
     model = model.to(dtype).eval()
     if device.type == "cpu":
-        model.pack_for_cpu()
+        model.pack_for_cpu(float32_split)
     return model
 
 

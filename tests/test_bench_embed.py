@@ -1,5 +1,6 @@
 """`tokenmill bench embed` end to end on a few sentences: tokenmill, sentence-transformers (default and best batch
-size) and vLLM's row (here: not installed) in one table, with the CPU flags, tokenmill's ratio and the cosines."""
+size) and vLLM's row (here: not installed) in one table, with the CPU flags, tokenmill's ratio and the cosines; on
+CPUs with AMX also tokenmill's float32 with matmul precision "high"."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 
 import pytest
 
+from tokenmill.bench.embed import MATMUL_HIGH, matmul_high_runs
 from tokenmill.cli import main
 
 pytestmark = pytest.mark.real_model
@@ -22,13 +24,18 @@ def test_bench_embed_prints_every_system_side_by_side(tmp_path, capsys):
     assert "embedding throughput: 64 held-out sentences" in printed
     data = json.loads(out.read_text())
     rows = {r["system"]: r for r in data["results"]}
-    assert list(rows) == ["tokenmill", "sentence-transformers", "sentence-transformers best", "vLLM"]
+    high = [MATMUL_HIGH] if matmul_high_runs() else []
+    assert list(rows) == ["tokenmill", *high, "sentence-transformers", "sentence-transformers best", "vLLM"]
     assert rows["vLLM"]["seconds"] is None and "not installed" in rows["vLLM"]["note"]
     assert rows["sentence-transformers best"]["seconds"] <= rows["sentence-transformers"]["seconds"]
     assert all(rows[name]["min_cosine"] >= 0.9999 for name in ("sentence-transformers", "sentence-transformers best"))
+    assert all(rows[name]["min_cosine"] >= 0.99999 for name in high)  # against tokenmill's "highest" vectors
     assert rows["tokenmill"]["sentences"] == 64 and rows["tokenmill"]["tokens"] > 64 * 5
-    ours, *others = [r["sentences"] / r["seconds"] for r in rows.values() if r["seconds"]]
-    assert "x best other" in printed and f"{ours / max(others):.2f}x" in printed
+    others = [r["sentences"] / r["seconds"] for name, r in rows.items() if r["seconds"] and "tokenmill" not in name]
+    for name in ["tokenmill", *high]:
+        ours = rows[name]["sentences"] / rows[name]["seconds"]
+        assert f"{ours / max(others):.2f}x" in printed, name
+    assert "x best other" in printed
 
 
 def test_bench_embed_skips_bfloat16_on_a_cpu_without_native_bfloat16(monkeypatch, capsys):

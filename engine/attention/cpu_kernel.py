@@ -83,6 +83,10 @@ def _library() -> ctypes.CDLL | None:
     library.amx_pack_bf16.argtypes, library.amx_pack_bf16.restype = [ptr, ptr, i64, i64], None
     library.amx_linear_bf16.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, threads]
     library.amx_linear_bf16.restype = None
+    library.amx_split_f32.argtypes, library.amx_split_f32.restype = [ptr, ptr, i64, i64, ctypes.c_int, threads], None
+    library.amx_linear_split_f32.argtypes = [ptr, ptr, ptr, ctypes.c_int, ctypes.c_int, ptr, ptr, i64, i64, i64,
+                                             threads]
+    library.amx_linear_split_f32.restype = None
     library.amx_packed_attention_bf16.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32, threads]
     library.amx_packed_attention_bf16.restype = ctypes.c_int
     library.avx512_gemm_ready.argtypes, library.avx512_gemm_ready.restype = [], ctypes.c_int
@@ -199,7 +203,7 @@ class EncoderOps:
     tensors."""
 
     def __init__(self, library: ctypes.CDLL, dtype: torch.dtype) -> None:
-        suffix = SUFFIXES[dtype]
+        suffix, self.dtype = SUFFIXES[dtype], dtype
         self._attention = getattr(library, f"packed_attention_{suffix}")
         self._add_layer_norm = getattr(library, f"add_layer_norm_{suffix}")
         self._amx_attention = library.amx_packed_attention_bf16 if dtype == torch.bfloat16 and amx_ready() else None
@@ -279,6 +283,46 @@ def gemm_linear(kind: str, x: torch.Tensor, packed: torch.Tensor, bias: torch.Te
     linear = _library().amx_linear_bf16 if kind == "amx" else getattr(_library(), f"avx512_linear_{SUFFIXES[x.dtype]}")
     linear(x.data_ptr(), packed.data_ptr(), bias.data_ptr() if bias is not None else None, out.data_ptr(),
            x.shape[0], out_features, x.shape[1], torch.get_num_threads())
+    return out
+
+
+SPLIT_TERMS = {  # bfloat16 parts per float32 -> the (x part, weight part) products summed, smallest first
+    2: ((1, 0), (0, 1), (0, 0)),
+    3: ((2, 0), (1, 1), (0, 2), (1, 0), (0, 1), (0, 0)),
+}
+
+
+def split_parts(t: torch.Tensor, parts: int) -> list[torch.Tensor]:
+    """float32 `t` as `parts` bfloat16 tensors summing to it: the nearest bfloat16, the nearest to what it left..."""
+    rest, out = t.float(), []
+    for _ in range(parts):
+        out.append(rest.bfloat16())
+        rest = rest - out[-1].float()
+    return out
+
+
+def split_pack(weight: torch.Tensor, parts: int) -> torch.Tensor:
+    """A float32 weight [out, in] (`gemm_fits`) split into bfloat16 parts and packed for `split_linear`: one segment
+    of `in` along the depth per product in SPLIT_TERMS[parts]."""
+    pieces = split_parts(weight.detach(), parts)
+    return gemm_pack("amx", torch.cat([pieces[w] for _, w in SPLIT_TERMS[parts]], dim=1))
+
+
+def split_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int,
+                 parts: int) -> torch.Tensor:
+    """float32 x [rows, in] @ weight.T + bias on the AMX tiles from the weight packed by `split_pack`: x split into
+    `parts` bfloat16 parts, the products of SPLIT_TERMS summed in float32 (amx_gemm.c says how exact)."""
+    x = x.contiguous()
+    rows, depth = x.shape
+    library = _library()
+    x_parts = torch.empty(rows * parts * depth, dtype=torch.bfloat16)
+    threads = torch.get_num_threads()
+    library.amx_split_f32(x.data_ptr(), x_parts.data_ptr(), rows, depth, parts, threads)
+    x_part = (ctypes.c_int32 * len(SPLIT_TERMS[parts]))(*(xp for xp, _ in SPLIT_TERMS[parts]))
+    out = torch.empty((rows, out_features), dtype=torch.float32)
+    library.amx_linear_split_f32(x_parts.data_ptr(), packed.data_ptr(), x_part, len(x_part), parts,
+                                 bias.data_ptr() if bias is not None else None, out.data_ptr(), rows, out_features,
+                                 depth, threads)
     return out
 
 

@@ -49,8 +49,8 @@ class EncoderLinear(Linear):
         self.act = act
         self.post_op: tuple[str, str] | None = None
 
-    def pack(self, own_kernels: bool = True) -> None:
-        super().pack(own_kernels)
+    def pack(self, own_kernels: bool = True, float32_split: bool = False) -> None:
+        super().pack(own_kernels, float32_split)
         if self.act is not None and self.packed.packed is not None and self.packed.kind == "onednn" \
                 and post_ops_pay():
             self.post_op = ONEDNN_POST_OPS[self.act]
@@ -232,10 +232,11 @@ class BertEncoder(nn.Module):
         if missing:
             raise ValueError(f"encoder weights missing from the checkpoint: {', '.join(missing[:5])}")
 
-    def pack_for_cpu(self) -> None:
+    def pack_for_cpu(self, float32_split: bool = False) -> None:
+        """`float32_split`: float32 GEMMs as bfloat16 parts on AMX tiles where they run (`PackedWeight`)."""
         for module in self.modules():  # oneDNN: at an encoder's thousands of rows per batch it beats our AMX kernel
             if isinstance(module, Linear):
-                module.pack(own_kernels=False)
+                module.pack(own_kernels=False, float32_split=float32_split)
         self.ops = cpu_kernel.encoder_ops(self.word_embeddings.weight.dtype)
         for layer in self.layers:  # the packed attention kernel takes head_dims of whole vectors only
             layer.ops = self.ops
@@ -245,16 +246,16 @@ class BertEncoder(nn.Module):
 
 def packed_attention_preferred(ops: cpu_kernel.EncoderOps, head_dim: int) -> bool:
     """The C kernel's attention over packed rows (no padding), or torch's fused attention per bucket of like-length
-    rows: `TOKENMILL_ENCODER_ATTENTION=packed|torch`, else packed, on AMX tiles where it runs there (bfloat16), and
-    torch's elsewhere on CPUs with AMX, where torch's multiplies on the tiles and the packed kernel would not
-    (all-MiniLM-L6-v2 on an Intel Xeon, 2 threads: 344 -> 420 sentences/s in bfloat16, float32 about the same; on
-    AMD EPYCs without AMX the packed kernel was the faster)."""
+    rows: `TOKENMILL_ENCODER_ATTENTION=packed|torch`, else packed (on AMX tiles where it runs there), except in
+    bfloat16 on CPUs with AMX where the tiles don't take the head_dim: torch's multiplies on the tiles there and the
+    packed kernel would not (all-MiniLM-L6-v2 on an Intel Xeon, 2 threads: 344 -> 420 sentences/s in bfloat16). In
+    float32 the packed kernel is the faster everywhere (that Xeon: attention 0.95 -> 0.4 s of 1,500 sentences)."""
     forced = os.environ.get("TOKENMILL_ENCODER_ATTENTION")
     if forced not in (None, "", "packed", "torch"):
         raise ValueError(f"TOKENMILL_ENCODER_ATTENTION must be packed or torch, not {forced!r}")
     if forced:
         return forced == "packed"
-    return ops.tiles_take(head_dim) or not torch.cpu._is_amx_tile_supported()
+    return ops.tiles_take(head_dim) or ops.dtype != torch.bfloat16 or not torch.cpu._is_amx_tile_supported()
 
 
 def _table(rows: int, size: int) -> nn.Module:

@@ -40,6 +40,8 @@ TIMED_ROWS = (4, 32)  # a small and a typical decode batch
 INVARIANT_ROWS = 64  # rows of every GEMM call in batch-invariant mode
 GEMM_PROBE = 64  # a weight side every kernel takes
 AMX_MAX_ROWS = 512  # more rows than this go to oneDNN (`F.linear`), except in batch-invariant mode
+SPLIT_PARTS = 2  # bfloat16 parts per float32 in "amx_split": 3 products, PyTorch's "high" (3 parts: 6, as exact
+# as float32, but slower than oneDNN's float32 on a 2-core Xeon)
 ONEDNN_ROWS = 64  # oneDNN builds (JIT-compiles) a kernel per new row count: longer inputs are padded to a multiple
 
 
@@ -70,9 +72,12 @@ class PackedWeight:
 
     row_tile = 0  # > 0: batch-invariant, every call in tiles of this many rows
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, own_kernels: bool = True) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, own_kernels: bool = True,
+                 float32_split: bool = False) -> None:
         """`own_kernels=False`: oneDNN or MKL even where our kernels run (an encoder's batches of thousands of rows,
-        where oneDNN fuses the activation into the GEMM)."""
+        where oneDNN fuses the activation into the GEMM). `float32_split`: a float32 weight runs as bfloat16 parts
+        on the AMX tiles where they run ("amx_split": `cpu_kernel.split_linear`, float32 matmul precision
+        "high")."""
         self.weight, self.bias, self.packed = weight, bias, None
         self.bias_f32 = bias.detach().float() if bias is not None else None
         if weight.device.type != "cpu" or weight.dim() != 2:
@@ -81,6 +86,8 @@ class PackedWeight:
             self.kind = bfloat16_kernel(*weight.shape) if own_kernels else "onednn"
             if self.kind == "onednn" and not (_mkldnn_ok() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
                 return
+        elif weight.dtype == torch.float32 and float32_split and split_runs(*weight.shape):
+            self.kind = "amx_split"
         elif weight.dtype == torch.float32 and torch._C.has_mkl:
             self.kind = float32_kernel(*weight.shape, own_kernels) if _mkldnn_ok() else "mkl"
         else:
@@ -95,13 +102,13 @@ class PackedWeight:
     @property
     def invariant_kernel(self) -> bool:
         """The kernel itself gives a row the same result in any batch: no tiles needed."""
-        return self.packed is not None and self.kind in cpu_kernel.GEMM_KINDS
+        return self.packed is not None and self.kind in (*cpu_kernel.GEMM_KINDS, "amx_split")
 
     def set_row_tile(self, tile: int) -> None:
         """Batch-invariant mode on (`tile` rows per call) or off (0). On, float32 leaves the timed kernel choice
         (it may differ between processes) for a fixed one, repacking the weight if needed."""
         self.row_tile = tile
-        if tile and self.packed is not None and self.weight.dtype == torch.float32 \
+        if tile and self.packed is not None and self.weight.dtype == torch.float32 and self.kind != "amx_split" \
                 and self.kind != (fixed := fixed_float32_kernel(*self.weight.shape)):
             self.kind, self.packed = fixed, _pack(self.weight.detach(), fixed)
 
@@ -112,6 +119,8 @@ class PackedWeight:
             return onednn_rows(lambda rows: F.linear(rows, self.weight, self.bias), x)
         if self.kind in cpu_kernel.GEMM_KINDS:
             return cpu_kernel.gemm_linear(self.kind, x, self.packed, self.bias_f32, self.weight.shape[0])
+        if self.kind == "amx_split":
+            return cpu_kernel.split_linear(x, self.packed, self.bias_f32, self.weight.shape[0], SPLIT_PARTS)
         if self.kind == "onednn":
             return onednn_rows(lambda rows: torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none",
                                                                                [], ""), x)
@@ -119,6 +128,8 @@ class PackedWeight:
 
 
 def _pack(weight: torch.Tensor, kind: str) -> torch.Tensor:
+    if kind == "amx_split":
+        return cpu_kernel.split_pack(weight, SPLIT_PARTS)
     if kind in cpu_kernel.GEMM_KINDS:
         return cpu_kernel.gemm_pack(kind, weight)
     if kind == "onednn":
@@ -132,6 +143,11 @@ def _run(kind: str, x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor)
     if kind == "onednn":
         return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
     return torch.ops.mkl._mkl_linear(x, packed, weight, None, PACK_ROWS)
+
+
+def split_runs(out_features: int, in_features: int) -> bool:
+    """float32 as bfloat16 parts on the AMX tiles runs here for a weight of this shape."""
+    return cpu_kernel.amx_ready() and cpu_kernel.gemm_fits("amx", out_features, in_features)
 
 
 def _own_kernel_runs(kind: str, dtype: torch.dtype, out_features: int, in_features: int) -> bool:
@@ -227,8 +243,8 @@ class Linear(torch.nn.Linear):
     packed: PackedWeight | None = None
     row_tile = 0  # batch-invariant mode without a packed kernel (e.g. CUDA): F.linear in tiles of this many rows
 
-    def pack(self, own_kernels: bool = True) -> None:
-        self.packed = PackedWeight(self.weight, self.bias, own_kernels)
+    def pack(self, own_kernels: bool = True, float32_split: bool = False) -> None:
+        self.packed = PackedWeight(self.weight, self.bias, own_kernels, float32_split)
 
     def set_row_tile(self, tile: int) -> None:
         self.row_tile = tile

@@ -137,3 +137,41 @@ def test_long_inputs_reach_onednn_padded_to_a_multiple_of_its_rows():
     x = torch.randn(130, 8)
     assert torch.equal(onednn_rows(linear, x), x * 2) and seen == [192]
     assert torch.equal(onednn_rows(linear, x[:64]), x[:64] * 2) and seen[-1] == 64  # short inputs as they come
+
+
+@pytest.mark.skipif(not cpu_kernel.amx_ready(), reason="float32 as bfloat16 parts runs on AMX tiles only")
+@pytest.mark.parametrize("parts", [2, 3])
+@pytest.mark.parametrize("shape", [(960, 576), (384, 1536)], ids=["slice_outer", "depth_outer"])
+def test_float32_as_bfloat16_parts_on_amx_is_near_float32_and_the_same_bits_in_any_batch(parts, shape):
+    """3 products of 2 parts keep about 16 bits (PyTorch's "high"); 6 of 3 parts are as close to the exact sum as
+    float32's own GEMM. Either way far closer than one bfloat16 product, and each row's bits fixed in any batch."""
+    generator = torch.Generator().manual_seed(5)
+    weight = torch.randn(*shape, generator=generator) / 20
+    bias = torch.randn(shape[0], generator=generator)
+    x = torch.randn(300, shape[1], generator=generator)
+    packed = cpu_kernel.split_pack(weight, parts)
+    full = cpu_kernel.split_linear(x, packed, bias, shape[0], parts)
+    exact = x.double() @ weight.double().T + bias.double()
+
+    def error(y: torch.Tensor) -> float:
+        return ((y.double() - exact).abs().max() / exact.abs().max()).item()
+
+    float32_error = error(F.linear(x, weight, bias))
+    bfloat16_error = error(F.linear(x.bfloat16(), weight.bfloat16(), bias.bfloat16()).float())
+    assert error(full) <= (4 * float32_error if parts == 3 else 2 ** -15), (error(full), float32_error)
+    assert error(full) * 100 < bfloat16_error
+    for first, end in ((0, 1), (5, 6), (11, 13), (17, 90), (100, 300), (299, 300)):
+        assert torch.equal(cpu_kernel.split_linear(x[first:end], packed, bias, shape[0], parts), full[first:end])
+    no_bias = cpu_kernel.split_linear(x[:40], packed, None, shape[0], parts)
+    assert torch.allclose(no_bias, full[:40] - bias, rtol=1e-4, atol=1e-5)
+
+
+def test_float32_split_is_asked_for_and_runs_where_the_cpu_has_amx():
+    weight = torch.randn(960, 576)
+    packed = PackedWeight(weight, float32_split=True)
+    assert (packed.kind == "amx_split") == cpu_kernel.amx_ready()
+    assert packed.invariant_kernel or not cpu_kernel.amx_ready()
+    x = torch.randn(37, 576)
+    reference = F.linear(x, weight)
+    assert (packed(x) - reference).abs().max() <= 2 ** -14 * reference.abs().max()
+    assert PackedWeight(weight).kind != "amx_split"

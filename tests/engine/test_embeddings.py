@@ -22,7 +22,8 @@ def sentences() -> list[str]:
 
 @pytest.fixture(scope="module", params=["packed", "torch"])
 def llm(request):
-    """Both attention paths: the C kernel over packed rows, and torch's per bucket (the default on AMX CPUs)."""
+    """Both attention paths: the C kernel over packed rows, and torch's per bucket (the default in bfloat16 on AMX
+    CPUs whose tiles don't take the head_dim)."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("TOKENMILL_ENCODER_ATTENTION", request.param)
         engine = LLM(model=MODEL, dtype="float32", num_threads=2)
@@ -129,3 +130,23 @@ def test_the_tiles_attention_kernel_matches_softmax_attention_per_row():
             q, k, v = qkv[start:start + length].float().view(length, 3, heads, head_dim).permute(1, 2, 0, 3)
             expected = torch.nn.functional.scaled_dot_product_attention(q, k, v).transpose(0, 1).reshape(length, -1)
             assert (out[start:start + length] - expected).abs().max() < 0.03, f"length {length}, head_dim {head_dim}"
+
+
+def test_float32_matmul_precision_high_runs_on_amx_tiles_within_the_bound(sentences, reference):
+    """float32 with matmul precision "high": on CPUs with AMX every projection runs as three bfloat16 products on
+    the tiles, still within the bound against sentence-transformers and batched the same as alone; elsewhere as
+    "highest"."""
+    from engine.attention import cpu_kernel
+    from engine.config import EngineConfig
+    from engine.models.cpu_gemm import Linear
+
+    with pytest.raises(ValueError, match="float32_matmul_precision must be one of"):
+        EngineConfig(model=MODEL, float32_matmul_precision="medium")
+    llm = LLM(model=MODEL, dtype="float32", num_threads=2, float32_matmul_precision="high")
+    kinds = {m.packed.kind for m in llm.engine.model.modules() if isinstance(m, Linear)}
+    assert (kinds == {"amx_split"}) == cpu_kernel.amx_ready(), kinds
+    ours = _matrix(llm.embed(sentences))
+    theirs = reference.encode(sentences, normalize_embeddings=True, convert_to_numpy=True)
+    assert (ours * theirs).sum(1).min() >= 0.9999
+    alone = np.concatenate([_matrix(llm.embed([s])) for s in sentences[::6]])
+    assert np.abs(ours[::6] - alone).max() < 1e-5

@@ -46,11 +46,15 @@ def min_cosine(a: np.ndarray, b: np.ndarray) -> float:
     return float((a * b).sum(1).min())
 
 
-def run_tokenmill(model: str, texts: list[str], dtype: str, threads: int, batch_tokens: int
-                  ) -> tuple[EmbedResult, np.ndarray]:
+MATMUL_HIGH = "tokenmill, matmul high"  # float32 with float32_matmul_precision="high" (bfloat16 parts on AMX)
+
+
+def run_tokenmill(model: str, texts: list[str], dtype: str, threads: int, batch_tokens: int,
+                  precision: str = "highest") -> tuple[EmbedResult, np.ndarray]:
     from engine import LLM, PoolingParams
 
-    llm = LLM(model=model, dtype=dtype, num_threads=threads, max_num_batched_tokens=batch_tokens)
+    llm = LLM(model=model, dtype=dtype, num_threads=threads, max_num_batched_tokens=batch_tokens,
+              float32_matmul_precision=precision)
     params = PoolingParams(truncate=True)
     llm.embed(texts[:64], params)  # warm-up
     started = time.perf_counter()
@@ -58,8 +62,18 @@ def run_tokenmill(model: str, texts: list[str], dtype: str, threads: int, batch_
     seconds = time.perf_counter() - started
     tokens = sum(len(o.prompt_token_ids) for o in outputs)
     vectors = np.array([o.outputs.embedding for o in outputs], dtype=np.float32)
+    if precision == "high":
+        return EmbedResult(MATMUL_HIGH, dtype, seconds, len(texts), tokens,
+                           "3 bfloat16 products per float32 product, AMX tiles"), vectors
     return EmbedResult("tokenmill", dtype, seconds, len(texts), tokens,
                        f"packed batches of <= {batch_tokens} tokens"), vectors
+
+
+def matmul_high_runs() -> bool:
+    """float32_matmul_precision="high" changes anything on this CPU: the AMX tiles run the float32 GEMMs."""
+    from engine.models.cpu_gemm import split_runs
+
+    return split_runs(32, 32)
 
 
 def sentence_transformer(model_dir: Path, dtype: str):
@@ -99,27 +113,36 @@ def run_sentence_transformers(model_dir: Path, texts: list[str], dtype: str, tok
 
 
 def run_in_fresh_process(model: str, model_dir: Path, texts: list[str], dtype: str, threads: int,
-                         batch_tokens: int) -> tuple[EmbedResult, list[EmbedResult], np.ndarray]:
-    """tokenmill, then sentence-transformers (with its cosines against tokenmill's vectors), in a process of
-    their own for this dtype: run after another dtype's systems in one process, both came out about a third
-    slower in bfloat16 (vLLM runs in its own process anyway)."""
+                         batch_tokens: int, matmul_high: bool = True
+                         ) -> tuple[list[EmbedResult], list[EmbedResult], np.ndarray]:
+    """tokenmill (in float32 also with matmul precision "high" where `matmul_high` and the CPU has AMX, its cosines
+    against the "highest" vectors), then sentence-transformers (with its cosines against tokenmill's vectors), in a
+    process of their own for this dtype: run after another dtype's systems in one process, both came out about a
+    third slower in bfloat16 (vLLM runs in its own process anyway)."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(_measure_in_process, model, model_dir, texts, dtype, threads, batch_tokens).result()
+        return pool.submit(_measure_in_process, model, model_dir, texts, dtype, threads, batch_tokens,
+                           matmul_high).result()
 
 
 def _measure_in_process(model: str, model_dir: Path, texts: list[str], dtype: str, threads: int,
-                        batch_tokens: int) -> tuple[EmbedResult, list[EmbedResult], np.ndarray]:
+                        batch_tokens: int, matmul_high: bool
+                        ) -> tuple[list[EmbedResult], list[EmbedResult], np.ndarray]:
     import torch
 
     torch.set_num_threads(threads)
     ours, vectors = run_tokenmill(model, texts, dtype, threads, batch_tokens)
+    results = [ours]
+    if matmul_high and dtype == "float32" and matmul_high_runs():
+        high, high_vectors = run_tokenmill(model, texts, dtype, threads, batch_tokens, precision="high")
+        high.min_cosine = min_cosine(vectors, high_vectors)
+        results.append(high)
     st_results, st_vectors = run_sentence_transformers(model_dir, texts, dtype, ours.tokens)
     for result in st_results:
         result.min_cosine = min_cosine(vectors, st_vectors)
-    return ours, st_results, vectors
+    return results, st_results, vectors
 
 
 def run_vllm(model_dir: Path, texts: list[str], dtype: str, threads: int, tokens: int, venv: str | None
@@ -147,8 +170,8 @@ def embed_table(results: list[EmbedResult], title: str):
     table = Table("system", "dtype", "seconds", "sentences/s", "tokens/s", "x best other", "min cosine", "note",
                   title=title)
     for r in results:
-        others = [o.sentences_per_s for o in results
-                  if o.dtype == r.dtype and o.system != r.system and o.sentences_per_s and r.system == "tokenmill"]
+        others = [o.sentences_per_s for o in results if o.dtype == r.dtype and o.sentences_per_s
+                  and not o.system.startswith("tokenmill") and r.system.startswith("tokenmill")]
         ratio = f"{r.sentences_per_s / max(others):.2f}x" if others and r.sentences_per_s else "-"
         table.add_row(r.system, r.dtype, f"{r.seconds:.1f}" if r.seconds else "-",
                       f"{r.sentences_per_s:.1f}" if r.sentences_per_s else "-",

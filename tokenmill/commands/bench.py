@@ -158,7 +158,8 @@ def register(commands: argparse._SubParsersAction) -> None:
         "embed", help="embedding throughput: tokenmill vs sentence-transformers vs vLLM",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="N held-out sentences of mixed length (a seeded phrase grammar, 8 to about 260 tokens; inputs "
-                    "over the model's max_seq_length are truncated by every system) embedded by tokenmill, by "
+                    "over the model's max_seq_length are truncated by every system) embedded by tokenmill (in "
+                    "float32 on CPUs with AMX also with --float32-matmul-precision high), by "
                     "sentence-transformers' encode at its default batch size and at its best batch size (a sweep "
                     "on a sample), and by vLLM's CPU build (from its own venv, `make vllm-venv`; 'not installed' "
                     "without it), per dtype, in one run. Prints sentences/s and tokens/s side by side, tokenmill's "
@@ -173,6 +174,9 @@ def register(commands: argparse._SubParsersAction) -> None:
     em.add_argument("--batch-tokens", type=int, default=2048,
                     help="tokenmill's token budget of one packed batch (default: 2048)")
     em.add_argument("--vllm-venv", help="vLLM's virtualenv (default: $TOKENMILL_VLLM_VENV or .vllm-venv)")
+    em.add_argument("--no-matmul-high", action="store_true",
+                    help="skip the second tokenmill float32 row, run with --float32-matmul-precision high (float32 "
+                         "GEMMs as three bfloat16 products on AMX tiles; only on CPUs with AMX)")
     em.add_argument("--seed", type=int, default=20260201, help="sentence generator seed (default: 20260201)")
     em.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     em.set_defaults(handler=run_embed)
@@ -225,9 +229,10 @@ def run_embed(args: argparse.Namespace) -> int:
             console.print(f"{result.system} {result.dtype}: {rate}")
 
     for dtype in dtypes:
-        ours, st_results, vectors = embed.run_in_fresh_process(args.model, model_dir, texts, dtype, args.threads,
-                                                               args.batch_tokens)
-        done(ours, *st_results)
+        ours_results, st_results, vectors = embed.run_in_fresh_process(
+            args.model, model_dir, texts, dtype, args.threads, args.batch_tokens, not args.no_matmul_high)
+        ours = ours_results[0]
+        done(*ours_results, *st_results)
         vllm, vllm_vectors = embed.run_vllm(model_dir, texts, dtype, args.threads, ours.tokens, args.vllm_venv)
         if vllm_vectors is not None:
             vllm.min_cosine = embed.min_cosine(vectors, vllm_vectors)

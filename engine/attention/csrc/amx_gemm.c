@@ -85,6 +85,21 @@ static inline void store_rows(const float *c, int64_t ldc, const float *bias, ui
         }
 }
 
+/* One k block: C tiles 0-1 += x tile a0 by weight blocks b0, b1 (and 2-3 += a1 by them when count == 2). */
+static inline void pair_step(const uint16_t *a0, const uint16_t *a1, int count, int64_t stride, const uint16_t *b0,
+                             const uint16_t *b1) {
+    _tile_loadd(4, a0, stride);
+    _tile_loadd(6, b0, 64);
+    _tile_loadd(7, b1, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    if (count == 2) {
+        _tile_loadd(5, a1, stride);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+    }
+}
+
 /* One or two 16-row tiles of x times a 32-column weight slice (blocks b0, b1): C tiles 0-1 (and 2-3). */
 static inline void rows2_x_pair(const uint16_t *const a[2], int count, const uint16_t *b0, const uint16_t *b1,
                                 int64_t k_blocks, int64_t stride, float *c) {
@@ -92,16 +107,7 @@ static inline void rows2_x_pair(const uint16_t *const a[2], int count, const uin
     for (int64_t kb = 0; kb < k_blocks; kb++) {
         prefetch_block(b0 + (kb + PREFETCH_BLOCKS) * BLOCK_ELEMS);
         prefetch_block(b1 + (kb + PREFETCH_BLOCKS) * BLOCK_ELEMS);
-        _tile_loadd(4, a[0] + kb * TILE_K, stride);
-        _tile_loadd(6, b0 + kb * BLOCK_ELEMS, 64);
-        _tile_loadd(7, b1 + kb * BLOCK_ELEMS, 64);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 4, 7);
-        if (count == 2) {
-            _tile_loadd(5, a[1] + kb * TILE_K, stride);
-            _tile_dpbf16ps(2, 5, 6);
-            _tile_dpbf16ps(3, 5, 7);
-        }
+        pair_step(a[0] + kb * TILE_K, a[1] + kb * TILE_K, count, stride, b0 + kb * BLOCK_ELEMS, b1 + kb * BLOCK_ELEMS);
     }
     _tile_stored(0, c, 128); _tile_stored(1, c + 16, 128); _tile_stored(2, c + 512, 128); _tile_stored(3, c + 528, 128);
 }
@@ -152,6 +158,139 @@ void amx_linear_bf16(const uint16_t *x, const uint16_t *packed, const float *bia
         KERNEL_END;
     }
     free(padded);
+#endif
+}
+
+/* float32 GEMMs on the bfloat16 tiles, as exact splits: every float32 is the sum of `parts` bfloat16 numbers (hi, then
+ * what hi left, ...: 3 parts hold all 24 bits of its significand) and x @ w.T is the sum of the products of parts
+ * whose order adds up to at most parts - 1 (0 = hi). Products of bfloat16s are exact in float32 and the tiles sum
+ * in float32, so 3 parts (6 products) are as accurate as a float32 GEMM: each product loses what lies below
+ * 2^-24 of it; 2 parts (3 products) keep about 16 bits, PyTorch's "high" float32 matmul precision. */
+
+/* x [m, k] float32 -> parts [m][parts][k] bfloat16, each part the nearest bfloat16 to what the ones before left. */
+void amx_split_f32(const float *x, uint16_t *out, int64_t m, int64_t k, int parts, int threads) {
+#ifdef HAVE_AMX
+    _Pragma("omp parallel for num_threads(threads) schedule(static)")
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t col = 0; col < k; col += 16) {
+            __m512 rest = _mm512_loadu_ps(x + r * k + col);
+            for (int p = 0; p < parts; p++) {
+                const __m256i part = (__m256i)_mm512_cvtneps_pbh(rest);
+                _mm256_storeu_si256((__m256i *)(out + (r * parts + p) * k + col), part);
+                rest = _mm512_sub_ps(rest, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(part), 16)));
+            }
+        }
+#endif
+}
+
+#define SPLIT_CHUNK_BYTES (1 << 19) /* what one pass over the weight keeps in L2: a chunk's rows of x or their sums */
+#define SPLIT_K_BLOCKS 12 /* k blocks per pass over a chunk's rows: that much of a weight slice, 24 KiB, stays in L1 */
+
+#ifdef HAVE_AMX
+/* C tiles 0-3 for a pair of row tiles (a[1] unused when count == 1) by a 32-column slice (b0, b1), over `blocks`
+ * k blocks: started from the bias (or zero) on the first pass, else from the sums in c[i] (row stride ldc
+ * floats), and stored back there. */
+static inline void split_tiles(const uint16_t *const a[2], int count, int64_t a_stride, const uint16_t *b0,
+                               const uint16_t *b1, int64_t blocks, int first, const float *bias, float *const c[2],
+                               int64_t ldc) {
+    if (first && bias) { /* stride 0: the bias row in all 16 rows */
+        _tile_loadd(0, bias, 0); _tile_loadd(1, bias + 16, 0); _tile_loadd(2, bias, 0); _tile_loadd(3, bias + 16, 0);
+    } else if (first) {
+        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+    } else {
+        _tile_loadd(0, c[0], ldc * 4); _tile_loadd(1, c[0] + 16, ldc * 4);
+        _tile_loadd(2, c[1], ldc * 4); _tile_loadd(3, c[1] + 16, ldc * 4);
+    }
+    for (int64_t kb = 0; kb < blocks; kb++) {
+        pair_step(a[0] + kb * TILE_K, a[1] + kb * TILE_K, count, a_stride, b0 + kb * BLOCK_ELEMS,
+                  b1 + kb * BLOCK_ELEMS);
+    }
+    _tile_stored(0, c[0], ldc * 4); _tile_stored(1, c[0] + 16, ldc * 4);
+    if (count == 2) { _tile_stored(2, c[1], ldc * 4); _tile_stored(3, c[1] + 16, ldc * 4); }
+}
+#endif
+
+#ifdef HAVE_AMX
+typedef struct {
+    const uint16_t *x, *a_tail, *packed;
+    const int32_t *x_part;
+    const float *bias;
+    float *y, *c_tail;
+    int64_t n, k, k_blocks, width, full, terms;
+} split_gemm;
+
+/* Rows tiles [first_tile, end_tile) by slice s over segment t's k blocks [kb0, kb0 + SPLIT_K_BLOCKS). */
+static void split_pass(const split_gemm *g, int64_t s, int t, int64_t kb0, int64_t first_tile, int64_t end_tile) {
+    const int64_t blocks = g->k_blocks - kb0 < SPLIT_K_BLOCKS ? g->k_blocks - kb0 : SPLIT_K_BLOCKS;
+    const int64_t block = (t * g->k_blocks + kb0) * BLOCK_ELEMS;
+    const uint16_t *b0 = g->packed + s * 2 * g->terms * g->k * TILE_N + block;
+    const uint16_t *b1 = b0 + g->terms * g->k * TILE_N;
+    for (int64_t tile = first_tile; tile < end_tile; tile += 2) {
+        const int count = end_tile - tile < 2 ? 1 : 2;
+        const uint16_t *a[2];
+        float *c[2];
+        for (int i = 0; i < 2; i++) {
+            const int64_t row_tile = tile + (i < count ? i : 0);
+            a[i] = (row_tile < g->full ? g->x + row_tile * TILE_M * g->width : g->a_tail) + g->x_part[t] * g->k
+                   + kb0 * TILE_K;
+            c[i] = (row_tile < g->full ? g->y + row_tile * TILE_M * g->n : g->c_tail) + s * 2 * TILE_N;
+        }
+        split_tiles(a, count, g->width * 2, b0, b1, blocks, t == 0 && kb0 == 0,
+                    g->bias ? g->bias + s * 2 * TILE_N : NULL, c, g->n);
+    }
+}
+#endif
+
+/* y [m, n] float32 = x @ w.T + bias (float32, or NULL) from x split by amx_split_f32 into `parts` ([m][parts][k])
+ * and the weight packed by amx_pack_bf16 as `terms` segments of k along its depth, segment t holding the weight's
+ * part that multiplies x's part x_part[t]; n % 32 == 0, k % 32 == 0. Rows go in chunks, each a pass over the
+ * weight: a slice of the weight at a time over all its depth while the chunk's parts stay in cache, or, where more
+ * rows fit that way (a wide k and a narrow n), a depth range at a time over all slices while the chunk's sums stay
+ * in cache. Every output sums its segments and blocks in one order at any m. Threads split the 32-column slices. */
+void amx_linear_split_f32(const uint16_t *x, const uint16_t *packed, const int32_t *x_part, int terms, int parts,
+                          const float *bias, float *y, int64_t m, int64_t n, int64_t k, int threads) {
+#ifdef HAVE_AMX
+    const int64_t k_blocks = k / TILE_K, width = parts * k, slices = n / (2 * TILE_N);
+    const int64_t full = m / TILE_M, tail = m % TILE_M, row_tiles = full + (tail ? 1 : 0);
+    const int64_t by_slice = SPLIT_CHUNK_BYTES / (TILE_M * width * 2);
+    const int64_t by_depth = SPLIT_CHUNK_BYTES / (TILE_M * (n * 4 + SPLIT_K_BLOCKS * TILE_K * 2));
+    const int depth_outer = by_depth > by_slice;
+    int64_t chunk_tiles = (depth_outer ? by_depth : by_slice) / 2 * 2;
+    if (chunk_tiles < 2) chunk_tiles = 2;
+    uint16_t *a_tail = NULL; /* the partial last row tile, zero-filled to 16 rows, and its sums */
+    float *c_tail = NULL;
+    if (tail) {
+        a_tail = aligned_alloc(64, TILE_M * width * 2);
+        memcpy(a_tail, x + full * TILE_M * width, tail * width * 2);
+        memset(a_tail + tail * width, 0, (TILE_M - tail) * width * 2);
+        c_tail = aligned_alloc(64, TILE_M * n * 4);
+    }
+    const split_gemm g = {x, a_tail, packed, x_part, bias, y, c_tail, n, k, k_blocks, width, full, terms};
+    _Pragma("omp parallel num_threads(threads)")
+    {
+        KERNEL_BEGIN;
+        configure_tiles();
+        for (int64_t chunk = 0; chunk < row_tiles; chunk += chunk_tiles) {
+            const int64_t end = chunk + chunk_tiles < row_tiles ? chunk + chunk_tiles : row_tiles;
+            if (depth_outer) {
+                for (int t = 0; t < terms; t++)
+                    for (int64_t kb0 = 0; kb0 < k_blocks; kb0 += SPLIT_K_BLOCKS) {
+                        _Pragma("omp for schedule(static) nowait") /* the same slices every pass */
+                        for (int64_t s = 0; s < slices; s++) split_pass(&g, s, t, kb0, chunk, end);
+                    }
+            } else {
+                _Pragma("omp for schedule(static) nowait")
+                for (int64_t s = 0; s < slices; s++)
+                    for (int t = 0; t < terms; t++)
+                        for (int64_t kb0 = 0; kb0 < k_blocks; kb0 += SPLIT_K_BLOCKS) split_pass(&g, s, t, kb0, chunk, end);
+            }
+        }
+        _tile_release();
+        KERNEL_END;
+    }
+    if (tail) memcpy(y + full * TILE_M * n, c_tail, tail * n * 4);
+    free(a_tail);
+    free(c_tail);
 #endif
 }
 
