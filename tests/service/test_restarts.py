@@ -67,7 +67,8 @@ def logs_of(stack, pattern: str) -> str:
 def test_a_redis_restart_mid_job_loses_nothing_and_clients_reconnect(stack, sessions, tmp_path) -> None:
     """Redis (broker and result backend, no persistence) restarted by the stack with its own settings: the
     workers and beat reconnect, the reconciler resends what was queued, and a fresh client pings the workers."""
-    job_id, ids = start_job(stack, tmp_path, "redis-restart", rows=16, max_tokens=8)
+    # 24 shards: 16 (8 shards) were all taken by the two workers before the first finished on a 2-core Xeon
+    job_id, ids = start_job(stack, tmp_path, "redis-restart", rows=48, max_tokens=8)
     a_shard_completed(sessions, job_id)
     assert any(s["status"] == "pending" for s in shard_rows(sessions, job_id)), "nothing was queued at the restart"
     stack_module().restart(stack.dir, "redis")
