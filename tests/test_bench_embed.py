@@ -45,3 +45,20 @@ def test_bench_embed_skips_bfloat16_on_a_cpu_without_native_bfloat16(monkeypatch
     assert code == 0, printed
     assert "bfloat16 skipped: this CPU has no native bfloat16" in printed
     assert "embedding throughput" not in printed
+
+
+def test_a_vllm_that_dies_at_start_is_run_once_more_and_the_table_says_so(monkeypatch, tmp_path):
+    import numpy as np
+
+    from tokenmill.bench import embed, vllm_compare
+
+    outcomes = [(embed.EmbedResult("vLLM", "float32", None, 2, 9, "failed to run: terminate called"), None),
+                (embed.EmbedResult("vLLM", "float32", 1.0, 2, 9, "vLLM 0.32.0 (start-up 40 s)"), np.ones((2, 4)))]
+    monkeypatch.setattr(vllm_compare, "vllm_python", lambda venv: tmp_path / "python")
+    monkeypatch.setattr(embed, "_run_vllm_once", lambda *args: outcomes.pop(0))
+    result, vectors = embed.run_vllm(tmp_path, ["a", "b"], "float32", 2, 9, None)
+    assert vectors is not None and result.seconds == 1.0
+    assert result.note == "vLLM 0.32.0 (start-up 40 s); run again after: terminate called"
+    outcomes[:] = [(embed.EmbedResult("vLLM", "float32", None, 2, 9, f"failed to run: {n}"), None) for n in "xy"]
+    result, vectors = embed.run_vllm(tmp_path, ["a", "b"], "float32", 2, 9, None)
+    assert vectors is None and result.note == "failed to run: y" and not outcomes

@@ -6,6 +6,7 @@ sentence-transformers does."""
 from __future__ import annotations
 
 import json
+import logging
 import tempfile
 import time
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ from tokenmill.bench import vllm_compare
 ST_DEFAULT_BATCH = 32  # SentenceTransformer.encode's default batch_size
 ST_SWEEP = (16, 64, 128)  # other batch sizes tried for its best, on a sample
 SWEEP_SAMPLE = 1000  # at most; a quarter of the texts when fewer
+log = logging.getLogger("tokenmill.bench.embed")
 WORKER = Path(__file__).with_name("vllm_embed_worker.py")
 
 
@@ -145,18 +147,37 @@ def _measure_in_process(model: str, model_dir: Path, texts: list[str], dtype: st
     return results, st_results, vectors
 
 
+VLLM_ATTEMPTS = 2  # vLLM's CPU build died now and then at start on an AMX Xeon ("terminate called without an
+# active exception"); the same command ran on the next try
+
+
 def run_vllm(model_dir: Path, texts: list[str], dtype: str, threads: int, tokens: int, venv: str | None
              ) -> tuple[EmbedResult, np.ndarray | None]:
     python = vllm_compare.vllm_python(venv)
     if python is None:
         return EmbedResult("vLLM", dtype, None, len(texts), tokens, "not installed (make vllm-venv)"), None
+    failures = []
+    for _ in range(VLLM_ATTEMPTS):
+        result, vectors = _run_vllm_once(python, model_dir, texts, dtype, threads, tokens)
+        if vectors is not None:
+            if failures:
+                result.note += f"; run again after: {failures[0].removeprefix('failed to run: ')}"
+            return result, vectors
+        failures.append(result.note)
+    return result, None
+
+
+def _run_vllm_once(python: Path, model_dir: Path, texts: list[str], dtype: str, threads: int, tokens: int
+                   ) -> tuple[EmbedResult, np.ndarray | None]:
     with tempfile.TemporaryDirectory(prefix="tokenmill-vllm-embed-") as tmp:
         spec, result = Path(tmp) / "spec.json", Path(tmp) / "result.json"
         spec.write_text(json.dumps({"model": str(model_dir), "dtype": dtype, "texts": texts}))
         proc = vllm_compare.run_in_own_group([str(python), str(WORKER), str(spec), str(result)],
                                              vllm_compare.vllm_env(threads), tmp, timeout=3600)
         if proc.returncode != 0 or not result.exists():
-            last = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+            output = (proc.stderr or proc.stdout).strip().splitlines()
+            log.warning("vLLM (%s) exited %s:\n%s", dtype, proc.returncode, "\n".join(output[-20:]))
+            last = output[-1:] or ["no output"]
             return EmbedResult("vLLM", dtype, None, len(texts), tokens, f"failed to run: {last[0][:120]}"), None
         data = json.loads(result.read_text())
     return (EmbedResult("vLLM", dtype, data["seconds"], len(texts), tokens,
