@@ -5,6 +5,8 @@ whatever the number of rows, so they are batch-invariant as they are:
   batches of 1-64 rows on a 2-core Xeon; over `AMX_MAX_ROWS` rows, outside batch-invariant mode, oneDNN);
 - "avx512": bfloat16 with avx512_bf16 dot products, and float32 with FMA, on AVX-512 vectors (avx512_gemm.c; on a
   2-core AMD EPYC 1.2-1.3x oneDNN at 4-64 rows in both dtypes, and on par up to 1,024 rows).
+- "amx_split": float32 as bfloat16 parts on the AMX tiles (float32 matmul precision "high", for encoders that ask
+  for it; `cpu_kernel.split_linear`), batch-invariant too.
 bfloat16 runs on AMX where the CPU has it, else on AVX-512 with avx512_bf16, else through oneDNN
 (`TOKENMILL_BF16_GEMM=amx|avx512|onednn`).
 float32 runs through MKL (the same kernel as `F.linear`, bit for bit), oneDNN or our AVX-512 kernel, whichever is
