@@ -75,14 +75,14 @@ class EmbeddingEngine:
         if self.device.type == "cpu":
             heap.keep_freed_memory()
         self.dtype = pick_dtype(config.dtype, self.device)
-        self.model = load_encoder(self.model_dir, hf_config, self.dtype, self.device,
-                                  float32_split=config.float32_matmul_precision == "high")
+        float32_split = config.float32_matmul_precision == "high"
+        self.model = load_encoder(self.model_dir, hf_config, self.dtype, self.device, float32_split=float32_split)
         self.embedding_size = hf_config.hidden_size
         self.vocab_size = hf_config.vocab_size
         self.waiting: OrderedDict[str, _Waiting] = OrderedDict()
         self.num_batches = self.num_tokens = 0
         log.info("embedding model %s: %s%s, %s, max_model_len %d, pooling %s%s", config.model, self.dtype,
-                 ", matmul precision high" if config.float32_matmul_precision == "high" else "", self.device,
+                 ", matmul precision high" if float32_split else "", self.device,
                  self.max_model_len, self.pooling.mode, " + normalize" if self.pooling.normalize else "")
 
     # -- requests -------------------------------------------------------------------------------------

@@ -308,6 +308,12 @@ def split_pack(weight: torch.Tensor, parts: int) -> torch.Tensor:
     return gemm_pack("amx", torch.cat([pieces[w] for _, w in SPLIT_TERMS[parts]], dim=1))
 
 
+@functools.cache
+def _split_x_parts(parts: int) -> ctypes.Array:
+    """x's part in each product of SPLIT_TERMS[parts], as amx_linear_split_f32 takes them."""
+    return (ctypes.c_int32 * len(SPLIT_TERMS[parts]))(*(x_part for x_part, _ in SPLIT_TERMS[parts]))
+
+
 def split_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int,
                  parts: int) -> torch.Tensor:
     """float32 x [rows, in] @ weight.T + bias on the AMX tiles from the weight packed by `split_pack`: x split into
@@ -318,7 +324,7 @@ def split_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | Non
     x_parts = torch.empty(rows * parts * depth, dtype=torch.bfloat16)
     threads = torch.get_num_threads()
     library.amx_split_f32(x.data_ptr(), x_parts.data_ptr(), rows, depth, parts, threads)
-    x_part = (ctypes.c_int32 * len(SPLIT_TERMS[parts]))(*(xp for xp, _ in SPLIT_TERMS[parts]))
+    x_part = _split_x_parts(parts)
     out = torch.empty((rows, out_features), dtype=torch.float32)
     library.amx_linear_split_f32(x_parts.data_ptr(), packed.data_ptr(), x_part, len(x_part), parts,
                                  bias.data_ptr() if bias is not None else None, out.data_ptr(), rows, out_features,

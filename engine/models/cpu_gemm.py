@@ -148,8 +148,9 @@ def _run(kind: str, x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor)
 
 
 def split_runs(out_features: int, in_features: int) -> bool:
-    """float32 as bfloat16 parts on the AMX tiles runs here for a weight of this shape."""
-    return cpu_kernel.amx_ready() and cpu_kernel.gemm_fits("amx", out_features, in_features)
+    """float32 as bfloat16 parts on the AMX tiles runs here for a weight of this shape (the AMX bfloat16 kernel's
+    condition: the parts are its operands)."""
+    return _own_kernel_runs("amx", torch.bfloat16, out_features, in_features)
 
 
 def _own_kernel_runs(kind: str, dtype: torch.dtype, out_features: int, in_features: int) -> bool:
