@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from engine import heap
+from engine.attention import cpu_kernel
 from engine.config import EngineConfig
 from engine.model_loader import pick_device, pick_dtype, resolve_model
 from engine.models.bert import SUPPORTED_MODEL_TYPES, BertEncoder, PackedBatch
@@ -75,7 +76,7 @@ class EmbeddingEngine:
         if self.device.type == "cpu":
             heap.keep_freed_memory()
         self.dtype = pick_dtype(config.dtype, self.device)
-        float32_split = config.float32_matmul_precision == "high"
+        float32_split = self._float32_split(config.float32_matmul_precision)
         self.model = load_encoder(self.model_dir, hf_config, self.dtype, self.device, float32_split=float32_split)
         self.embedding_size = hf_config.hidden_size
         self.vocab_size = hf_config.vocab_size
@@ -84,6 +85,16 @@ class EmbeddingEngine:
         log.info("embedding model %s: %s%s, %s, max_model_len %d, pooling %s%s", config.model, self.dtype,
                  ", matmul precision high" if float32_split else "", self.device,
                  self.max_model_len, self.pooling.mode, " + normalize" if self.pooling.normalize else "")
+
+    def _float32_split(self, precision: str) -> bool:
+        """Whether float32 matmul precision "high" takes effect: a float32 model on a CPU with AMX tiles."""
+        if precision != "high":
+            return False
+        if self.dtype == torch.float32 and self.device.type == "cpu" and cpu_kernel.amx_ready():
+            return True
+        log.warning("float32 matmul precision 'high' needs a float32 model on a CPU with AMX; this one (%s on %s) "
+                    "runs at 'highest'", self.dtype, self.device)
+        return False
 
     # -- requests -------------------------------------------------------------------------------------
 

@@ -132,19 +132,21 @@ def test_the_tiles_attention_kernel_matches_softmax_attention_per_row():
             assert (out[start:start + length] - expected).abs().max() < 0.03, f"length {length}, head_dim {head_dim}"
 
 
-def test_float32_matmul_precision_high_runs_on_amx_tiles_within_the_bound(sentences, reference):
+def test_float32_matmul_precision_high_runs_on_amx_tiles_within_the_bound(sentences, reference, caplog):
     """float32 with matmul precision "high": on CPUs with AMX every projection runs as three bfloat16 products on
     the tiles, still within the bound against sentence-transformers and batched the same as alone; elsewhere as
-    "highest"."""
+    "highest", with a warning that says so."""
     from engine.attention import cpu_kernel
     from engine.config import EngineConfig
     from engine.models.cpu_gemm import Linear
 
     with pytest.raises(ValueError, match="float32_matmul_precision must be one of"):
         EngineConfig(model=MODEL, float32_matmul_precision="medium")
-    llm = LLM(model=MODEL, dtype="float32", num_threads=2, float32_matmul_precision="high")
+    with caplog.at_level("WARNING", logger="tokenmill.engine"):
+        llm = LLM(model=MODEL, dtype="float32", num_threads=2, float32_matmul_precision="high")
     kinds = {m.packed.kind for m in llm.engine.model.modules() if isinstance(m, Linear)}
     assert (kinds == {"amx_split"}) == cpu_kernel.amx_ready(), kinds
+    assert ("runs at 'highest'" in caplog.text) != cpu_kernel.amx_ready(), caplog.text
     ours = _matrix(llm.embed(sentences))
     theirs = reference.encode(sentences, normalize_embeddings=True, convert_to_numpy=True)
     assert (ours * theirs).sum(1).min() >= 0.9999
