@@ -9,6 +9,7 @@ from importlib import import_module
 _EXPORTS = {
     "LLM": "engine.llm",
     "LLMEngine": "engine.llm_engine",
+    "BatchEngine": "engine.protocol",
     "EngineConfig": "engine.config",
     "SamplingParams": "engine.sampling_params",
     "RequestOutput": "engine.outputs",

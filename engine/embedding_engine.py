@@ -1,7 +1,7 @@
 """`EmbeddingEngine`: an encoder model's requests in, one vector each out. No KV cache and no decode: a step
 takes waiting requests up to the token budget (`max_num_batched_tokens`), orders them by length and runs them as
-one packed batch (see `engine.models.bert`). Its surface is `LLMEngine`'s where the job loop needs it
-(`add_request`, `step`, `abort`, `encode`, speculation as "none")."""
+one packed batch (see `engine.models.bert`). Like `LLMEngine`, it is a `BatchEngine` (engine/protocol.py), the
+surface the job loop needs (`add_request`, `step`, `abort`, speculation and batch invariance as "none")."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ class _Waiting:
 class EmbeddingEngine:
     """Embeds requests in packed, length-ordered batches of at most `max_num_batched_tokens` tokens."""
 
-    spec = None  # no speculative decoding: the job loop asks for it
+    spec = None  # no speculative decoding (`BatchEngine.spec`)
 
     def __init__(self, config: EngineConfig) -> None:
         from transformers import AutoConfig, AutoTokenizer

@@ -7,55 +7,35 @@ import json
 import logging
 import time
 import weakref
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 from engine.block_pool import KVCacheManager
 from engine.config import EngineConfig
-from engine.detokenizer import IncrementalDetokenizer, find_stop
 from engine.distributed.group import RankFailure
 from engine.metrics import EngineStats
 from engine.model_loader import resolve_model
 from engine.model_runner import ModelRunner
-from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, SampleLogprobs
+from engine.output_processor import OutputProcessor
+from engine.outputs import RequestOutput
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerLimits
 from engine.sequence import FinishReason, Sequence
-from engine.spec_decode.config import SpeculativeConfig
-from engine.spec_decode.decoder import SpecDecoder, draft_key
-from engine.spec_decode.draft import DraftSetup
-from engine.step_types import ModelRunnerOutput, SchedulerOutput
+from engine.spec_decode.decoder import SpecDecoder
+from engine.spec_decode.decoders import SpecDecoderCache
 from engine.structured_outputs import StructuredOutputs
 
 log = logging.getLogger("tokenmill.engine")
 
 Prompt = str | list[int]
-MAX_SPEC_DECODERS = 4  # speculative settings kept ready (jobs switch between them)
-MAX_DRAFT_PROPOSERS = 2  # distinct draft models (or self-draft depths) kept, each with its own KV pool
-
-
-@dataclass
-class _Request:
-    request_id: str
-    prompt: str | None
-    seqs: list[Sequence]
-    detokenizers: dict[int, IncrementalDetokenizer] = field(default_factory=dict)  # only with stop strings
-    logprobs: dict[int, SampleLogprobs] = field(default_factory=dict)  # seq_id -> per output token, if asked
-
-    @property
-    def finished(self) -> bool:
-        return all(s.is_finished for s in self.seqs) and len(self.seqs) == self.seqs[0].params.n
-
-    def add_sample(self, seq: Sequence, tokenizer) -> None:
-        self.seqs.append(seq)
-        if seq.params.stop:
-            self.detokenizers[seq.seq_id] = IncrementalDetokenizer(tokenizer, seq.prompt_token_ids)
 
 
 class LLMEngine:
+    """Generates text; a `BatchEngine` (engine/protocol.py) for the job path."""
+
+    embedding_size: int | None = None  # it generates text
+
     def __init__(self, config: EngineConfig) -> None:
         from transformers import AutoConfig, AutoTokenizer
 
@@ -92,40 +72,32 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self.scheduler = Scheduler(limits, kv, frozenset(eos),
                                    next_seq_id=self._seq_ids.__next__)
-        self.requests: dict[str, _Request] = {}
         self.stats = EngineStats()
+        self.output = OutputProcessor(self.tokenizer, self.sampler, self.stats)
         self.step_observers: list[Callable[[list[RequestOutput]], None]] = []
-        self.spec: SpecDecoder | None = None
-        self._spec_decoders: OrderedDict[str, SpecDecoder] = OrderedDict()  # least recently used first
-        self._spec_key: str | None = None
+        self.spec_decoders = SpecDecoderCache(config.speculative_config, self.runner, self.sampler,
+                                              tensor_parallel=self.ranks is not None)
         self._request_ids = itertools.count()
-        self._rejected: list[_Request] = []
         self.set_speculative_config(None)
 
-    def _speculation_key(self, settings: dict[str, Any] | None) -> str | None:
-        settings = settings if settings is not None else self.config.speculative_config
-        return json.dumps(settings, sort_keys=True) if settings else None
+    @property
+    def spec(self) -> SpecDecoder | None:
+        """The speculative decoder of the requests now running; None: no speculation."""
+        return self.spec_decoders.current
 
     def speculation_matches(self, settings: dict[str, Any] | None) -> bool:
         """Is `settings` (None: the engine's own) the speculative setting the engine runs now? Requests of
         another setting wait until the engine is idle, since `set_speculative_config` switches only then."""
-        return self._speculation_key(settings) == self._spec_key
+        return self.spec_decoders.matches(settings)
 
     def set_speculative_config(self, settings: dict[str, Any] | None) -> None:
         """Speculative decoding for the requests that follow (a job's own setting); None restores the
         engine's `speculative_config`. Decoders are kept, so switching back reloads no draft model."""
-        key = self._speculation_key(settings)
-        settings = settings if settings is not None else self.config.speculative_config
-        if key == self._spec_key:
+        if self.spec_decoders.matches(settings):
             return
         if self.has_unfinished_requests():
             raise RuntimeError("speculative decoding can only be switched while no request is running")
-        if key is not None and key not in self._spec_decoders:
-            self._spec_decoders[key] = self._new_decoder(SpeculativeConfig.from_dict(settings))
-        if key is not None:
-            self._spec_decoders.move_to_end(key)
-        self.spec = self._spec_decoders.get(key) if key else None
-        self._spec_key = key
+        self.spec_decoders.select(settings)
 
     def set_batch_invariant(self, on: bool | None) -> None:
         """Batch-invariant mode for the requests that follow (a job's own setting; None: the engine's
@@ -140,36 +112,6 @@ class LLMEngine:
 
     def batch_invariance_matches(self, on: bool | None) -> bool:
         return (self.config.batch_invariant if on is None else on) == self.runner.batch_invariant
-
-    def _new_decoder(self, config: SpeculativeConfig) -> SpecDecoder:
-        """A decoder that reuses the draft proposer (model and KV pool) of a kept decoder with the same draft.
-        At most MAX_SPEC_DECODERS decoders and MAX_DRAFT_PROPOSERS distinct drafts are kept: the least
-        recently used go first (the engine's own, from its config, is never dropped)."""
-        if config.method == "self" and self.ranks is not None:
-            raise ValueError("self-speculation runs the target's own sharded layers, which tensor parallelism "
-                             "does not support: use method ngram or draft (a draft model runs whole on rank 0)")
-        wanted = draft_key(config)
-        decoders = self._spec_decoders
-        shared = next((d.draft for d in decoders.values() if wanted is not None and draft_key(d.config) == wanted),
-                      None)
-        own = self.config.speculative_config
-        own_key = json.dumps(own, sort_keys=True) if own else None
-
-        def victims(with_draft: bool) -> list[str]:
-            return [k for k, d in decoders.items() if k != own_key and (d.draft is not None or not with_draft)]
-
-        while len(decoders) >= MAX_SPEC_DECODERS and (oldest := victims(False)):
-            del decoders[oldest[0]]
-        while (shared is None and wanted is not None and (oldest := victims(True))
-               and len({draft_key(d.config) for d in decoders.values() if d.draft is not None}) >= MAX_DRAFT_PROPOSERS):
-            dropped = draft_key(decoders[oldest[0]].config)
-            for key in [k for k in oldest if draft_key(decoders[k].config) == dropped]:
-                del decoders[key]
-        runner = self.runner
-        setup = DraftSetup(runner.model, runner.num_blocks, runner.block_size, runner.max_model_len, runner.dtype,
-                           runner.device, runner.kv_plan.draft_bytes_per_block, runner.make_backend, runner.tensor,
-                           self.sampler)
-        return SpecDecoder(config, setup, draft=shared)
 
     def shutdown(self) -> None:
         """Stop the other tensor-parallel ranks (they also stop when this process ends)."""
@@ -198,7 +140,7 @@ class LLMEngine:
         prefix-cache blocks only with requests of the same `cache_salt` (None: the shared, unsalted cache)."""
         params = params or SamplingParams()
         request_id = str(next(self._request_ids)) if request_id is None else request_id
-        if request_id in self.requests:
+        if request_id in self.output.requests:
             raise ValueError(f"request id {request_id!r} is already in the engine")
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise ValueError(f"priority must be an integer, got {priority!r}")
@@ -208,22 +150,13 @@ class LLMEngine:
             self.structured.compile(params.structured_outputs)  # an invalid schema fails here, as a ValueError
         seq = Sequence(next(self._seq_ids), request_id, self.encode(prompt), params, priority=priority,
                        cache_salt=cache_salt)
-        request = _Request(request_id, prompt if isinstance(prompt, str) else None, [])
-        request.add_sample(seq, self.tokenizer)
-        self.requests[request_id] = request
-        if not self.scheduler.add(seq):
-            self._rejected.append(request)
+        accepted = self.scheduler.add(seq)  # False: it can never run, and fails at the next step
+        self.output.add_request(request_id, prompt if isinstance(prompt, str) else None, seq, accepted)
         return request_id
-
-    def _drop(self, request_id: str) -> _Request | None:
-        request = self.requests.pop(request_id, None)
-        if request is not None:
-            self.sampler.release(s.seq_id for s in request.seqs)
-        return request
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now; it is dropped without an output. False when it is unknown or done."""
-        request = self._drop(request_id)
+        request = self.output.drop(request_id)
         if request is None:
             return False
         for seq in request.seqs:
@@ -232,11 +165,11 @@ class LLMEngine:
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        return bool(self.output.requests)
 
     @property
     def num_unfinished_requests(self) -> int:
-        return len(self.requests)
+        return len(self.output.requests)
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, sample; returns the requests that finished in this step.
@@ -248,13 +181,12 @@ class LLMEngine:
 
     def _step(self) -> list[RequestOutput]:
         started = time.perf_counter()
-        done = [self._finalize(r) for r in self._rejected]
-        self._rejected = []
+        done = self.output.finish_rejected()
         plan = self.scheduler.schedule(self.spec.lookahead(self.scheduler.running) if self.spec else 0)
-        done += self._failed(plan)
+        done += self.output.finish_failed(plan.failed)
         if plan.is_empty:  # everything was preempted or failed: the next step admits again
             return done
-        self._add_forks(plan)
+        self.output.add_forks(plan)
         num_decode_tokens = sum(1 for s in plan.scheduled
                                 if s.num_new_tokens == 1 and s.seq.num_computed_tokens >= s.seq.num_prompt_tokens)
         if self.spec:
@@ -267,53 +199,11 @@ class LLMEngine:
             raise
         if self.spec:
             self._record_spec(*self.spec.observe(plan, output, time.perf_counter() - ran))
-        finished = self.scheduler.update(plan, output, self._stop_strings(plan, output))
-        self._keep_logprobs(plan, output)
+        stops = self.output.stop_strings(plan, output, self.scheduler.kept_tokens)  # {seq_id: stop string}
+        finished = self.scheduler.update(plan, output, stops)
+        self.output.keep_logprobs(plan, output)
         self._record(plan, plan.num_batched_tokens - num_decode_tokens, output.num_tokens, started)
-        for seq in finished:
-            request = self.requests.get(seq.request_id)
-            if request is not None and request.finished:
-                done.append(self._finalize(request))
-        return done
-
-    def _failed(self, plan: SchedulerOutput) -> list[RequestOutput]:
-        """The outputs of requests that a sequence failing to be scheduled has finished."""
-        done = []
-        for seq in plan.failed:
-            request = self.requests.get(seq.request_id)
-            if request is not None and (request.finished or seq.fork_pending):
-                done.append(self._finalize(request))
-        return done
-
-    def _add_forks(self, plan: SchedulerOutput) -> None:
-        for children in plan.forks.values():
-            request = self.requests.get(children[0].request_id)
-            for child in children if request is not None else []:
-                request.add_sample(child, self.tokenizer)
-
-    def _stop_strings(self, plan: SchedulerOutput, output: ModelRunnerOutput) -> dict[int, str]:
-        """{seq_id: stop string} for the sequences whose new tokens' text reaches one of their stop strings."""
-        stopped = {}
-        for seq in plan.sampled_seqs():
-            request = self.requests.get(seq.request_id)
-            detok = request.detokenizers.get(seq.seq_id) if request is not None else None
-            if detok is None:
-                continue
-            kept, _ = self.scheduler.kept_tokens(seq, output.tokens_of(seq.seq_id))
-            new_text = detok.update(seq.token_ids + kept)
-            hit = find_stop(detok.text, len(new_text), seq.params.stop) if new_text else None
-            if hit is not None:
-                detok.stop_at(hit[0])
-                stopped[seq.seq_id] = hit[1]
-        return stopped
-
-    def _keep_logprobs(self, plan: SchedulerOutput, output: ModelRunnerOutput) -> None:
-        if not output.logprobs:
-            return
-        for seq in plan.sampled_seqs():
-            request = self.requests.get(seq.request_id)
-            if request is not None and seq.seq_id in output.logprobs:
-                request.logprobs.setdefault(seq.seq_id, []).extend(output.logprobs[seq.seq_id])
+        return done + self.output.finish(finished)
 
     def _record(self, plan, num_prefill_tokens: int, num_sampled: int, started: float) -> None:
         stats = self.stats
@@ -344,49 +234,6 @@ class LLMEngine:
         stats.prefix_cache_queries = kv.stats.queries
         stats.prefix_cache_hits = kv.stats.hits
         return stats
-
-    def _finalize(self, request: _Request) -> RequestOutput:
-        self._drop(request.request_id)
-        outputs = []
-        error = None
-        for seq in sorted(request.seqs, key=lambda s: s.sample_index):
-            detok = request.detokenizers.get(seq.seq_id)
-            if detok is not None:
-                detok.update(seq.token_ids)
-                text = detok.text
-            else:
-                text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
-            reason = seq.finish_reason.value if seq.finish_reason else None
-            completion = CompletionOutput(seq.sample_index, text, seq.output_token_ids, reason, seq.stop_reason)
-            if seq.params.logprobs is not None:
-                self._attach_logprobs(completion, request.logprobs.get(seq.seq_id, []))
-            outputs.append(completion)
-            error = error or seq.error
-        if error:
-            self.stats.num_requests_failed += 1
-        else:
-            self.stats.num_requests_finished += 1
-        first = request.seqs[0]
-        return RequestOutput(
-            request_id=request.request_id,
-            prompt=request.prompt,
-            prompt_token_ids=first.prompt_token_ids,
-            outputs=outputs,
-            finished=True,
-            num_cached_tokens=max(first.num_cached_tokens, 0),
-            error=error,
-            metrics=RequestMetrics(first.arrival_time, first.first_token_time, first.finish_time,
-                                   first.num_preemptions),
-        )
-
-    def _attach_logprobs(self, completion: CompletionOutput, logprobs: SampleLogprobs) -> None:
-        logprobs = logprobs[:len(completion.token_ids)]  # tokens dropped past a stop or max_tokens
-        for entry in logprobs:
-            for token, logprob in entry.items():
-                logprob.decoded_token = self.tokenizer.decode([token])
-        completion.logprobs = logprobs
-        completion.cumulative_logprob = sum(entry[token].logprob
-                                            for entry, token in zip(logprobs, completion.token_ids, strict=True))
 
     def stream(self, requests: Iterable[tuple], max_pending: int | None = None,
                should_stop: Callable[[], bool] | None = None) -> Iterator[RequestOutput]:

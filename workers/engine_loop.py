@@ -26,18 +26,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from storage.formats import Request, RowError
-from workers.shards import (
-    EmbeddingRow,
-    ShardOutcome,
-    collect_row,
-    is_embedding_engine,
-    prepare_embedding_row,
-    prepare_row,
-)
+from workers.shards import EmbeddingRow, ShardOutcome, collect_row, prepare_embedding_row, prepare_row
 
 if TYPE_CHECKING:
-    from engine import LLMEngine, RequestOutput
-    from workers.job_steps import Progress
+    from engine import BatchEngine, EmbeddingRequestOutput, RequestOutput
+    from workers.progress import Progress
 
 log = logging.getLogger("tokenmill.engine_loop")
 
@@ -89,18 +82,45 @@ class Ticket:
         self.outcome, self.rows_done, self.tokens, self.fed, self.suspect = ShardOutcome(), 0, 0, False, True
 
 
+@dataclass(eq=False)
+class TextRow:
+    """A generation row in the engine: one request."""
+
+    ticket: Ticket
+    row: Request
+    top_k: int | None  # the row's logprobs top-k
+
+    def collect(self, output: RequestOutput) -> None:
+        collect_row(self.ticket.outcome, self.row, output, self.top_k)
+        self.ticket.rows_done += 1
+        self.ticket.tokens += _tokens(output)
+
+
+@dataclass(eq=False)
+class EmbeddingInput:
+    """One input of an embeddings row in the engine: a request each; the row is done once all are."""
+
+    ticket: Ticket
+    row: EmbeddingRow
+    index: int
+
+    def collect(self, output: EmbeddingRequestOutput) -> None:
+        self.ticket.tokens += len(output.prompt_token_ids)
+        if self.row.collect(self.ticket.outcome, self.index, output):
+            self.ticket.rows_done += 1
+
+
 class EngineLoop:
     """The engine thread of one engine. `run` is called from the shards' threads; everything else runs on the
     engine thread, which alone touches the engine."""
 
-    def __init__(self, engine: LLMEngine, watchdog_s: float = WATCHDOG_S,
+    def __init__(self, engine: BatchEngine, watchdog_s: float = WATCHDOG_S,
                  on_stuck: Callable[[], None] | None = None) -> None:
         self.engine = engine
         self.inbox: queue.Queue[tuple[str, Ticket]] = queue.Queue()
         self.waiting: deque[Ticket] = deque()  # submitted, not yet admitted
         self.active: list[Ticket] = []  # admitted, oldest first
-        # request id -> its shard, row, and the row's logprobs top-k (generation) or (EmbeddingRow, input index)
-        self.pending: dict[str, tuple[Ticket, Request, Any]] = {}
+        self.pending: dict[str, TextRow | EmbeddingInput] = {}  # by request id
         self._spec_seen = (0, 0)
         self.progressed = time.monotonic()  # the last engine step that returned, or the last idle moment
         self.watchdog_s, self.on_stuck = watchdog_s, on_stuck or _exit_stuck
@@ -205,7 +225,7 @@ class EngineLoop:
                 self._fail(ticket, error)
 
     def _feed(self, ticket: Ticket) -> None:
-        if is_embedding_engine(self.engine):
+        if self.engine.embedding_size is not None:
             self._feed_embeddings(ticket)
             return
         settings = ticket.settings
@@ -218,7 +238,7 @@ class EngineLoop:
                 continue
             request_id = f"{ticket.prefix}{item.row}"
             self.engine.add_request(request_id, *prepared, settings.priority, settings.cache_salt)
-            self.pending[request_id] = (ticket, item, prepared[1].logprobs)
+            self.pending[request_id] = TextRow(ticket, item, prepared[1].logprobs)
             ticket.request_ids.add(request_id)
         ticket.fed = True
         self._finish_if_done(ticket)
@@ -236,12 +256,12 @@ class EngineLoop:
                 ticket.outcome.errors.append(prepared)
                 ticket.rows_done += 1
                 continue
-            inputs += [(len(token_ids), index, token_ids, item, prepared)
+            inputs += [(len(token_ids), index, token_ids, prepared)
                        for index, token_ids in enumerate(prepared.token_ids)]
-        for _, index, token_ids, item, prepared in sorted(inputs, key=lambda entry: entry[0]):
-            request_id = f"{ticket.prefix}{item.row}.{index}"
+        for _, index, token_ids, prepared in sorted(inputs, key=lambda entry: entry[0]):
+            request_id = f"{ticket.prefix}{prepared.request.row}.{index}"
             self.engine.add_request(request_id, token_ids, prepared.params)
-            self.pending[request_id] = (ticket, item, (prepared, index))
+            self.pending[request_id] = EmbeddingInput(ticket, prepared, index)
             ticket.request_ids.add(request_id)
         ticket.fed = True
         self._finish_if_done(ticket)
@@ -258,17 +278,10 @@ class EngineLoop:
             entry = self.pending.pop(output.request_id, None)
             if entry is None:
                 continue
-            ticket, request, extra = entry
+            ticket = entry.ticket
             ticket.request_ids.discard(output.request_id)
             try:
-                if isinstance(extra, tuple) and isinstance(extra[0], EmbeddingRow):
-                    ticket.tokens += len(output.prompt_token_ids)
-                    if extra[0].collect(ticket.outcome, extra[1], output):
-                        ticket.rows_done += 1
-                else:
-                    collect_row(ticket.outcome, request, output, extra)
-                    ticket.rows_done += 1
-                    ticket.tokens += _tokens(output)
+                entry.collect(output)
                 self._finish_if_done(ticket)
             except Exception as error:
                 self._fail(ticket, error)
@@ -342,7 +355,7 @@ _loops: dict[int, EngineLoop] = {}
 _loops_lock = threading.Lock()
 
 
-def loop_for(engine: LLMEngine) -> EngineLoop:
+def loop_for(engine: BatchEngine) -> EngineLoop:
     """The engine thread of this engine (one per engine of the process), started at first use."""
     with _loops_lock:
         if id(engine) not in _loops:

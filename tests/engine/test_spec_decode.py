@@ -124,7 +124,7 @@ def test_jobs_switching_speculative_settings_keep_a_bounded_set_of_draft_pools(m
     """Per-job speculative settings: decoders of the same draft share its model and KV pool; at most
     MAX_SPEC_DECODERS decoders and MAX_DRAFT_PROPOSERS distinct drafts stay, however many settings jobs bring."""
     from engine import LLMEngine
-    from engine.llm_engine import MAX_DRAFT_PROPOSERS, MAX_SPEC_DECODERS
+    from engine.spec_decode.decoders import MAX_DRAFT_PROPOSERS, MAX_SPEC_DECODERS
 
     def self_draft(layers: int, k: int) -> dict:  # max_verify_tokens 2: a quick cost calibration
         return {"method": "self", "draft_layers": layers, "num_speculative_tokens": k, "max_verify_tokens": 2}
@@ -137,10 +137,10 @@ def test_jobs_switching_speculative_settings_keep_a_bounded_set_of_draft_pools(m
     for layers in (2, 3, 5):
         engine.set_speculative_config(self_draft(layers, 1))
     engine.set_speculative_config({"method": "ngram", "max_verify_tokens": 2})
-    drafts = {id(d.draft) for d in engine._spec_decoders.values() if d.draft is not None}
-    assert len(engine._spec_decoders) <= MAX_SPEC_DECODERS and len(drafts) <= MAX_DRAFT_PROPOSERS
-    assert first not in [d.draft for d in engine._spec_decoders.values()], "the least recently used draft went"
-    assert engine._spec_decoders[next(reversed(engine._spec_decoders))] is engine.spec  # the latest is kept
+    drafts = {id(d.draft) for d in engine.spec_decoders.decoders.values() if d.draft is not None}
+    assert len(engine.spec_decoders.decoders) <= MAX_SPEC_DECODERS and len(drafts) <= MAX_DRAFT_PROPOSERS
+    assert first not in [d.draft for d in engine.spec_decoders.decoders.values()], "the least recently used draft went"
+    assert next(reversed(engine.spec_decoders.decoders.values())) is engine.spec  # the latest is kept
     engine.set_speculative_config(self_draft(5, 1))
     engine.add_request("r", "Hello there", SamplingParams(max_tokens=4, temperature=0))
     while engine.has_unfinished_requests():

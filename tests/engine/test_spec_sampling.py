@@ -48,7 +48,7 @@ def plain(llm):
 
 def test_speculated_tokens_follow_the_targets_own_sampling(llm, plain):
     speculated = sample_tokens(llm, 101, speculative=True)
-    (decoder,) = llm.engine._spec_decoders.values()
+    (decoder,) = llm.engine.spec_decoders.decoders.values()
     stats = decoder.stats
     assert stats.drafted_by_position[1] >= SAMPLES  # every sample verified two drafts at once
     assert 0.2 < stats.acceptance_rate < 0.9  # the draft differs from the target: both paths are taken

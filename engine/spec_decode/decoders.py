@@ -1,0 +1,82 @@
+"""The speculative decoders an engine keeps ready, one per setting, so that jobs switching settings reload no draft."""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any
+
+from engine.spec_decode.config import SpeculativeConfig
+from engine.spec_decode.decoder import SpecDecoder, draft_key
+from engine.spec_decode.draft import DraftSetup
+
+if TYPE_CHECKING:
+    from engine.model_runner import ModelRunner
+    from engine.sampler import Sampler
+
+MAX_SPEC_DECODERS = 4  # speculative settings kept ready (jobs switch between them)
+MAX_DRAFT_PROPOSERS = 2  # distinct draft models (or self-draft depths) kept, each with its own KV pool
+
+
+def settings_key(settings: dict[str, Any] | None) -> str | None:
+    """A speculative setting's key: its JSON (None: no speculation)."""
+    return json.dumps(settings, sort_keys=True) if settings else None
+
+
+class SpecDecoderCache:
+    """Decoders keyed by the JSON of their settings, least recently used first. Decoders of the same draft share
+    its proposer (model and KV pool). At most MAX_SPEC_DECODERS decoders and MAX_DRAFT_PROPOSERS distinct drafts
+    are kept: the least recently used go first (the engine's own, `default`, is never dropped)."""
+
+    def __init__(self, default: dict[str, Any] | None, runner: ModelRunner, sampler: Sampler,
+                 tensor_parallel: bool) -> None:
+        self.default = default
+        self.runner, self.sampler, self.tensor_parallel = runner, sampler, tensor_parallel
+        self.decoders: OrderedDict[str, SpecDecoder] = OrderedDict()
+        self.current: SpecDecoder | None = None
+        self.key: str | None = None  # the setting of `current`
+
+    def key_of(self, settings: dict[str, Any] | None) -> str | None:
+        return settings_key(settings if settings is not None else self.default)
+
+    def matches(self, settings: dict[str, Any] | None) -> bool:
+        """Is `settings` (None: the default) the setting of the current decoder?"""
+        return self.key_of(settings) == self.key
+
+    def select(self, settings: dict[str, Any] | None) -> SpecDecoder | None:
+        """Make the decoder of `settings` (None: the default) current, built unless kept; None: no speculation."""
+        key = self.key_of(settings)
+        if key is not None and key not in self.decoders:
+            self.decoders[key] = self._new_decoder(SpeculativeConfig.from_dict(
+                settings if settings is not None else self.default))
+        if key is not None:
+            self.decoders.move_to_end(key)
+        self.current = self.decoders.get(key) if key else None
+        self.key = key
+        return self.current
+
+    def _new_decoder(self, config: SpeculativeConfig) -> SpecDecoder:
+        if config.method == "self" and self.tensor_parallel:
+            raise ValueError("self-speculation runs the target's own sharded layers, which tensor parallelism "
+                             "does not support: use method ngram or draft (a draft model runs whole on rank 0)")
+        wanted = draft_key(config)
+        decoders = self.decoders
+        shared = next((d.draft for d in decoders.values() if wanted is not None and draft_key(d.config) == wanted),
+                      None)
+        default_key = settings_key(self.default)
+
+        def victims(with_draft: bool) -> list[str]:
+            return [k for k, d in decoders.items() if k != default_key and (d.draft is not None or not with_draft)]
+
+        while len(decoders) >= MAX_SPEC_DECODERS and (oldest := victims(False)):
+            del decoders[oldest[0]]
+        while (shared is None and wanted is not None and (oldest := victims(True))
+               and len({draft_key(d.config) for d in decoders.values() if d.draft is not None}) >= MAX_DRAFT_PROPOSERS):
+            dropped = draft_key(decoders[oldest[0]].config)
+            for key in [k for k in oldest if draft_key(decoders[k].config) == dropped]:
+                del decoders[key]
+        runner = self.runner
+        setup = DraftSetup(runner.model, runner.num_blocks, runner.block_size, runner.max_model_len, runner.dtype,
+                           runner.device, runner.kv_plan.draft_bytes_per_block, runner.make_backend, runner.tensor,
+                           self.sampler)
+        return SpecDecoder(config, setup, draft=shared)
