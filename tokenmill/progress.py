@@ -18,7 +18,7 @@ from rich.progress import (
 
 
 class JobProgressBar:
-    """Implements `workers.jobs.Progress`; use as a context manager around `run_job`."""
+    """Implements `workers.progress.Progress`; use as a context manager around `run_job`."""
 
     def __init__(self, console: Console) -> None:
         self.bar = Progress(

@@ -27,5 +27,5 @@ class WorkerEngine:
         except json.JSONDecodeError as error:
             raise ValueError(f"TOKENMILL_WORKER_ENGINE must be a JSON object of engine settings: {error}") from None
         model = env_setting("WORKER_MODEL", settings.get("model", DEFAULT_MODEL))
-        factory = env_setting("ENGINE_FACTORY", "workers.worker_engine:load_engine")
+        factory = env_setting("ENGINE_FACTORY", "workers.engine_loader:load_engine")
         return cls(model, {**settings, "model": model}, factory)

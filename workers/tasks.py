@@ -1,4 +1,5 @@
-"""Celery tasks. Each takes ids, opens its own sessions and runs one step of `workers.runner.JobSteps`:
+"""Celery tasks. Each takes ids, opens its own sessions and runs one step of a job (`workers.job_steps.JobSteps`,
+`workers.shard_step.ShardStep`):
 
     plan_job(job_id)              control queue: validate the input, plan shards, queue one run_shard per shard
     run_shard(job_id, shard_id)   the model's GPU queue: claim the shard (attempt counter, lease), run it
@@ -29,6 +30,7 @@ from storage.faults import is_transient
 from storage.models import Job, JobStatus, ShardStatus
 from workers.celery_app import app, config
 from workers.job_steps import JobSteps, discard_if_ended
+from workers.shard_step import ShardStep
 from workers.worker_engine import engine_for
 
 log = logging.getLogger("tokenmill.tasks")
@@ -106,7 +108,7 @@ def _summary(job: Job, **extra: Any) -> dict[str, Any]:
 
 
 class TaskProgress:
-    """`workers.runner.Progress` for a task: its state (PROGRESS, with the job id and row counts) in the result
+    """`workers.progress.Progress` for a task: its state (PROGRESS, with the job id and row counts) in the result
     backend and a `task-progress` event for Flower, at most once a second."""
 
     def __init__(self, task: Task, job_id: str, shard_id: int | None = None) -> None:
@@ -174,20 +176,21 @@ def _unfinished_shards(job_id: str) -> list[int]:
 @app.task(name="tokenmill.run_shard", bind=True)
 def run_shard(self: Task, job_id: str, shard_id: int) -> dict[str, Any]:
     steps = JobSteps(sessions(), job_id, TaskProgress(self, job_id, shard_id))
-    claim = _or_retry(self, lambda: steps.claim_shard(shard_id, config.max_shard_attempts))
+    shard_step = ShardStep(steps)
+    claim = _or_retry(self, lambda: shard_step.claim_shard(shard_id, config.max_shard_attempts))
     if claim.decision != "run":
         log.info("job %s: shard %d not run: %s", job_id, claim.shard.index, claim.decision)
         return _summary(claim.job, shard=claim.shard.index, decision=claim.decision)
     job, shard = claim.job, claim.shard
     try:
-        outcome = steps.execute_shard(job, shard, lambda: engine_for(job.model))
+        outcome = shard_step.execute_shard(job, shard, lambda: engine_for(job.model))
     except Exception as error:  # the shard is marked failed; its next claim counts the attempt
         log.exception("job %s: shard %d failed (attempt %d)", job_id, shard.index, shard.attempts)
         delay = SHARD_RETRY_DELAY_S
         if is_transient(error):  # a service was down: wait it out without using up the shard's attempts
             delay = TRANSIENT_RETRY_DELAY_S
             try:
-                steps.refund_attempt(shard)
+                shard_step.refund_attempt(shard)
             except Exception:  # the database too: the sweep resends the shard once it is back
                 log.exception("job %s: shard %d: could not refund its attempt", job_id, shard.index)
         enqueue_shards(job_id, job.model, [shard_id], countdown=delay, head=True, job_priority=job.priority or 0)

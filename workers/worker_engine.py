@@ -1,6 +1,7 @@
 """Worker-side engine lifecycle: a worker process loads its model once (when it starts, or at its first shard)
 and keeps it for every shard it runs. The engine's settings belong to the worker (`tokenmill worker --threads
-... --kv-cache-memory ...`), not to the job: a job only picks the model, by the queue it is sent to."""
+... --kv-cache-memory ...`), not to the job: a job only picks the model, by the queue it is sent to. The engine
+is built, and its metrics attached, by `workers.engine_loader.load_engine`, through the configured factory."""
 
 from __future__ import annotations
 
@@ -9,9 +10,11 @@ import logging
 import os
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from workers.config import WorkerEngine
+from workers.engine_loader import load_engine
+from workers.shards import is_embedding_engine
 
 if TYPE_CHECKING:
     from engine import LLMEngine
@@ -20,14 +23,6 @@ log = logging.getLogger("tokenmill.worker")
 
 _loaded: LLMEngine | None = None
 _loading = threading.Lock()  # a worker's task threads and its preloading thread load it once
-
-
-def load_engine(settings: dict[str, Any]) -> LLMEngine:
-    """The default factory: the real engine (an embedding model's `EmbeddingEngine`, else an `LLMEngine`)."""
-    from engine import EngineConfig
-    from engine.embedding_engine import create_engine
-
-    return create_engine(EngineConfig.from_kwargs(**settings))
 
 
 def process_engine() -> LLMEngine:
@@ -42,16 +37,21 @@ def _load() -> LLMEngine:
     spec = WorkerEngine.from_env()
     module, _, function = spec.factory.partition(":")
     factory = getattr(importlib.import_module(module), function)
-    started = time.perf_counter()
-    _loaded = factory(spec.settings)
-    log.info("loaded %s in %.1f s with %s", spec.model, time.perf_counter() - started, spec.settings)
-    if getattr(_loaded, "embedding_size", None) is not None:  # an embedding engine: no KV or scheduler gauges
-        log.info("%s is an embedding model: no engine metrics are served", spec.model)
-    elif port := os.environ.get("TOKENMILL_METRICS_PORT"):  # this pool process's engine, one port per worker
-        from engine.prometheus import EngineMetrics, start_metrics_server
+    port = os.environ.get("TOKENMILL_METRICS_PORT")  # this pool process's engine, one port per worker
+    registry = None
+    if port:
+        from engine.prometheus import new_registry
 
-        addr = os.environ.get("TOKENMILL_METRICS_ADDR", "127.0.0.1")
-        start_metrics_server(EngineMetrics(_loaded, spec.model).attach().registry, int(port), addr)
+        registry = new_registry()
+    started = time.perf_counter()
+    _loaded = load_engine(spec.settings, registry, spec.model, factory)
+    log.info("loaded %s in %.1f s with %s", spec.model, time.perf_counter() - started, spec.settings)
+    if is_embedding_engine(_loaded):  # no KV or scheduler gauges
+        log.info("%s is an embedding model: no engine metrics are served", spec.model)
+    elif port:
+        from engine.prometheus import start_metrics_server
+
+        start_metrics_server(registry, int(port), os.environ.get("TOKENMILL_METRICS_ADDR", "127.0.0.1"))
     return _loaded
 
 

@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 MODULES = ["storage.db", "storage.models", "storage.states", "storage.repository", "storage.objectstore",
-           "storage.formats", "storage.migrate", "migrations", "workers.jobs"]
+           "storage.formats", "storage.migrate", "migrations", "workers.inprocess"]
 
 
 def test_storage_and_job_api_import_without_torch() -> None:

@@ -19,6 +19,7 @@ from storage.objectstore import S3Options, open_store
 from storage.states import transition
 from workers.job_steps import JobSteps
 from workers.leases import LeaseHeartbeat, StaleClaim, shard_claim
+from workers.shard_step import ShardStep
 from workers.shards import ShardOutcome
 from workers.sweep import sweep
 
@@ -90,20 +91,20 @@ def test_a_worker_whose_claim_was_taken_writes_nothing(sqlite_sessions, tmp_path
     job_id = make_job(sqlite_sessions, str(tmp_path / "out"), shards=1)
     with sqlite_sessions() as session:
         shard_id = repo.shards(session, job_id)[0].id
-    stale, thief = JobSteps(sqlite_sessions, job_id), JobSteps(sqlite_sessions, job_id)
+    stale, thief = ShardStep(JobSteps(sqlite_sessions, job_id)), ShardStep(JobSteps(sqlite_sessions, job_id))
     old = stale.claim_shard(shard_id, max_attempts=3)
     assert old.decision == "run" and old.shard.claim_token == 1
     with sqlite_sessions.begin() as session:  # its lease lapsed on another host
         row = session.get(Shard, shard_id)
         row.worker, row.lease_expires_at = "other-host:1", utcnow() - timedelta(seconds=1)
-    thief.worker = "thief-host:2"
+    thief.steps.worker = "thief-host:2"
     new = thief.claim_shard(shard_id, max_attempts=3)
     assert new.decision == "run" and new.shard.claim_token == 2
 
     heartbeat = LeaseHeartbeat(sqlite_sessions, {shard_claim(shard_id): old.shard.claim_token})
     heartbeat.beat()
     assert heartbeat.lost  # the stale worker's heartbeat tells it to stop
-    job = stale.load()
+    job = stale.steps.load()
     with pytest.raises(StaleClaim):
         stale._write_part(job, old.shard, ShardOutcome(records=[record("a", 0)]), shard_claim(shard_id))
     with pytest.raises(StaleClaim):
@@ -122,14 +123,14 @@ def test_a_worker_whose_claim_was_taken_writes_nothing(sqlite_sessions, tmp_path
         assert (row.status, row.output_key) == ("completed", key)
     assert open_store(str(tmp_path / "out")).list() == [key]
     stale._end_shard(old.shard, ShardStatus.FAILED, "late")
-    assert stale.load().status == "finalizing"
+    assert stale.steps.load().status == "finalizing"
 
 
 def test_the_heartbeat_renews_leases_on_its_own_thread(sqlite_sessions, tmp_path) -> None:
     job_id = make_job(sqlite_sessions, str(tmp_path / "out"), shards=1)
     with sqlite_sessions() as session:
         shard_id = repo.shards(session, job_id)[0].id
-    claim = JobSteps(sqlite_sessions, job_id).claim_shard(shard_id, max_attempts=3)
+    claim = ShardStep(JobSteps(sqlite_sessions, job_id)).claim_shard(shard_id, max_attempts=3)
     with sqlite_sessions.begin() as session:
         session.get(Shard, shard_id).lease_expires_at = utcnow()
     renewed = threading.Event()
@@ -208,13 +209,13 @@ def test_an_input_replaced_mid_job_fails_it_with_that_reason(sqlite_sessions, ll
     assert set(steps.load().settings.input_fingerprint) == {"size", "mtime_ns", "sha256"}
     with sessions() as session:
         first, second = (s.id for s in repo.shards(session, job.id))
-    claim = steps.claim_shard(first, max_attempts=3)
-    assert steps.execute_shard(claim.job, claim.shard, lambda: llm_engine).records
+    claim = ShardStep(steps).claim_shard(first, max_attempts=3)
+    assert ShardStep(steps).execute_shard(claim.job, claim.shard, lambda: llm_engine).records
     steps.close()
     write_parquet(path, prompt_rows(4, prefix="other"))  # replaced by another file
     steps = JobSteps(sessions, job.id)
-    claim = steps.claim_shard(second, max_attempts=3)
-    steps.execute_shard(claim.job, claim.shard, lambda: llm_engine)
+    claim = ShardStep(steps).claim_shard(second, max_attempts=3)
+    ShardStep(steps).execute_shard(claim.job, claim.shard, lambda: llm_engine)
     steps.close()
     job = steps.load()
     assert job.status == "failed" and "changed since the job was validated" in job.error, job.error

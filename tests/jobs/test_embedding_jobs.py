@@ -17,7 +17,7 @@ from storage.formats import BATCH_OUTPUT_KEY, read_part
 from storage.objectstore import open_store
 from tests.jobs.jobhelpers import assert_each_id_once, new_job, no_engine, read_outputs, write_parquet
 from tokenmill.bench.sentences import held_out_sentences
-from workers.jobs import run_job
+from workers.inprocess import run_job
 
 MODEL = "all-minilm-l6-v2"
 pytestmark = pytest.mark.real_model  # the bundled embedding model

@@ -16,7 +16,8 @@ from storage import repository as repo
 from storage.formats import BATCH_OUTPUT_KEY
 from storage.objectstore import S3Options, open_store
 from tests.jobs.jobhelpers import assert_each_id_once, new_job, prompt_rows, write_parquet
-from workers.jobs import NoProgress, cancel_job, run_job
+from workers.inprocess import cancel_job, run_job
+from workers.progress import NoProgress
 
 pytestmark = pytest.mark.real_model
 GREEDY_8 = {"max_tokens": 8, "temperature": 0.0}

@@ -12,8 +12,8 @@ from ingest.intake import submit
 from storage import repository as repo
 from storage.objectstore import open_store
 from tests.jobs.jobhelpers import assert_each_id_once, new_job, prompt_rows, write_parquet
-from workers.job_steps import engine_priority
-from workers.jobs import run_job
+from workers.inprocess import run_job
+from workers.shard_step import engine_priority
 
 pytestmark = pytest.mark.real_model
 

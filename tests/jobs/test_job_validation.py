@@ -21,7 +21,7 @@ from storage.formats import Limits
 from storage.job_settings import JobSettings
 from storage.models import Job, Shard, utcnow
 from tests.jobs.jobhelpers import new_job, no_engine, prompt_rows, write_parquet
-from workers.jobs import JobBusy, cancel_job, run_job
+from workers.inprocess import JobBusy, cancel_job, run_job
 
 
 def spec(input_path: Path, output: Path, **kwargs) -> NewJob:

@@ -30,8 +30,9 @@ from storage.states import output_claim
 from tests.jobs.test_claims import make_job, record
 from tokenmill.stack.hosts import faketime_env as clock_offset_env
 from workers.broker_marker import broker_lost
-from workers.job_steps import JobSteps, request_prefix
+from workers.job_steps import JobSteps
 from workers.leases import StaleClaim, shard_claim
+from workers.shard_step import ShardStep, request_prefix
 from workers.shards import ShardOutcome
 from workers.sweep import sweep
 
@@ -47,10 +48,11 @@ SKEWED_CLAIM = """
 import sys, datetime
 from storage import db
 from workers.job_steps import JobSteps
+from workers.shard_step import ShardStep
 sessions = db.session_factory(db.make_engine(sys.argv[1]))
 steps = JobSteps(sessions, sys.argv[2])
 steps.worker = "hostb:1"
-claim = steps.claim_shard(int(sys.argv[3]), max_attempts=3)
+claim = ShardStep(steps).claim_shard(int(sys.argv[3]), max_attempts=3)
 print(claim.decision, datetime.datetime.now(datetime.UTC).isoformat(), claim.shard.lease_expires_at.isoformat())
 """
 
@@ -121,10 +123,10 @@ def test_a_sibling_process_takes_over_a_shard_whose_lease_lapsed(sqlite_sessions
             shard = session.get(Shard, shard_id)
             shard.status, shard.worker, shard.attempts = "running", f"{socket.gethostname()}:{sibling.pid}", 1
             shard.lease_expires_at = utcnow() + timedelta(minutes=1)
-        assert JobSteps(sqlite_sessions, job_id).claim_shard(shard_id, 3).decision == "busy"
+        assert ShardStep(JobSteps(sqlite_sessions, job_id)).claim_shard(shard_id, 3).decision == "busy"
         with sqlite_sessions.begin() as session:
             session.get(Shard, shard_id).lease_expires_at = utcnow() - timedelta(seconds=1)
-        assert JobSteps(sqlite_sessions, job_id).claim_shard(shard_id, 3).decision == "run"
+        assert ShardStep(JobSteps(sqlite_sessions, job_id)).claim_shard(shard_id, 3).decision == "run"
     finally:
         sibling.kill()
         sibling.wait()
@@ -136,7 +138,7 @@ def finalizing_job(sessions, tmp_path) -> tuple[str, str]:
     job_id = make_job(sessions, output, shards=1, status="in_progress")
     with sessions.begin() as session:
         repo.get_job(session, job_id).queued_at = utcnow()
-    steps = JobSteps(sessions, job_id)
+    steps = ShardStep(JobSteps(sessions, job_id))
     with sessions() as session:
         shard_id = repo.shards(session, job_id)[0].id
     claim = steps.claim_shard(shard_id, 3)
@@ -184,7 +186,7 @@ def test_cancel_give_up_and_expiry_fence_the_claims(sqlite_sessions, tmp_path) -
     """A worker whose lease lapsed wrote its part and then found the job cancelled: it commits nothing, removes
     its part and gets its attempt back; give-up and expiry move the tokens on as well."""
     job_id = make_job(sqlite_sessions, str(tmp_path / "out"), shards=2, status="in_progress")
-    steps = JobSteps(sqlite_sessions, job_id)
+    steps = ShardStep(JobSteps(sqlite_sessions, job_id))
     with sqlite_sessions() as session:
         first, second = (s.id for s in repo.shards(session, job_id))
     claim = steps.claim_shard(first, 3)

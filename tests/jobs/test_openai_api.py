@@ -20,7 +20,7 @@ from storage.api_keys import create_key, list_keys, revoke_key
 from storage.job_settings import LOCAL
 from tests.fixtures_services import free_port_block
 from tokenmill.commands.api import api_service
-from workers.local_executor import LocalExecutor
+from workers.inprocess import LocalExecutor
 
 MODEL, ALIAS = "smollm2-135m", "gpt-4o-mini"
 MAX_UPLOAD = 64 << 10

@@ -12,7 +12,7 @@ from ingest.spec import SpecError, parse_request
 from storage.objectstore import open_store
 from tests.jobs.jobhelpers import assert_each_id_once, new_job, write_parquet
 from tokenmill.bench.workload import PASSAGES
-from workers.jobs import run_job
+from workers.inprocess import run_job
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4}
 

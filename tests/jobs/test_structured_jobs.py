@@ -15,7 +15,7 @@ from storage.formats import BATCH_OUTPUT_KEY
 from storage.objectstore import open_store
 from tests.jobs.jobhelpers import assert_each_id_once, new_job
 from tests.jobs.openai_shapes import BATCH_OUTPUT_LINE
-from workers.jobs import run_job
+from workers.inprocess import run_job
 
 pytestmark = pytest.mark.real_model
 SCHEMAS = [

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import signal
 
-from workers.worker_engine import load_engine
+from workers.engine_loader import load_engine
 
 POISON = "POISON-PILL"
 

@@ -14,7 +14,8 @@ from storage import repository as repo
 from storage.job_settings import CELERY, LOCAL, JobSettings
 from storage.liveness import worker_id
 from storage.models import Job, Shard, utcnow
-from workers.job_steps import RUNNING_HERE, JobSteps
+from workers.job_steps import JobSteps
+from workers.shard_step import RUNNING_HERE, ShardStep
 from workers.shards import ShardOutcome
 from workers.sweep import sweep
 
@@ -52,7 +53,7 @@ def set_shard(sessions, shard_id: int, **values) -> None:
 def test_claims_count_attempts_skip_live_workers_and_give_up_at_the_limit(sqlite_sessions) -> None:
     job_id = make_job(sqlite_sessions, status="queued")
     first, second = shard_ids(sqlite_sessions, job_id)
-    steps = JobSteps(sqlite_sessions, job_id)
+    steps = ShardStep(JobSteps(sqlite_sessions, job_id))
 
     claim = steps.claim_shard(first, max_attempts=2)
     assert claim.decision == "run" and claim.shard.attempts == 1 and claim.job.status == "in_progress"
@@ -69,7 +70,7 @@ def test_claims_count_attempts_skip_live_workers_and_give_up_at_the_limit(sqlite
     set_shard(sqlite_sessions, first, worker=dead_worker())
     gave_up = steps.claim_shard(first, max_attempts=2)
     assert gave_up.decision == "gave_up" and gave_up.shard.status == "failed"
-    job = steps.load()
+    job = steps.steps.load()
     assert job.status == "failed"
     assert job.error.startswith("shard 0 (rows 0-0) failed 2 attempt(s), the limit; last: its worker")
     assert steps.claim_shard(second, max_attempts=2).decision == "stopped"
@@ -79,7 +80,7 @@ def test_a_completed_shard_is_not_run_again(sqlite_sessions) -> None:
     job_id = make_job(sqlite_sessions)
     shard = shard_ids(sqlite_sessions, job_id)[0]
     set_shard(sqlite_sessions, shard, status="completed", attempts=1)
-    assert JobSteps(sqlite_sessions, job_id).claim_shard(shard, max_attempts=3).decision == "done"
+    assert ShardStep(JobSteps(sqlite_sessions, job_id)).claim_shard(shard, max_attempts=3).decision == "done"
 
 
 def test_sweep_requeues_shards_of_dead_workers_and_finishes_cancels(sqlite_sessions) -> None:
@@ -135,7 +136,7 @@ def test_a_cancel_waits_for_the_job_row_and_cannot_overwrite_finalizing(pg_datab
     waits for that lock and then sees finalizing, instead of writing cancelling over it."""
     import pytest
 
-    from workers.jobs import cancel_job
+    from workers.inprocess import cancel_job
 
     url = pg_databases()
     migrate.upgrade(url)
@@ -173,7 +174,7 @@ def test_exactly_one_of_the_shards_completing_at_once_finalizes(pg_databases) ->
     start, finishers = threading.Barrier(4), []
 
     def complete(shard_id: int) -> None:
-        steps = JobSteps(sessions, job_id)
+        steps = ShardStep(JobSteps(sessions, job_id))
         with sessions() as session:
             shard = session.get(Shard, shard_id)
         start.wait()

@@ -46,7 +46,7 @@ def run_job_once(engine, rows: Path, workdir: Path, shard_size: int, label: str)
     from storage.formats import read_part
     from storage.job_settings import LOCAL
     from storage.objectstore import open_store
-    from workers.jobs import run_job
+    from workers.inprocess import run_job
 
     url = f"sqlite:///{workdir / f'{label}.db'}"
     migrate.upgrade(url)

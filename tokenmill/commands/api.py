@@ -7,7 +7,14 @@ import os
 import sys
 from collections.abc import Callable
 
-from tokenmill.options import add_engine_options, add_served_model_name_option, engine_kwargs
+from tokenmill.options import (
+    DATABASE_HELP,
+    add_engine_options,
+    add_served_model_name_option,
+    engine_kwargs,
+    stack_dir_option,
+    use_stack,
+)
 
 API_DESCRIPTION = """\
 Serve OpenAI's Batch API (POST/GET/DELETE /v1/files, /v1/files/{id}/content, POST/GET /v1/batches,
@@ -60,9 +67,6 @@ def register(commands: argparse._SubParsersAction) -> None:
 
 
 def _common_options(parser: argparse.ArgumentParser) -> None:
-    from tokenmill.commands.jobs import DATABASE_HELP
-    from tokenmill.commands.service import stack_dir_option
-
     parser.add_argument("--database-url", metavar="URL", help=DATABASE_HELP)
     stack_dir_option(parser)
 
@@ -73,7 +77,6 @@ def _sessions(args: argparse.Namespace):
     if not logging.getLogger().isEnabledFor(logging.DEBUG):  # alembic logs at INFO, even on import
         logging.getLogger("alembic").setLevel(logging.WARNING)
     from storage import db, migrate
-    from tokenmill.commands.service import use_stack
 
     use_stack(args)
     url = db.resolve_url(args.database_url)
@@ -143,7 +146,7 @@ def serve(args: argparse.Namespace) -> int:
         events.install(ServiceConfig.from_env())
         dispatch = dispatch_job
     else:
-        from workers.local_executor import LocalExecutor
+        from workers.inprocess import LocalExecutor
 
         local = LocalExecutor(sessions, engine_kwargs(args))
         local.resume(JobSource.API.value)
@@ -167,7 +170,7 @@ def api_service(sessions, bucket: str | None, dispatch: Callable[[str], None], e
     from ingest.policy import FrontDoorPolicy
     from storage.db import data_dir
     from storage.objectstore import normalize_uri
-    from workers.jobs import cancel_job
+    from workers.inprocess import cancel_job
 
     config = ServiceConfig.from_env()
     bucket = normalize_uri(bucket or config.bucket_uri or str(data_dir() / "bucket")).rstrip("/")

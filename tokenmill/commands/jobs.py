@@ -4,20 +4,21 @@ from __future__ import annotations
 
 import argparse
 import os
-from importlib import resources
 from pathlib import Path
 
 from tokenmill.options import (
+    DATABASE_HELP,
     add_engine_options,
     add_sampling_options,
     add_served_model_name_option,
     add_task_options,
     engine_kwargs,
+    running_stack_env,
+    sample_input,
     sampling_kwargs,
+    stack_dir_option,
 )
 
-DATABASE_HELP = ("SQLAlchemy database URL, e.g. postgresql+psycopg://user@host/db (default: $TOKENMILL_DATABASE_URL, "
-                 "else SQLite at $TOKENMILL_DATA/tokenmill.db, $TOKENMILL_DATA defaulting to ~/.local/share/tokenmill)")
 STACK_DATABASE_HELP = ("SQLAlchemy database URL (default: $TOKENMILL_DATABASE_URL, else the database of the stack "
                        "running from --state-dir, else SQLite at $TOKENMILL_DATA/tokenmill.db)")
 RUN_DESCRIPTION = """\
@@ -62,7 +63,7 @@ def _friendly(handler):
         from ingest.spec import SpecError
         from storage.migrate import SchemaOutOfDate
         from storage.repository import JobNotFound
-        from workers.jobs import JobBusy
+        from workers.inprocess import JobBusy
 
         try:
             return handler(args)
@@ -82,8 +83,6 @@ def _add_database_option(parser: argparse.ArgumentParser) -> None:
 
 def _add_stack_database_options(parser: argparse.ArgumentParser) -> None:
     """For commands on existing jobs: like the service's commands, they find a running stack's database."""
-    from tokenmill.commands.service import stack_dir_option
-
     parser.add_argument("--database-url", metavar="URL", help=STACK_DATABASE_HELP)
     stack_dir_option(parser)
 
@@ -92,7 +91,6 @@ def _url(args: argparse.Namespace) -> str:
     """The database a command on existing jobs reads: --database-url, $TOKENMILL_DATABASE_URL, the running
     stack's (from its state directory), else the embedded SQLite file."""
     from storage import db
-    from tokenmill.commands.service import running_stack_env
 
     if given := getattr(args, "database_url", None) or os.environ.get(db.DATABASE_URL_ENV):
         return given
@@ -180,10 +178,6 @@ def _register_db(commands: argparse._SubParsersAction) -> None:
 
 # ---- handlers --------------------------------------------------------------------------------------
 
-def sample_input() -> str:
-    return str(resources.files("tokenmill").joinpath("data/sample.parquet"))
-
-
 def default_output(input_uri: str | None) -> str:
     name = Path(input_uri.rstrip("/")).stem if input_uri else "sample"
     return str(Path("tokenmill-output") / name)
@@ -219,26 +213,23 @@ def _new_job(args: argparse.Namespace):
 
 
 def _load_engine(settings: dict):
-    from engine import EngineConfig
-    from engine.embedding_engine import create_engine
+    from workers.engine_loader import load_engine
 
-    return create_engine(EngineConfig.from_kwargs(**settings))
+    return load_engine(settings)
 
 
 def _serving_metrics(port: int, sessions):
     """An engine loader that also serves the engine's and the jobs' metrics (the loader runs once per job)."""
-    from engine.prometheus import EngineMetrics, new_registry, start_metrics_server
+    from engine.prometheus import new_registry, start_metrics_server
     from storage import db
+    from workers.engine_loader import load_engine
     from workers.job_metrics import JobMetricsCollector
 
     registry = new_registry()
     registry.register(JobMetricsCollector(db.sql_query(sessions)))
     start_metrics_server(registry, port)
     def load(settings: dict):
-        engine = _load_engine(settings)
-        if getattr(engine, "embedding_size", None) is not None:  # an embedding engine: job metrics only
-            return engine
-        return EngineMetrics(engine, registry=registry).attach().engine
+        return load_engine(settings, registry)  # an embedding engine: job metrics only
 
     return load
 
@@ -249,7 +240,7 @@ def run(args: argparse.Namespace) -> int:
     from ingest.intake import submit
     from storage import db
     from tokenmill.progress import JobProgressBar
-    from workers.jobs import run_job
+    from workers.inprocess import run_job
 
     console = Console(soft_wrap=True)
     url = db.resolve_url(args.database_url)
@@ -379,7 +370,7 @@ def cancel(args: argparse.Namespace) -> int:
     from ingest.config import ServiceConfig
     from storage import db
     from workers import events
-    from workers.jobs import cancel_job
+    from workers.inprocess import cancel_job
 
     url = _url(args)  # a running stack's settings first, so its events are published
     events.install(ServiceConfig.from_env())  # a no-op outside the service

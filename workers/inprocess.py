@@ -1,0 +1,232 @@
+"""A job run in this process, without Celery: `run_job` takes it through its steps (`workers.job_steps`,
+`workers.shard_step`) to completed, failed or cancelled; `cancel_job` stops it; `LocalExecutor` runs jobs one
+after another on a background thread (the executor of `tokenmill api` when no Celery broker is configured).
+Jobs are made by `ingest.intake.submit`.
+
+The process holds the job by a lease on the database's clock for the whole run; its shards run K at a time
+through the same engine loop and the same shard step as a Celery worker's, so the next shard's rows are admitted
+while the current one's tail decodes. A completed shard is never run again, an interrupted one is redone from
+scratch (its part file is overwritten atomically), so every input row lands exactly once in a part file or in
+the error file."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session, sessionmaker
+
+from storage import repository as repo
+from storage.claims import mark_cancelled
+from storage.faults import is_transient
+from storage.formats import InputError
+from storage.job_settings import LOCAL
+from storage.liveness import db_now, runner_alive
+from storage.models import Job, JobStatus, Shard, ShardStatus
+from storage.objectstore import InputChanged
+from storage.states import CANCELLABLE, TERMINAL, is_terminal, transition
+from workers.engine_loader import EngineFactory, load_engine
+from workers.engine_loop import shards_in_flight
+from workers.job_steps import JobSteps, discard_if_ended
+from workers.progress import NoProgress, Progress
+from workers.shard_step import ShardStep
+
+if TYPE_CHECKING:
+    from engine import LLMEngine
+
+__all__ = ["JobBusy", "JobRunner", "LocalExecutor", "cancel_job", "run_job"]
+
+log = logging.getLogger("tokenmill.jobs")
+
+S = JobStatus
+VALIDATE_TRIES = 6  # a store that times out or throttles while validating: 1, 2, 4, 8, 16 s apart
+NO_ATTEMPT_LIMIT = 1 << 30  # in-process, an error fails the job at once; attempts only count
+
+
+class JobBusy(RuntimeError):
+    """Another live process is running this job."""
+
+
+def run_job(sessions: sessionmaker[Session], job_id: str, engine_provider: EngineFactory,
+            progress: Progress | None = None) -> Job:
+    """Take the job as far as it goes in this process: to completed, failed or cancelled. `engine_provider`
+    turns the job's engine settings into the engine its shards run on."""
+    return JobRunner(sessions, job_id, engine_provider, progress or NoProgress()).run()
+
+
+def cancel_job(sessions: sessionmaker[Session], ref: str) -> Job:
+    """Ask the job to stop. A live runner stops at its next engine step and ends it `cancelled`, keeping the
+    finished shards; with no live runner the job is cancelled here and now."""
+    with sessions.begin() as session:
+        job = repo.get_job(session, repo.find_job(session, ref).id, for_update=True)  # no racing a finalizer
+        if job.status in (S.CANCELLING, S.CANCELLED):
+            return job
+        if JobStatus(job.status) not in CANCELLABLE:
+            raise ValueError(f"job {job.id} is {job.status}; only validating, queued or in_progress jobs can be "
+                             f"cancelled")
+        alive = runner_alive(job, db_now(session))
+        if job.status == S.IN_PROGRESS or alive:
+            transition(job, S.CANCELLING)
+        if not alive:
+            mark_cancelled(job)
+    discard_if_ended(sessions, job)
+    return job
+
+
+class JobRunner:
+    """Takes one job as far as it goes in this process: claim it, validate, run the unfinished shards
+    through the engine loop (several in flight), finalize."""
+
+    def __init__(self, sessions: sessionmaker[Session], job_id: str, engine_provider: EngineFactory,
+                 progress: Progress) -> None:
+        self.steps = JobSteps(sessions, job_id, progress)
+        self.shard_step = ShardStep(self.steps)
+        self.engine_provider = engine_provider
+        self._engine: LLMEngine | None = None
+
+    def run(self) -> Job:
+        steps = self.steps
+        job = self._claim()
+        try:
+            with steps.heartbeat:
+                next_step = {S.VALIDATING: self._validate_with_retries,
+                             S.QUEUED: lambda: steps.set_status(S.IN_PROGRESS), S.IN_PROGRESS: self._run_shards,
+                             S.CANCELLING: steps.finish_cancel, S.FINALIZING: steps.finalize}
+                while (step := next_step.get(JobStatus(job.status))) is not None:
+                    job = step()
+                    if not self._still_ours():
+                        break
+            return steps.load()
+        except (InputError, InputChanged) as error:  # e.g. a corrupt row group found mid-job, a replaced input
+            return steps.set_status(S.FAILED, error=str(error))
+        except Exception as error:
+            steps.set_status(S.FAILED, error=f"{type(error).__name__}: {error}")
+            raise
+        finally:
+            steps.release()
+
+    def _claim(self) -> Job:
+        steps = self.steps
+        with steps.sessions.begin() as session:
+            job = steps.job_row(session)
+            if is_terminal(job.status):
+                return job
+            if job.worker != steps.worker and runner_alive(job, db_now(session)):
+                raise JobBusy(f"job {job.id} is being run by {job.worker}")
+            steps.take_step(job, db_now(session))
+            reset = repo.reset_unfinished_shards(session, job.id)
+            done = sum(1 for s in job.shards if s.status == ShardStatus.COMPLETED)
+            if job.attempts > 1:
+                log.info("job %s: resuming (attempt %d, status %s): %d of %d shards already completed, "
+                         "%d interrupted shard(s) will be redone", job.id, job.attempts, job.status, done,
+                         len(job.shards), reset)
+            return job
+
+    def _still_ours(self) -> bool:
+        job = self.steps.load()
+        return is_terminal(job.status) or self.steps.holds_step(job)
+
+    def _validate_with_retries(self) -> Job:
+        for attempt in range(VALIDATE_TRIES):
+            try:
+                return self.steps.validate()
+            except Exception as error:
+                if not is_transient(error) or attempt == VALIDATE_TRIES - 1:
+                    raise
+                log.warning("job %s: the input's store failed while validating (%s); trying again in %d s",
+                            self.steps.job_id, error, 2 ** attempt)
+                self.steps.close()
+                time.sleep(2 ** attempt)
+        raise AssertionError("unreachable")
+
+    def _run_shards(self) -> Job:
+        steps = self.steps
+        with steps.sessions() as session:
+            job = steps.job_row(session, lock=False)
+            shards = repo.shards(session, job.id)
+        todo = [s for s in shards if s.status != ShardStatus.COMPLETED]
+        if todo and self._engine is None:
+            steps.progress.phase(f"loading {job.model}")
+            self._engine = self.engine_provider(job.settings.engine)
+        steps.progress.phase("generating")
+        steps.progress.start(job.requests_total,
+                             sum(s.rows_completed + s.rows_failed for s in shards if s not in todo))
+        if todo:
+            self._stream_shards(job, todo, self._engine)
+        job = steps.load()
+        return steps.set_status(S.FINALIZING) if job.status == S.IN_PROGRESS else job
+
+    def _stream_shards(self, job: Job, todo: list[Shard], engine: LLMEngine) -> None:
+        """The unfinished shards, K at a time, each claimed, run in the engine loop, written and committed as
+        soon as its own last row finishes. The first error stops new shards from starting and is raised once
+        the shards in flight ended."""
+        in_flight = shards_in_flight(engine.config.max_num_seqs, job.settings.shard_size)
+        failed: list[BaseException] = []
+        stop = threading.Event()
+
+        def run_one(shard: Shard) -> None:
+            if stop.is_set():
+                return
+            claim = self.shard_step.claim_shard(shard.id, NO_ATTEMPT_LIMIT)
+            if claim.decision != "run":
+                return
+            try:
+                self.shard_step.execute_shard(claim.job, claim.shard, lambda: engine)
+            except BaseException as error:
+                stop.set()
+                failed.append(error)
+
+        with ThreadPoolExecutor(max_workers=in_flight, thread_name_prefix="shard") as pool:
+            list(pool.map(run_one, todo))
+        if failed:
+            raise failed[0]
+
+
+class LocalExecutor:
+    """Runs the jobs it is handed one after another on a background thread, with one engine (built from
+    `engine_settings` on first use unless given) for all of them."""
+
+    def __init__(self, sessions: sessionmaker[Session], engine_settings: dict[str, Any],
+                 engine: LLMEngine | None = None) -> None:
+        self.sessions, self.engine_settings = sessions, engine_settings
+        self.jobs: queue.Queue[str | None] = queue.Queue()
+        self._engine = engine
+        self._thread = threading.Thread(target=self._run, name="tokenmill-jobs", daemon=True)
+        self._thread.start()
+
+    def dispatch(self, job_id: str) -> None:
+        self.jobs.put(job_id)
+
+    def resume(self, source: str) -> int:
+        """Queue the live jobs of this source that run in process (after a restart); how many."""
+        with self.sessions() as session:
+            jobs = session.scalars(select(Job).where(Job.source == source, Job.status.not_in(list(TERMINAL)))
+                                   .order_by(Job.created_at))
+            live = [job.id for job in jobs if job.settings.executor == LOCAL]
+        for job_id in live:
+            self.dispatch(job_id)
+        return len(live)
+
+    def close(self, timeout_s: float = 30) -> None:
+        self.jobs.put(None)
+        self._thread.join(timeout_s)
+
+    def engine(self, _job_engine_settings: dict[str, Any] | None = None) -> LLMEngine:
+        """The process's engine, loaded on first use (a job's own engine settings are refused at intake)."""
+        if self._engine is None:
+            self._engine = load_engine(self.engine_settings)
+        return self._engine
+
+    def _run(self) -> None:
+        while (job_id := self.jobs.get()) is not None:
+            try:
+                job = run_job(self.sessions, job_id, self.engine)
+                log.info("job %s %s", job_id, job.status)
+            except Exception:
+                log.exception("job %s stopped with an error", job_id)
+        log.info("in-process executor stopped")

@@ -1,0 +1,247 @@
+"""One shard of a job: claim it, run its rows in the process's engine loop, write its part file, commit it.
+The Celery task `run_shard` runs one; `tokenmill run` (`workers.inprocess`) runs a job's shards K at a time.
+
+A claim is a lease on the database's clock, renewed by the job's `LeaseHeartbeat` from claim to commit (through
+the part write), and a fencing token that each write is conditional on: a worker whose claim was taken over
+writes nothing. The shard that completes a job's last row range moves it to `finalizing` in the same
+transaction that holds the job row's lock, so exactly one finisher sees it."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, NamedTuple, TypeVar
+
+from sqlalchemy import select
+
+from storage import claims
+from storage import repository as repo
+from storage.faults import crash_point, is_transient
+from storage.formats import write_part
+from storage.liveness import LEASE, db_now
+from storage.models import FailedRow, Job, JobStatus, Shard, ShardStatus, utcnow
+from storage.objectstore import InputChanged, open_store
+from storage.states import transition
+from workers.engine_loop import RowSettings, loop_for
+from workers.job_steps import JobSteps, discard_if_ended
+from workers.leases import Claim, StaleClaim, StatusWatch, shard_claim
+from workers.shards import ShardOutcome, served_models
+
+if TYPE_CHECKING:
+    from engine import LLMEngine
+
+log = logging.getLogger("tokenmill.jobs")
+# how long a shard whose rows are done waits out a database or S3 outage to commit them (rather than redo them)
+OUTAGE_WAIT_S = float(os.environ.get("TOKENMILL_OUTAGE_WAIT_S") or 300)
+
+S = JobStatus
+RUNNING_HERE: set[int] = set()  # the shards this process is running now
+_running_lock = threading.Lock()
+
+
+class ShardClaim(NamedTuple):
+    """What `ShardStep.claim_shard` decided: `run` (the shard is ours now), `done` (completed before), `busy`
+    (a live worker runs it), `stopped` (the job is not running: cancelled, failed...) or `gave_up` (out of
+    attempts: the shard and the job are now failed)."""
+
+    decision: str
+    shard: Shard | None = None
+    job: Job | None = None
+
+
+def engine_priority(job: Job) -> int:
+    """The engine request priority of a job's rows: a higher job priority is admitted first, and the engine
+    admits the lowest value first."""
+    return -(job.priority or 0)
+
+
+def request_prefix(job: Job, shard: Shard) -> str:
+    """Request ids unique in a shared engine: the whole job id, the shard and the claim (then the row)."""
+    return f"{job.id}-{shard.index}-c{shard.claim_token}-"
+
+
+class ShardStep:
+    """The shard steps of one job. `steps` is the job's: its sessions, worker id, heartbeat, progress and input
+    reader serve every shard of the job this process runs."""
+
+    def __init__(self, steps: JobSteps) -> None:
+        self.steps = steps
+
+    def claim_shard(self, shard_id: int, max_attempts: int) -> ShardClaim:
+        """Take the shard unless it is done, a live lease holds it, or its job is not running. A shard that
+        already used `max_attempts` (its workers died, or it raised) fails the job."""
+        steps = self.steps
+        gave_up = None
+        with steps.sessions.begin() as session:
+            job = steps.job_row(session)
+            shard = repo.get_shard_by_id(session, shard_id, for_update=True)
+            now = db_now(session)
+            if job.status not in (S.QUEUED, S.IN_PROGRESS):
+                claims.settle(job)
+                return ShardClaim("stopped", shard, job)
+            if shard.status == ShardStatus.COMPLETED:
+                return ShardClaim("done", shard, job)
+            if shard.status == ShardStatus.RUNNING and steps.held_by_another(
+                    shard.worker, shard.lease_expires_at, shard.id in RUNNING_HERE, now):
+                return ShardClaim("busy", shard, job)
+            if shard.attempts >= max_attempts:
+                claims.give_up(job, shard)
+                gave_up = ShardClaim("gave_up", shard, job)
+            else:
+                if job.status == S.QUEUED:
+                    transition(job, S.IN_PROGRESS)
+                repo.start_shard(shard, steps.worker, now + LEASE)
+        if gave_up is not None:
+            discard_if_ended(steps.sessions, gave_up.job)
+            return gave_up
+        return ShardClaim("run", shard, job)
+
+    def execute_shard(self, job: Job, shard: Shard, engine: Callable[[], LLMEngine]) -> ShardOutcome:
+        """Run a shard this process has claimed (status running, its lease ours) in the process's engine loop,
+        write its part file and mark it completed, renewing its lease until the commit. A stop request ends it
+        `cancelled`; a lost claim writes nothing (and, not being the work's fault, gives its attempt back); an
+        error (loading the engine included) ends it `failed` and is raised."""
+        started = time.perf_counter()
+        heartbeat = self.steps.heartbeat
+        claim = shard_claim(shard.id)
+        key = None
+        with _running_lock:
+            RUNNING_HERE.add(shard.id)
+        heartbeat.add(claim, shard.claim_token)
+        try:
+            with heartbeat:
+                outcome = self._run_rows(job, shard, engine(), claim)
+                self._check_claim(job, shard, claim)
+                if outcome.cancelled:
+                    if not self._end_shard(shard, ShardStatus.CANCELLED):  # stopped because it was taken over
+                        raise StaleClaim(f"job {job.id}: shard {shard.index} was claimed by another worker")
+                    return outcome
+                through_outages(lambda: self.steps.check_input_unchanged(job))
+                key = through_outages(lambda: self._write_part(job, shard, outcome, claim))
+                crash_point("after_part_upload")
+                through_outages(lambda: self._record_shard(job, shard, outcome, key, started))
+        except StaleClaim as lost:
+            log.warning("%s; this worker stops it and writes nothing", lost)
+            self._after_lost_claim(job, shard, key)
+            return ShardOutcome(lost=True)
+        except InputChanged as changed:  # not the shard's fault, nor a retry's cure: the job fails with why
+            self._end_shard(shard, ShardStatus.FAILED, str(changed))
+            self.steps.fail(str(changed))
+            log.error("job %s: %s", job.id, changed)
+            return ShardOutcome(cancelled=True)
+        except Exception as error:
+            if not self._end_shard(shard, ShardStatus.FAILED, f"{type(error).__name__}: {error}"):
+                log.warning("job %s: shard %d failed after its claim was taken over (%s: %s)", job.id, shard.index,
+                            type(error).__name__, error)
+                self._after_lost_claim(job, shard, key)
+                return ShardOutcome(lost=True)
+            raise
+        finally:
+            heartbeat.discard(claim)
+            with _running_lock:
+                RUNNING_HERE.discard(shard.id)
+        return outcome
+
+    def _run_rows(self, job: Job, shard: Shard, engine: LLMEngine, claim: Claim) -> ShardOutcome:
+        watch = StatusWatch(self.steps.sessions, job.id, self.steps.heartbeat, claim)
+        if watch.should_stop():  # a shard never starts on a job that stopped
+            return ShardOutcome(cancelled=True)
+        settings = RowSettings(job.settings.sampling, engine_priority(job), job.settings.cache_salt,
+                               job.settings.speculative_config, served_models(job), job.settings.batch_invariant,
+                               job.settings.truncate_inputs)
+        rows = self.steps.read_rows(job, shard)  # read here, not on the engine thread
+        return loop_for(engine).run(settings, rows, request_prefix(job, shard), watch.should_stop,
+                                    self.steps.progress)
+
+    def _check_claim(self, job: Job, shard: Shard, claim: Claim) -> None:
+        if not self.steps.heartbeat.holds(claim):
+            raise StaleClaim(f"job {job.id}: shard {shard.index} was claimed by another worker")
+
+    def _after_lost_claim(self, job: Job, shard: Shard, key: str | None) -> None:
+        """The claim went to another worker, or a cancel or the deadline fenced it: remove the part this claim
+        wrote (its key is its own) and give its attempt back."""
+        try:
+            if key is not None:
+                open_store(job.output_uri, job.settings.s3).delete(key)
+            with self.steps.sessions.begin() as session:
+                self.steps.job_row(session)
+                row = repo.get_shard_by_id(session, shard.id, for_update=True)
+                if row.attempts > 0:  # counted by the claim that took over (perhaps completed since) too
+                    row.attempts -= 1
+        except Exception as error:
+            log.warning("job %s: shard %d: could not clean up after its lost claim: %s", job.id, shard.index, error)
+
+    def _write_part(self, job: Job, shard: Shard, outcome: ShardOutcome, claim: Claim) -> str:
+        """The part under this claim's own key, once the claim is checked to be still ours."""
+        with self.steps.sessions() as session:
+            if session.scalar(select(Shard.claim_token).where(Shard.id == shard.id)) != shard.claim_token:
+                raise StaleClaim(f"job {job.id}: shard {shard.index} was claimed by another worker")
+        key = write_part(open_store(job.output_uri, job.settings.s3), shard.index, outcome.records, job.id,
+                         shard.claim_token, outcome.embedding_size)
+        if not self.steps.heartbeat.holds(claim):
+            raise StaleClaim(f"job {job.id}: shard {shard.index} was claimed by another worker during its write")
+        return key
+
+    def _record_shard(self, job: Job, shard: Shard, outcome: ShardOutcome, key: str, started: float) -> None:
+        outcome.completed_job = self._complete_shard(shard, outcome, key)
+        log.info("job %s: shard %d (rows %d-%d) completed in %.1f s: %d ok, %d failed", job.id, shard.index,
+                 shard.row_start, shard.row_end - 1, time.perf_counter() - started,
+                 outcome.totals()["rows_completed"], len(outcome.errors))
+
+    def _complete_shard(self, shard: Shard, outcome: ShardOutcome, key: str) -> bool:
+        """Mark the shard completed; True when it was the job's last (the job went to finalizing)."""
+        with self.steps.sessions.begin() as session:
+            job = self.steps.job_row(session)
+            row = repo.get_shard_by_id(session, shard.id, for_update=True)
+            if row.claim_token != shard.claim_token:
+                raise StaleClaim(f"job {job.id}: shard {shard.index} was claimed by another worker "
+                                 f"(token {row.claim_token}, ours {shard.claim_token})")
+            errors = [FailedRow(job_id=job.id, shard=shard.index, row_index=e.row, custom_id=e.custom_id,
+                                code=e.code, message=e.message) for e in outcome.errors]
+            repo.complete_shard(session, row, outcome.totals(), key, errors)
+            return claims.settle(job) == S.FINALIZING
+
+    def _end_shard(self, shard: Shard, status: ShardStatus, error: str | None = None) -> bool:
+        """A shard that stopped without completing: cancelled, or failed with its error (redone on a retry).
+        False when its claim was taken over meanwhile (nothing is written)."""
+        with self.steps.sessions.begin() as session:
+            job = self.steps.job_row(session)
+            row = repo.get_shard_by_id(session, shard.id, for_update=True)
+            if row.claim_token != shard.claim_token:
+                log.warning("job %s: shard %d was claimed by another worker; not marking it %s", job.id,
+                            shard.index, status)
+                return False
+            row.status, row.error, row.lease_expires_at, row.finished_at = status.value, error, None, utcnow()
+            claims.settle(job)
+        discard_if_ended(self.steps.sessions, job)
+        return True
+
+    def refund_attempt(self, shard: Shard) -> None:
+        """The shard failed for a transient fault (a service down), not for its work: the attempt does not count."""
+        with self.steps.sessions.begin() as session:
+            self.steps.job_row(session)
+            row = repo.get_shard_by_id(session, shard.id, for_update=True)
+            if row.status == ShardStatus.FAILED and row.attempts > 0 and row.claim_token == shard.claim_token:
+                row.attempts -= 1
+
+
+T = TypeVar("T")
+
+
+def through_outages(step: Callable[[], T]) -> T:
+    """Run one commit step, retrying it with backoff while the database or S3 is down (up to OUTAGE_WAIT_S).
+    Each step is safe to repeat: the part key is the claim's own and the shard's commit replaces its rows."""
+    deadline, delay = time.monotonic() + OUTAGE_WAIT_S, 1.0
+    while True:
+        try:
+            return step()
+        except Exception as error:
+            if not is_transient(error) or time.monotonic() + delay > deadline:
+                raise
+            log.warning("a service is down (%s: %s); trying again in %.0f s", type(error).__name__,
+                        str(error).splitlines()[0][:200], delay)
+            time.sleep(delay)
+            delay = min(delay * 2, 15.0)
