@@ -45,7 +45,7 @@ def main() -> int:
     args = parser.parse_args()
 
     from storage.db import data_dir
-    from tokenmill import stack as stack_module
+    from tokenmill.stack import local_stack as stack_module
 
     state_dir = args.state_dir or data_dir() / "stack"
     state = json.loads((state_dir / "stack.json").read_text())

@@ -15,7 +15,7 @@ from sqlalchemy import create_engine, text
 
 from storage import migrate
 from storage.objectstore import S3Options, S3Store
-from tokenmill import stack
+from tokenmill.stack import local_stack as stack
 
 REPO = Path(__file__).resolve().parents[1]
 PG_ADMIN_URL = os.environ.get("TOKENMILL_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")

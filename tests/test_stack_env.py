@@ -3,7 +3,7 @@ started: the state file is written here)."""
 
 from __future__ import annotations
 
-from tokenmill.stack import Stack, StackSettings, _initial_state, env_script
+from tokenmill.stack.local_stack import Stack, StackSettings, _initial_state, env_script
 
 
 def test_stack_env_exports_the_openai_variables_and_names_what_lacks_credentials(tmp_path) -> None:

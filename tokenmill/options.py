@@ -1,15 +1,20 @@
-"""Command-line options shared by commands that start an engine or set sampling defaults."""
+"""Command-line options shared by the command modules, and what they default to: engine and sampling settings,
+the job database, the running stack's state directory and environment, the bundled sample input."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
 from engine.config import BACKENDS, DEFAULT_MODEL, DTYPES, FLOAT32_MATMUL_PRECISIONS, SCHEDULING_POLICIES
 
 INVARIANT_CHOICES = {"auto": "auto", "on": True, "off": False}
+DATABASE_HELP = ("SQLAlchemy database URL, e.g. postgresql+psycopg://user@host/db (default: $TOKENMILL_DATABASE_URL, "
+                 "else SQLite at $TOKENMILL_DATA/tokenmill.db, $TOKENMILL_DATA defaulting to ~/.local/share/tokenmill)")
 
 
 def add_engine_options(parser: argparse.ArgumentParser) -> None:
@@ -136,3 +141,37 @@ def add_served_model_name_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-model-name", action="append", default=[], metavar="NAME",
                         help="another name OpenAI-format rows may give as their `model` (repeatable, as vLLM's); a "
                              "row naming neither it nor --model fails with model_not_found")
+
+
+def sample_input() -> str:
+    """The bundled sample job's input: INPUT's default."""
+    return str(resources.files("tokenmill").joinpath("data/sample.parquet"))
+
+
+# ---- the running stack ----------------------------------------------------------------------------------
+
+def stack_dir_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--state-dir", type=Path, metavar="DIR",
+                        help="the stack's state directory (default: $TOKENMILL_DATA/stack)")
+
+
+def default_state_dir() -> Path:
+    from storage.db import data_dir
+
+    return data_dir() / "stack"
+
+
+def running_stack_env(args: argparse.Namespace) -> dict[str, str]:
+    """The environment of the running stack (its state file), if any; {} otherwise."""
+    state_file = (getattr(args, "state_dir", None) or default_state_dir()) / "stack.json"
+    return json.loads(state_file.read_text()).get("env", {}) if state_file.exists() else {}
+
+
+def use_stack(args: argparse.Namespace) -> None:
+    """Fill environment variables this shell leaves unset from the running stack's state file, if any."""
+    if getattr(args, "stack_command", None) == "up":
+        return
+    for name, value in running_stack_env(args).items():
+        os.environ.setdefault(name, value)
+    if getattr(args, "database_url", None):
+        os.environ["TOKENMILL_DATABASE_URL"] = args.database_url

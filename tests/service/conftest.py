@@ -27,7 +27,7 @@ from storage import db
 from storage.faults import is_transient
 from storage.objectstore import S3Options, open_store
 from tests.fixtures_services import REPO, free_port_block, pg_databases  # noqa: F401 - fixtures
-from tokenmill.commands.jobs import sample_input
+from tokenmill.options import sample_input
 
 STACK_ENV = {
     "PYTHONPATH": str(REPO),  # stack processes run from their state directory; the engine hook lives in tests/
@@ -53,7 +53,7 @@ def tokenmill(*args: str, env: dict[str, str] | None = None, timeout: float = 30
 
 
 def stack_module():
-    from tokenmill import stack
+    from tokenmill.stack import local_stack as stack
 
     return stack
 

@@ -198,7 +198,7 @@ def secrets_of(stack) -> dict[str, str]:
 
 
 def test_the_stack_runs_with_its_own_credentials_and_never_shows_them(stack, sessions, kafka_job) -> None:
-    from tokenmill.stack import describe
+    from tokenmill.stack.local_stack import describe
 
     secrets = secrets_of(stack)
     assert all(len(value) >= 16 for value in secrets.values()), "random secrets"

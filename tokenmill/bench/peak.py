@@ -63,6 +63,13 @@ def native(dtype: str) -> bool:
     return dtype != "bfloat16" or cpu_has_native_bf16()
 
 
+def native_dtypes(dtypes: list[str], console) -> list[str]:
+    """The dtypes this CPU runs natively; a line for each one skipped (bfloat16 without avx512_bf16 or AMX)."""
+    for dtype in [d for d in dtypes if not native(d)]:
+        console.print(f"{dtype} skipped: this CPU has no native {dtype} (avx512_bf16 or AMX)")
+    return [d for d in dtypes if native(d)]
+
+
 def limit_only(model_dir, dtype: str) -> float:
     """The tok/s limit alone (for `bench throughput`'s share column)."""
     return max(decode_limits(load_dense_weights(model_dir, dtype)).values())

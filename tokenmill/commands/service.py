@@ -10,14 +10,17 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from pathlib import Path
 
 from tokenmill.options import (
     add_engine_options,
     add_sampling_options,
     add_task_options,
+    default_state_dir,
     engine_kwargs,
+    sample_input,
     sampling_kwargs,
+    stack_dir_option,
+    use_stack,
 )
 
 STACK_DESCRIPTION = """\
@@ -39,11 +42,6 @@ def register(commands: argparse._SubParsersAction) -> None:
     _register_watcher(commands)
 
 
-def stack_dir_option(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--state-dir", type=Path, metavar="DIR",
-                        help="the stack's state directory (default: $TOKENMILL_DATA/stack)")
-
-
 def _database_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--database-url", metavar="URL", help="job database (default: $TOKENMILL_DATABASE_URL, "
                                                               "else the running stack's)")
@@ -62,7 +60,7 @@ def _friendly(handler):
         from kafka.errors import KafkaError
 
         from ingest.spec import SpecError
-        from tokenmill.stack import StackError
+        from tokenmill.stack.local_stack import StackError
 
         try:
             return handler(args)
@@ -217,31 +215,7 @@ def _register_watcher(commands: argparse._SubParsersAction) -> None:
     parser.set_defaults(handler=_friendly(watcher))
 
 
-# ---- the stack's environment ----------------------------------------------------------------------------
-
-def default_state_dir() -> Path:
-    from storage.db import data_dir
-
-    return data_dir() / "stack"
-
-
-def running_stack_env(args: argparse.Namespace) -> dict[str, str]:
-    """The environment of the running stack (its state file), if any; {} otherwise."""
-    import json
-
-    state_file = (getattr(args, "state_dir", None) or default_state_dir()) / "stack.json"
-    return json.loads(state_file.read_text()).get("env", {}) if state_file.exists() else {}
-
-
-def use_stack(args: argparse.Namespace) -> None:
-    """Fill environment variables this shell leaves unset from the running stack's state file, if any."""
-    if getattr(args, "stack_command", None) == "up":
-        return
-    for name, value in running_stack_env(args).items():
-        os.environ.setdefault(name, value)
-    if getattr(args, "database_url", None):
-        os.environ["TOKENMILL_DATABASE_URL"] = args.database_url
-
+# ---- the service's settings ---------------------------------------------------------------------------
 
 def _service_config():
     from ingest.config import ServiceConfig
@@ -261,7 +235,6 @@ def _sessions():
 
 def submit(args: argparse.Namespace) -> int:
     from ingest.submit import submit_job
-    from tokenmill.commands.jobs import sample_input
 
     sent = submit_job(args.input or sample_input(), args.via, _service_config(), args.output, model=args.model,
                       sampling=sampling_kwargs(args), shard_size=args.shard_size, priority=args.priority,
@@ -334,27 +307,27 @@ def schedule_remove(args: argparse.Namespace) -> int:
 
 
 def stack_up(args: argparse.Namespace) -> int:
-    from tokenmill import stack
+    from tokenmill.stack import local_stack
 
     workers = max(args.workers, 1)
     threads = args.threads or max(1, (os.cpu_count() or 1) // workers)
     extra_env = dict(item.split("=", 1) for item in args.env)
-    settings = stack.StackSettings(args.state_dir or default_state_dir(), workers, args.port_base,
-                             args.database_url or stack.DEFAULT_DATABASE, args.model,
-                             ["--threads", str(threads), "--kv-cache-memory", str(args.kv_cache_memory),
-                              *(["--shards-in-flight", str(args.shards_in_flight)] if args.shards_in_flight else [])],
-                             extra_env)
-    state = stack.up(settings)
+    worker_args = ["--threads", str(threads), "--kv-cache-memory", str(args.kv_cache_memory),
+                   *(["--shards-in-flight", str(args.shards_in_flight)] if args.shards_in_flight else [])]
+    settings = local_stack.StackSettings(args.state_dir or default_state_dir(), workers, args.port_base,
+                                         args.database_url or local_stack.DEFAULT_DATABASE, args.model, worker_args,
+                                         extra_env)
+    state = local_stack.up(settings)
     print(f"tokenmill stack is up (state: {settings.state_dir})")
-    print(stack.describe(state, settings.state_dir))
+    print(local_stack.describe(state, settings.state_dir))
     return 0
 
 
 def stack_down(args: argparse.Namespace) -> int:
     state_dir = args.state_dir or default_state_dir()
-    from tokenmill import stack
+    from tokenmill.stack import local_stack
 
-    problems = stack.down(state_dir)
+    problems = local_stack.down(state_dir)
     for problem in problems:
         print(f"error: {problem}", file=sys.stderr)
     if not problems:
@@ -363,9 +336,9 @@ def stack_down(args: argparse.Namespace) -> int:
 
 
 def stack_env(args: argparse.Namespace) -> int:
-    from tokenmill import stack
+    from tokenmill.stack import local_stack
 
-    print(stack.env_script(args.state_dir or default_state_dir(), show_secrets=args.show_secrets), end="")
+    print(local_stack.env_script(args.state_dir or default_state_dir(), show_secrets=args.show_secrets), end="")
     return 0
 
 
