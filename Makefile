@@ -26,7 +26,7 @@ test: setup
 	./ops/ensure_services.sh
 	./ops/ensure_tools.sh
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/pytest -q --durations=30 $(TESTS)
+	$(VENV)/bin/pytest -q -rs --durations=30 $(TESTS)
 
 unit: setup
 	./ops/ensure_tools.sh

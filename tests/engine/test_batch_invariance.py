@@ -11,12 +11,16 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.models.cpu_gemm import INVARIANT_ROWS, Linear, fixed_float32_kernel, invariant_kernels
+from engine.models.cpu_gemm import INVARIANT_ROWS, Linear
+from engine.spec_decode.cost import StepCost
+from tests.engine.cpu_flags import expected_bfloat16_kernel, expected_fixed_float32_kernel
 
 PROMPT = "The three primary colors are red, yellow and"
 REPEATING = "one two three four five six, one two three four five six, one two three four five six, one two"
-GREEDY = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=2)
-SEEDED = SamplingParams(max_tokens=4, temperature=0.9, top_p=0.95, seed=11, ignore_eos=True, logprobs=2)
+# 3 tokens: the prefill's and two decode steps' (the second over a KV entry a decode step wrote); on CPUs without
+# our GEMM kernels every step costs GEMMs over 64-row tiles, whatever its rows
+GREEDY = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, logprobs=2)
+SEEDED = SamplingParams(max_tokens=3, temperature=0.9, top_p=0.95, seed=11, ignore_eos=True, logprobs=2)
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3}
 salts = (f"run-{i}" for i in itertools.count())
 
@@ -37,23 +41,28 @@ def generate(llm, prompts, params, salt=None) -> list:
     return [result(o) for o in llm.generate(prompts, params, cache_salt=salt or next(salts))]
 
 
+@pytest.fixture(scope="module")
+def alone(llm) -> dict:
+    """PROMPT alone, greedy and seeded, each in its own run: the reference of several tests, computed once."""
+    return {name: generate(llm, [PROMPT], params)[0] for name, params in (("greedy", GREEDY), ("seeded", SEEDED))}
+
+
 def others(llm, count: int) -> list[list[int]]:
     """`count` short prompts of varied lengths (2 to 9 tokens), none sharing PROMPT's first block."""
     ids = llm.get_tokenizer().encode("Write a short story about a lighthouse keeper and the sea at night")
     return [[1] + ids[i % 5:i % 5 + 1 + i % 8] for i in range(count)]
 
 
-def test_alone_or_among_64_others(llm):
-    alone = [generate(llm, [PROMPT], params)[0] for params in (GREEDY, SEEDED)]
+def test_alone_or_among_64_others(llm, alone):
     crowd = others(llm, 64)
     batched = generate(llm, crowd[:40] + [PROMPT, PROMPT] + crowd[40:], [GREEDY] * 40 + [GREEDY, SEEDED]
                        + [SEEDED] * 24)
-    assert batched[40:42] == alone
-    assert all(len(tokens) == 4 and len(steps) == 4 for tokens, steps in alone)
+    assert batched[40:42] == [alone["greedy"], alone["seeded"]]
+    assert all(len(tokens) == 3 and len(steps) == 3 for tokens, steps in alone.values())
 
 
-def test_chunked_or_whole_prefill(llm):
-    (whole,) = generate(llm, [PROMPT], GREEDY)
+def test_chunked_or_whole_prefill(llm, alone):
+    whole = alone["greedy"]
     limits = llm.engine.scheduler.limits
     limits.long_prefill_token_threshold = 3  # the prompt in chunks of 3 tokens, beside the crowd's decodes
     try:
@@ -77,7 +86,10 @@ def test_served_from_the_prefix_cache_or_computed(llm):
     assert result(cached[0]) == computed
 
 
-def test_speculation_on_or_off(llm):
+def test_speculation_on_or_off(llm, monkeypatch):
+    # the lookahead is fixed below, so the step-cost model is unused: no calibration (a pass of every GEMM per
+    # row count, each padded to 64 rows without our kernels: most of this test's time on an AVX2 CPU)
+    monkeypatch.setattr(StepCost, "calibrate", classmethod(lambda cls, model, max_rows: cls({1: 1.0})))
     prompts = [REPEATING, REPEATING]  # n-gram drafts from the prompt's own repeats
     params = [GREEDY, SEEDED]
     plain = generate(llm, prompts, params)
@@ -92,8 +104,8 @@ def test_speculation_on_or_off(llm):
     assert speculated == plain
 
 
-def test_one_thread_or_two(llm):
-    (two,) = generate(llm, [PROMPT], GREEDY)
+def test_one_thread_or_two(llm, alone):
+    two = alone["greedy"]  # computed with two threads
     torch.set_num_threads(1)
     try:
         one = generate(llm, [PROMPT] + others(llm, 2), GREEDY)[0]
@@ -108,20 +120,29 @@ def test_every_gemm_has_one_shape_and_a_kernel_fixed_by_dtype(llm):
     packed = [m.packed for m in model.modules() if isinstance(m, Linear)] + [model.packed_head]
     assert all(p.row_tile == INVARIANT_ROWS for p in packed)
     if model.embed_tokens.weight.dtype == torch.float32:
-        assert all(p.kind == fixed_float32_kernel(*p.weight.shape) for p in packed)
+        # every SmolLM2 side is a 32-column multiple: avx512f -> "avx512", else oneDNN (any x86 wheel), else MKL
+        assert all(p.weight.shape[0] % 32 == 0 and p.weight.shape[1] % 32 == 0 for p in packed)
+        expected = expected_fixed_float32_kernel()
+        assert all(p.kind == expected for p in packed), ({p.kind for p in packed}, expected)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_auto_turns_the_mode_on_exactly_where_our_gemm_kernels_make_it_free(model_dir, dtype):
-    """The CLI's and jobs' default: on where every GEMM runs on our own kernels (invariant without row tiles)."""
+def test_auto_turns_the_mode_on_exactly_where_our_gemm_kernels_make_it_free(model_dir, dtype, monkeypatch):
+    """The CLI's and jobs' default: on where every GEMM runs on our own kernels (invariant without row tiles).
+    From the CPU's flags: bfloat16 on AMX (amx_tile, amx_bf16) -> on ("amx"); else avx512_bf16 -> on ("avx512");
+    else off (oneDNN). float32 on avx512f -> on ("avx512"); else off (MKL or oneDNN need row tiles)."""
+    monkeypatch.delenv("TOKENMILL_BF16_GEMM", raising=False)
+    monkeypatch.delenv("TOKENMILL_FLOAT32_GEMM", raising=False)
+    expected = {"bfloat16": expected_bfloat16_kernel(), "float32": expected_fixed_float32_kernel()}[dtype]
     auto = LLM(str(model_dir), dtype=dtype, batch_invariant="auto", num_threads=2, max_model_len=64,
                kv_cache_memory=16 << 20)
     runner = auto.engine.runner
-    assert runner.batch_invariant is invariant_kernels(runner.dtype)
+    assert runner.batch_invariant is (expected in ("amx", "avx512")), expected
     assert auto.engine.config.batch_invariant is runner.batch_invariant  # resolved once, for jobs' None too
     packed = [m.packed for m in runner.model.modules() if isinstance(m, Linear)] + [runner.model.packed_head]
     if runner.batch_invariant:
         assert all(p.invariant_kernel for p in packed)
+        assert {p.kind for p in packed} == {expected}
     with pytest.raises(ValueError, match="batch_invariant must be true, false or 'auto'"):
         LLM(str(model_dir), batch_invariant="yes")
 

@@ -12,9 +12,14 @@ from engine.models.cpu_gemm import (
     Linear,
     PackedWeight,
     fastest_float32_kernel,
-    fixed_float32_kernel,
     float32_kernel,
     onednn_rows,
+)
+from tests.engine.cpu_flags import (
+    amx_expected,
+    avx512_expected,
+    expected_bfloat16_kernel,
+    expected_fixed_float32_kernel,
 )
 
 
@@ -35,14 +40,14 @@ def test_packed_weight_equals_f_linear_at_every_row_count(dtype, bias, monkeypat
 
 
 def own_kernels_here() -> list[tuple[str, torch.dtype]]:
-    kinds = [("amx", torch.bfloat16)] if cpu_kernel.amx_ready() else []
-    return kinds + [("avx512", dtype) for dtype in (torch.bfloat16, torch.float32) if cpu_kernel.avx512_ready(dtype)]
+    """From the CPU's flags: a build that lost a kernel fails its case here rather than dropping it."""
+    kinds = [("amx", torch.bfloat16)] if amx_expected() else []
+    return kinds + [("avx512", dtype) for dtype in (torch.bfloat16, torch.float32) if avx512_expected(dtype)]
 
 
 def test_bfloat16_takes_our_kernel_where_the_cpu_has_one_and_the_shape_fits(monkeypatch):
     monkeypatch.delenv("TOKENMILL_BF16_GEMM", raising=False)
-    expected = "amx" if cpu_kernel.amx_ready() else "avx512" if cpu_kernel.avx512_ready(torch.bfloat16) else "onednn"
-    assert PackedWeight(torch.randn(960, 576).bfloat16()).kind == expected
+    assert PackedWeight(torch.randn(960, 576).bfloat16()).kind == expected_bfloat16_kernel()
     assert PackedWeight(torch.randn(100, 576).bfloat16()).kind == "onednn", "100 columns: not whole slices"
     assert PackedWeight(torch.randn(960, 576).bfloat16(), own_kernels=False).kind == "onednn"
     monkeypatch.setenv("TOKENMILL_BF16_GEMM", "onednn")
@@ -123,7 +128,7 @@ def test_row_tiles_give_a_row_the_same_result_in_any_batch(dtype, packed):
     shifted = torch.cat([torch.randn(7, 576, generator=generator).to(dtype), x[:20]])
     assert torch.equal(linear(shifted)[7:], full[:20])
     if packed and dtype == torch.float32:
-        assert linear.packed.kind == fixed_float32_kernel(1536, 576)
+        assert linear.packed.kind == expected_fixed_float32_kernel()  # 1536 x 576: 32-column multiples
 
 
 def test_long_inputs_reach_onednn_padded_to_a_multiple_of_its_rows():
@@ -139,7 +144,7 @@ def test_long_inputs_reach_onednn_padded_to_a_multiple_of_its_rows():
     assert torch.equal(onednn_rows(linear, x[:64]), x[:64] * 2) and seen[-1] == 64  # short inputs as they come
 
 
-@pytest.mark.skipif(not cpu_kernel.amx_ready(), reason="float32 as bfloat16 parts runs on AMX tiles only")
+@pytest.mark.skipif(not amx_expected(), reason="float32 as bfloat16 parts runs on AMX tiles only")
 @pytest.mark.parametrize("parts", [2, 3])
 @pytest.mark.parametrize("shape", [(960, 576), (384, 1536)], ids=["slice_outer", "depth_outer"])
 def test_float32_as_bfloat16_parts_on_amx_is_near_float32_and_the_same_bits_in_any_batch(parts, shape):
@@ -169,8 +174,8 @@ def test_float32_as_bfloat16_parts_on_amx_is_near_float32_and_the_same_bits_in_a
 def test_float32_split_is_asked_for_and_runs_where_the_cpu_has_amx():
     weight = torch.randn(960, 576)
     packed = PackedWeight(weight, float32_split=True)
-    assert (packed.kind == "amx_split") == cpu_kernel.amx_ready()
-    assert packed.invariant_kernel or not cpu_kernel.amx_ready()
+    assert (packed.kind == "amx_split") == amx_expected()
+    assert packed.invariant_kernel or not amx_expected()
     x = torch.randn(37, 576)
     reference = F.linear(x, weight)
     assert (packed(x) - reference).abs().max() <= 2 ** -14 * reference.abs().max()

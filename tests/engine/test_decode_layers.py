@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.attention import cpu_kernel
 from engine.models import cpu_gemm
+from tests.engine.cpu_flags import amx_expected, avx512_expected
 
 PROMPTS = ["The three primary colors are red, yellow and", "Write a haiku about the sea at night.",
            "one two three four five six, one two three four five six, one two"]
@@ -27,7 +27,19 @@ CASES = {
 
 
 def own_gemm_runs(dtype: torch.dtype) -> bool:
-    return (dtype == torch.bfloat16 and cpu_kernel.amx_ready()) or cpu_kernel.avx512_ready(dtype)
+    """From the CPU's flags: bfloat16 on AMX or avx512_bf16, float32 on avx512f."""
+    return (dtype == torch.bfloat16 and amx_expected()) or avx512_expected(dtype)
+
+
+@pytest.fixture(scope="module", params=CASES)
+def case_llm(request, model_dir):
+    """(case, its LLM), built once for both tests of the case."""
+    kwargs = CASES[request.param]
+    with pytest.MonkeyPatch.context() as patch:
+        if kwargs["dtype"] == "float32" and avx512_expected(torch.float32):
+            patch.setenv("TOKENMILL_FLOAT32_GEMM", "avx512")  # not the timed choice: every projection on ours
+        return request.param, LLM(str(model_dir), num_threads=2, max_model_len=256, kv_cache_memory=96 << 20,
+                                  **kwargs)
 
 
 def results(llm, salt: str) -> list:
@@ -36,17 +48,18 @@ def results(llm, salt: str) -> list:
                                       for step in o.outputs[0].logprobs]) for o in outputs]
 
 
-@pytest.mark.parametrize("case", CASES)
-def test_one_call_layers_give_the_python_loops_bits(model_dir, case, monkeypatch):
-    kwargs = CASES[case]
-    dtype = getattr(torch, kwargs["dtype"])
-    if dtype == torch.float32 and cpu_kernel.avx512_ready(torch.float32):
-        monkeypatch.setenv("TOKENMILL_FLOAT32_GEMM", "avx512")  # not the timed choice: every projection on ours
-    llm = LLM(str(model_dir), num_threads=2, max_model_len=256, kv_cache_memory=96 << 20, **kwargs)
+def test_the_one_call_is_built_exactly_where_our_gemm_kernels_run_the_dtype(case_llm):
+    """Elsewhere (e.g. an AVX2 CPU) the Python loop runs."""
+    case, llm = case_llm
+    dtype = getattr(torch, CASES[case]["dtype"])
+    assert (llm.engine.runner.model.decode_layers is not None) == own_gemm_runs(dtype)
+
+
+def test_one_call_layers_give_the_python_loops_bits(case_llm):
+    case, llm = case_llm
     model = llm.engine.runner.model
-    if model.decode_layers is None:  # only where none of our GEMM kernels runs this dtype (e.g. an AVX2 CPU)
-        assert not own_gemm_runs(dtype)
-        return
+    if model.decode_layers is None:  # checked above: none of our GEMM kernels runs this dtype
+        pytest.skip(f"no GEMM kernel of ours runs {CASES[case]['dtype']} on this CPU: no one-call layers")
     calls = {"tokens": 0}
     run = model.decode_layers.run
 
@@ -65,9 +78,8 @@ def test_one_call_layers_give_the_python_loops_bits(model_dir, case, monkeypatch
     assert all(len(tokens) == 12 for tokens, _ in one_call)
 
 
+@pytest.mark.skipif(not amx_expected(), reason="no AMX on this CPU: the row limit exists for the AMX kernel only")
 def test_the_one_call_stops_where_amx_hands_long_prefills_to_onednn(model_dir):
-    if not cpu_kernel.amx_ready():
-        return  # the limit exists for the AMX kernel only
     llm = LLM(str(model_dir), dtype="bfloat16", num_threads=2, max_model_len=256, kv_cache_memory=96 << 20)
     model = llm.engine.runner.model
     assert model.decode_layers is not None and model.decode_rows_max == cpu_gemm.AMX_MAX_ROWS

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from engine import LLM, PoolingParams
+from tests.engine.cpu_flags import amx_expected
 from tokenmill.bench.sentences import held_out_sentences
 
 MODEL = "all-minilm-l6-v2"
@@ -91,16 +92,24 @@ def test_dimensions_refused_and_generation_refused(llm):
         llm.generate(["x"])
 
 
-def test_bfloat16_attention_runs_on_amx_tiles_where_it_can(sentences, reference, monkeypatch):
-    """On CPUs with AMX, bfloat16 attention over the packed rows runs on the tiles (amx_gemm.c), close to torch's
-    fused attention per bucket and to the float32 reference; elsewhere the vector kernel or torch's run."""
-    from engine.attention import cpu_kernel
+@pytest.fixture(scope="module")
+def bfloat16_llm():
+    return LLM(model=MODEL, dtype="bfloat16", num_threads=2)
 
-    tiled = LLM(model=MODEL, dtype="bfloat16", num_threads=2)
+
+def test_bfloat16_attention_takes_the_tiles_exactly_where_the_cpu_has_amx(bfloat16_llm):
+    """Elsewhere the vector kernel or torch's run."""
+    layers = bfloat16_llm.engine.model.layers
+    assert all(layer.ops.tiles_take(layer.head_dim) == amx_expected() for layer in layers)
+
+
+@pytest.mark.skipif(not amx_expected(), reason="no AMX on this CPU: bfloat16 encoder attention on the tiles")
+def test_bfloat16_attention_runs_on_amx_tiles_where_it_can(bfloat16_llm, sentences, reference, monkeypatch):
+    """On CPUs with AMX, bfloat16 attention over the packed rows runs on the tiles (amx_gemm.c), close to torch's
+    fused attention per bucket and to the float32 reference."""
+    tiled = bfloat16_llm
     layers = tiled.engine.model.layers
-    assert all(layer.ops.tiles_take(layer.head_dim) == cpu_kernel.amx_ready() for layer in layers)
-    if not cpu_kernel.amx_ready():
-        return
+    assert all(layer.ops.tiles_take(layer.head_dim) for layer in layers)
     assert all(layer.packed_attention for layer in layers)
     monkeypatch.setenv("TOKENMILL_ENCODER_ATTENTION", "torch")
     by_torch = LLM(model=MODEL, dtype="bfloat16", num_threads=2)
@@ -110,6 +119,19 @@ def test_bfloat16_attention_runs_on_amx_tiles_where_it_can(sentences, reference,
     assert (ours * theirs).sum(1).min() >= 0.999
 
 
+def test_without_amx_the_encoder_ops_never_take_the_tiles(monkeypatch):
+    """On every CPU: as built without AMX (amx_ready False), bfloat16 encoder attention stays off the tiles."""
+    import torch
+
+    from engine.attention import cpu_kernel
+
+    if amx_expected():
+        monkeypatch.setattr(cpu_kernel, "amx_ready", lambda: False)
+    ops = cpu_kernel.encoder_ops(torch.bfloat16)
+    assert ops is None or not ops.tiles_take(32)
+
+
+@pytest.mark.skipif(not amx_expected(), reason="no AMX on this CPU: the tiles' attention kernel")
 def test_the_tiles_attention_kernel_matches_softmax_attention_per_row():
     """Rows of 1 to 256 tokens (across tile edges), head_dim 32 and 64, against torch's attention in float32."""
     import torch
@@ -117,9 +139,7 @@ def test_the_tiles_attention_kernel_matches_softmax_attention_per_row():
     from engine.attention import cpu_kernel
 
     ops = cpu_kernel.encoder_ops(torch.bfloat16)
-    if not cpu_kernel.amx_ready():
-        assert ops is None or not ops.tiles_take(32)
-        return
+    assert ops.tiles_take(32) and ops.tiles_take(64)
     generator = torch.Generator().manual_seed(3)
     lengths = [1, 3, 16, 17, 31, 32, 33, 50, 64, 100, 256]
     starts = torch.tensor([sum(lengths[:i]) for i in range(len(lengths))])
