@@ -10,7 +10,8 @@ The engine thread survives any one shard's error: a row that cannot be prepared 
 alone. An engine step that raises is pinned on a shard by running the shards that were in the engine again one
 at a time: the one that raises alone fails; the others finish as if nothing happened. A watchdog ends the
 process when the engine makes no progress for `TOKENMILL_ENGINE_WATCHDOG_S` (its leases then lapse and other
-workers take its shards over)."""
+workers take its shards over); time the engine thread spends admitting a shard (switching its speculative or
+batch-invariant setting, loading a draft model, adding its rows) counts as no progress too."""
 
 from __future__ import annotations
 
@@ -122,7 +123,8 @@ class EngineLoop:
         self.active: list[Ticket] = []  # admitted, oldest first
         self.pending: dict[str, TextRow | EmbeddingInput] = {}  # by request id
         self._spec_seen = (0, 0)
-        self.progressed = time.monotonic()  # the last engine step that returned, or the last idle moment
+        self.progressed = time.monotonic()  # the last engine step that returned, or the last idle moment:
+        # the watchdog counts from it while any shard is in `active` (admitted, or being admitted)
         self.watchdog_s, self.on_stuck = watchdog_s, on_stuck or _exit_stuck
         self.thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self.thread.start()
@@ -217,9 +219,9 @@ class EngineLoop:
                                     or not self.engine.batch_invariance_matches(ticket.settings.batch_invariant)):
                     return
                 self.waiting.popleft()
+                self.active.append(ticket)  # first: the watchdog counts a hang while it is admitted (a draft load)
                 self.engine.set_speculative_config(ticket.settings.speculative)
                 self.engine.set_batch_invariant(ticket.settings.batch_invariant)
-                self.active.append(ticket)
                 self._feed(ticket)
             except Exception as error:  # this shard alone fails
                 self._fail(ticket, error)

@@ -174,3 +174,54 @@ def test_a_stuck_engine_trips_the_watchdog_and_a_cancel_still_returns(llm_engine
         while llm_engine.has_unfinished_requests() and time.monotonic() < deadline:
             time.sleep(0.1)  # the loop drops the cancelled rows once its step returns
     assert not llm_engine.has_unfinished_requests()
+
+
+class AdmissionBlockingEngine:
+    """No model: its `blocking` call (a draft model that never finishes loading) blocks until released, then
+    raises, so that its shard fails and the loop goes idle."""
+
+    embedding_size = spec = None
+
+    def __init__(self, blocking: str) -> None:
+        self.blocking, self.entered, self.released = blocking, threading.Event(), threading.Event()
+
+    def speculation_matches(self, settings) -> bool:
+        return True
+
+    def batch_invariance_matches(self, on) -> bool:
+        return True
+
+    def set_speculative_config(self, settings) -> None:
+        self._maybe_block("set_speculative_config")
+
+    def set_batch_invariant(self, on) -> None:
+        self._maybe_block("set_batch_invariant")
+
+    def _maybe_block(self, call: str) -> None:
+        if call == self.blocking:
+            self.entered.set()
+            self.released.wait(60)
+            raise RuntimeError(f"{call} released by the test")
+
+    def abort(self, request_id: str) -> None:
+        pass
+
+
+@pytest.mark.parametrize("blocking", ["set_speculative_config", "set_batch_invariant"])
+def test_a_hang_while_admitting_a_shard_trips_the_watchdog(blocking, monkeypatch) -> None:
+    """The engine is idle and the shard it admits hangs in the engine (no step runs yet): the watchdog counts
+    that time as no progress, as it does a hung step, since the shard's lease is kept alive meanwhile."""
+    from workers import engine_loop
+
+    monkeypatch.setattr(engine_loop, "CANCEL_WAIT_S", 1.0)
+    engine = AdmissionBlockingEngine(blocking)
+    tripped = threading.Event()
+    loop = EngineLoop(engine, watchdog_s=1.0, on_stuck=tripped.set)
+    started = time.monotonic()
+    try:
+        outcome = loop.run(RowSettings(GREEDY, speculative={"method": "draft"}), rows("d", 2, 4), "draft-",
+                           should_stop=lambda: tripped.wait(0) or time.monotonic() - started > 8)
+        assert engine.entered.is_set() and outcome.cancelled
+        assert tripped.wait(0), "the watchdog must fire while the engine thread hangs admitting a shard"
+    finally:
+        engine.released.set()
