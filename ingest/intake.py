@@ -114,6 +114,7 @@ def _reopen(job: Job, new: NewJob) -> str:
         if owner := claim_owner(object_session(job), job.output_uri, but=job.id):
             raise OutputClaimed(job.output_uri, owner)
         transition(job, S.VALIDATING)
+        repo.fence(job)  # a cleanup of the ended attempt, still running late, must spare the retry's parts
         job.expires_at = deadline(job.settings, utcnow())
         return "retried"
     return "resumed"

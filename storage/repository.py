@@ -8,7 +8,9 @@ from datetime import datetime
 from sqlalchemy import delete, func, select, update
 from sqlalchemy.orm import Session
 
-from storage.models import FailedRow, Job, Shard, ShardStatus, utcnow
+from storage.models import FailedRow, Job, ServiceMarker, Shard, ShardStatus, utcnow
+
+UPLOAD_NOTE = "part-upload:"  # service_markers naming a part before its upload: `note_upload`
 
 
 class JobNotFound(LookupError):
@@ -133,6 +135,7 @@ def complete_shard(session: Session, shard: Shard, totals: dict[str, int], outpu
     shard.output_key = output_key
     shard.finished_at = utcnow()
     shard.lease_expires_at = None
+    forget_upload(session, shard.job_id, output_key)  # committed: no cleanup may remove it
     session.flush()
     refresh_job_totals(session, get_job(session, shard.job_id))
 
@@ -164,3 +167,20 @@ def failed_rows(session: Session, job_id: str, shard: int | None = None) -> Iter
     if shard is not None:
         query = query.where(FailedRow.shard == shard)
     yield from session.scalars(query.execution_options(yield_per=1000))
+
+
+def note_upload(session: Session, job_id: str, key: str) -> None:
+    """Record a part key before its upload, so a cleanup knows it even if the uploader dies or raises; its
+    commit (`complete_shard`) or its removal forgets it."""
+    session.merge(ServiceMarker(name=f"{UPLOAD_NOTE}{job_id}/{key}", value=job_id))
+
+
+def forget_upload(session: Session, job_id: str, key: str) -> None:
+    session.execute(delete(ServiceMarker).where(ServiceMarker.name == f"{UPLOAD_NOTE}{job_id}/{key}"))
+
+
+def noted_uploads(session: Session, job_id: str | None = None) -> list[tuple[str, str]]:
+    """(job id, key) of the recorded part uploads not yet committed or removed; of one job with `job_id`."""
+    prefix = UPLOAD_NOTE + (f"{job_id}/" if job_id else "")
+    names = session.scalars(select(ServiceMarker.name).where(ServiceMarker.name.startswith(prefix, autoescape=True)))
+    return [tuple(name[len(UPLOAD_NOTE):].split("/", 1)) for name in names]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import logging
 from collections.abc import Iterator
 from datetime import datetime
 from typing import Any
@@ -16,11 +17,14 @@ from storage.formats import (
     ERRORS_KEY,
     MANIFEST_KEY,
     batch_output_line,
+    part_key,
     read_part,
     write_jsonl,
 )
 from storage.models import Job, Shard, ShardStatus
-from storage.objectstore import ObjectStore
+from storage.objectstore import ObjectStore, open_store
+
+log = logging.getLogger("tokenmill.jobs")
 
 
 class RowCountMismatch(RuntimeError):
@@ -84,8 +88,8 @@ def manifest(job: Job, shards: list[Shard], files: dict[str, Any], finished_at: 
 
 def finalize_outputs(sessions: sessionmaker[Session], job: Job, shards: list[Shard], store: ObjectStore,
                      finished_at: datetime) -> dict[str, Any]:
-    """Write the error file and the optional batch output, and delete uncommitted parts. Returns the manifest,
-    which the caller writes once it has checked that it still holds the finalize step."""
+    """Write the error file and the optional batch output. Returns the manifest, which the caller writes (after
+    deleting the uncommitted parts) under the job row's lock, once it has checked that it still holds the step."""
     check_row_counts(job, shards)
     files: dict[str, Any] = {
         "parts": [{"key": s.output_key, "shard": s.index, "row_start": s.row_start, "row_end": s.row_end,
@@ -96,17 +100,57 @@ def finalize_outputs(sessions: sessionmaker[Session], job: Job, shards: list[Sha
     if job.settings.openai_output:
         lines = write_jsonl(store, BATCH_OUTPUT_KEY, batch_output_lines(sessions, job, shards, store))
         files["batch_output"] = {"key": BATCH_OUTPUT_KEY, "rows": lines}
-    delete_uncommitted_parts(store, job, shards)
     return manifest(job, shards, files, finished_at)
 
 
 def delete_uncommitted_parts(store: ObjectStore, job: Job, shards: list[Shard]) -> None:
     """The job's parts of claims that were taken over or stopped: the database never committed them. Only this
-    job's own keys are touched (they carry its id)."""
-    committed = {s.output_key for s in shards if s.status == ShardStatus.COMPLETED}
+    job's own keys are touched (they carry its id), and never the part a running claim may be writing."""
+    kept = {s.output_key for s in shards if s.status == ShardStatus.COMPLETED}
+    kept |= {part_key(s.index, job.id, s.claim_token) for s in shards if s.status == ShardStatus.RUNNING}
     for key in store.list("part-"):
-        if f"-{job.id}-c" in key and key not in committed:
+        if f"-{job.id}-c" in key and key not in kept:
             store.delete(key)
+
+
+def remove_stray_parts(sessions: sessionmaker[Session], job_id: str | None = None) -> int:
+    """Parts recorded before their upload (`repo.note_upload`) whose claim neither committed nor can still
+    commit: a lost claim's, whose own cleanup failed or never ran. Removes them and their records (of one job
+    with `job_id`); a part its shard's current claim may still commit is left for later. Returns how many."""
+    try:
+        with sessions() as session:
+            noted = repo.noted_uploads(session, job_id)
+    except Exception as error:  # the database is down: the next sweep tries again
+        log.warning("could not read the recorded part uploads: %s", error)
+        return 0
+    removed = 0
+    for owner, key in noted:
+        with sessions() as session:
+            job = session.get(Job, owner)
+            fate = "stray" if job is None else _fate(job, key)
+        if fate == "pending":
+            continue
+        try:
+            if fate == "stray" and job is not None:
+                open_store(job.output_uri, job.settings.s3).delete(key)
+                removed += 1
+            with sessions.begin() as session:
+                repo.forget_upload(session, owner, key)
+        except Exception as error:  # the store or the database is down: the next sweep tries again
+            log.warning("job %s: could not remove the stray part %s: %s", owner, key, error)
+    return removed
+
+
+def _fate(job: Job, key: str) -> str:
+    """A noted part: `committed` (a shard's output), `pending` (its shard's current claim may still commit it)
+    or `stray` (its claim was fenced, or ended without committing)."""
+    for shard in job.shards:
+        if shard.status == ShardStatus.COMPLETED and shard.output_key == key:
+            return "committed"
+        if part_key(shard.index, job.id, shard.claim_token) == key and shard.status in (
+                ShardStatus.RUNNING, ShardStatus.PENDING):
+            return "pending"
+    return "stray"
 
 
 def discard_outputs(store: ObjectStore, job: Job, shards: list[Shard]) -> None:

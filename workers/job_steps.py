@@ -23,7 +23,7 @@ from storage.liveness import LEASE, db_now, holder_alive, worker_id
 from storage.models import FailedRow, Job, JobStatus, Shard, ShardStatus, utcnow
 from storage.objectstore import InputChanged, ObjectStore, open_file_store, open_store
 from storage.states import TERMINAL, transition
-from workers.finalize import discard_outputs, finalize_outputs
+from workers.finalize import delete_uncommitted_parts, discard_outputs, finalize_outputs, remove_stray_parts
 from workers.leases import LeaseHeartbeat, job_claim
 from workers.progress import NoProgress, Progress
 
@@ -35,13 +35,19 @@ _steps_lock = threading.Lock()
 
 
 def discard_if_ended(sessions: sessionmaker[Session], job: Job) -> None:
-    """After a commit: a job that ended without completing keeps only its committed parts."""
+    """After a commit: a job that ended without completing keeps only its committed parts. `job` is the ended
+    row as committed; the cleanup runs under the row's lock, and only while that ending stands (a retry since
+    moved the token on: its parts are not this cleanup's)."""
     if job.status not in TERMINAL or job.status == S.COMPLETED or not job.output_uri:
         return
     try:
-        with sessions() as session:
-            shards = repo.shards(session, job.id)
-        discard_outputs(open_store(job.output_uri, job.settings.s3), job, shards)
+        with sessions.begin() as session:
+            current = repo.get_job(session, job.id, for_update=True)
+            if (current.status, current.claim_token) != (job.status, job.claim_token):
+                log.info("job %s: no longer %s (token %s); its old cleanup does nothing", job.id, job.status,
+                         job.claim_token)
+                return
+            discard_outputs(open_store(job.output_uri, job.settings.s3), current, repo.shards(session, job.id))
     except Exception as error:  # the store is down: the next step or retry of the job cleans up
         log.warning("job %s: could not remove its uncommitted outputs: %s", job.id, error)
 
@@ -77,6 +83,8 @@ class JobSteps:
         """Transition, unless a cancel request came first (then only cancelled or failed may follow)."""
         with self.sessions.begin() as session:
             job = self.job_row(session)
+            if not self.holds_step(job):  # fenced: another holder's step (or a cancel) decides now
+                return job
             if job.status == S.CANCELLING and status not in (S.CANCELLED, S.FAILED):
                 return job
             if job.status != status:
@@ -88,9 +96,12 @@ class JobSteps:
         return job
 
     def fail(self, error: str) -> Job:
-        """End the job `failed` with error, unless it already ended; its uncommitted outputs are removed."""
+        """End the job `failed` with error, unless it already ended or this step was fenced; its uncommitted
+        outputs are removed."""
         with self.sessions.begin() as session:
             job = self.job_row(session)
+            if not self.holds_step(job):
+                return job
             claims.fail(job, error)
         discard_if_ended(self.sessions, job)
         return job
@@ -277,21 +288,19 @@ class JobSteps:
         finished_at = utcnow()
         with self.heartbeat:
             document = finalize_outputs(self.sessions, job, shards, store, finished_at)
-            if not self._still_finalizing():
-                return self.load()
-            write_manifest(store, document)
-            crash_point("during_finalize")
-            with self.sessions.begin() as session:
+            with self.sessions.begin() as session:  # checked and written under the row lock: no fence between
                 job = self.job_row(session)
-                if self._holds_finalize(job):
+                completed = self._holds_finalize(job)
+                if completed:
+                    delete_uncommitted_parts(store, job, repo.shards(session, job.id))
+                    write_manifest(store, document)
+                    crash_point("during_finalize")
                     transition(job, S.COMPLETED, at=finished_at)
-                    return job
+        if completed:
+            remove_stray_parts(self.sessions, job.id)  # a lost claim's part whose own cleanup failed
+            return job
         discard_if_ended(self.sessions, job)  # the job ended otherwise meanwhile: no manifest stays
         return job
-
-    def _still_finalizing(self) -> bool:
-        with self.sessions() as session:
-            return self._holds_finalize(self.job_row(session, lock=False))
 
     def _holds_finalize(self, job: Job) -> bool:
         return job.status == S.FINALIZING and self.holds_step(job) and self.heartbeat.holds(job_claim(job.id))

@@ -20,7 +20,7 @@ from sqlalchemy import select
 from storage import claims
 from storage import repository as repo
 from storage.faults import crash_point, is_transient
-from storage.formats import write_part
+from storage.formats import part_key, write_part
 from storage.liveness import LEASE, db_now
 from storage.models import FailedRow, Job, JobStatus, Shard, ShardStatus, utcnow
 from storage.objectstore import InputChanged, open_store
@@ -120,6 +120,7 @@ class ShardStep:
                         raise StaleClaim(f"job {job.id}: shard {shard.index} was claimed by another worker")
                     return outcome
                 through_outages(lambda: self.steps.check_input_unchanged(job))
+                key = part_key(shard.index, job.id, shard.claim_token)  # known to the cleanup should the write raise
                 key = through_outages(lambda: self._write_part(job, shard, outcome, claim))
                 crash_point("after_part_upload")
                 through_outages(lambda: self._record_shard(job, shard, outcome, key, started))
@@ -162,10 +163,10 @@ class ShardStep:
 
     def _after_lost_claim(self, job: Job, shard: Shard, key: str | None) -> None:
         """The claim went to another worker, or a cancel or the deadline fenced it: remove the part this claim
-        wrote (its key is its own) and give its attempt back."""
+        wrote or may have written (its key is its own) and give its attempt back."""
+        if key is not None:
+            self._remove_lost_part(job, shard, key)
         try:
-            if key is not None:
-                open_store(job.output_uri, job.settings.s3).delete(key)
             with self.steps.sessions.begin() as session:
                 self.steps.job_row(session)
                 row = repo.get_shard_by_id(session, shard.id, for_update=True)
@@ -174,11 +175,31 @@ class ShardStep:
         except Exception as error:
             log.warning("job %s: shard %d: could not clean up after its lost claim: %s", job.id, shard.index, error)
 
+    def _remove_lost_part(self, job: Job, shard: Shard, key: str) -> None:
+        """Delete a lost claim's part, through a store outage; failing that, it stays recorded (noted before its
+        upload, and noted again here should a sweep have forgotten it) for `remove_stray_parts`."""
+        try:
+            with self.steps.sessions.begin() as session:
+                repo.note_upload(session, job.id, key)
+        except Exception as error:  # the database is down: the delete may still work
+            log.warning("job %s: shard %d: could not record its lost claim's part %s: %s", job.id, shard.index,
+                        key, error)
+        try:
+            through_outages(lambda: open_store(job.output_uri, job.settings.s3).delete(key))
+            with self.steps.sessions.begin() as session:
+                repo.forget_upload(session, job.id, key)
+        except Exception as error:
+            log.warning("job %s: shard %d: could not remove its lost claim's part %s (%s); the sweep will",
+                        job.id, shard.index, key, error)
+
     def _write_part(self, job: Job, shard: Shard, outcome: ShardOutcome, claim: Claim) -> str:
-        """The part under this claim's own key, once the claim is checked to be still ours."""
-        with self.steps.sessions() as session:
+        """The part under this claim's own key, once the claim is checked to be still ours; the key is recorded
+        before the upload, so a cleanup finds it whatever happens to this worker after."""
+        key = part_key(shard.index, job.id, shard.claim_token)
+        with self.steps.sessions.begin() as session:
             if session.scalar(select(Shard.claim_token).where(Shard.id == shard.id)) != shard.claim_token:
                 raise StaleClaim(f"job {job.id}: shard {shard.index} was claimed by another worker")
+            repo.note_upload(session, job.id, key)
         key = write_part(open_store(job.output_uri, job.settings.s3), shard.index, outcome.records, job.id,
                          shard.claim_token, outcome.embedding_size)
         if not self.steps.heartbeat.holds(claim):

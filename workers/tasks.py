@@ -29,6 +29,7 @@ from storage import repository as repo
 from storage.faults import is_transient
 from storage.models import Job, JobStatus, ShardStatus
 from workers.celery_app import app, config
+from workers.finalize import remove_stray_parts
 from workers.job_steps import JobSteps, discard_if_ended
 from workers.shard_step import ShardStep
 from workers.worker_engine import engine_for
@@ -257,6 +258,7 @@ def sweep() -> dict[str, Any]:
                            broker_lost=lost)
     for job_id in found.cancelled + found.expired:
         discard_if_ended(sessions(), JobSteps(sessions(), job_id).load())
+    remove_stray_parts(sessions())  # parts of lost claims whose own cleanup failed or never ran
     for job_id, shard_id, model in found.requeue:
         enqueue_shards(job_id, model, [shard_id], head=True)
     for job_id in found.plan:
