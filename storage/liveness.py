@@ -1,11 +1,17 @@
 """Who holds a job step or a shard: a claim is a lease, stamped and checked on the database's clock (hosts'
-clocks disagree; SQLite is one host, so its clock is the process's). Liveness is the lease alone: a worker is
-`host:pid`, and a PID seen dead on this host ends a lease early, but never keeps one alive."""
+clocks disagree; SQLite is one host, so its clock is the process's). Liveness is the lease alone: a PID seen dead
+ends a lease early, but never keeps one alive, and is probed only where it means the same process as here.
+
+A worker is `host:pid@boot.pidns.nonce` (`WorkerIdentity`): containers with host networking share a hostname but
+not PIDs, so a PID is only comparable under the same boot id and PID namespace; the random nonce tells apart equal
+PIDs elsewhere and a PID reused after a restart. Rows of older workers say `host:pid`, read as before."""
 
 from __future__ import annotations
 
 import os
+import secrets
 import socket
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
 from sqlalchemy import func, select
@@ -16,8 +22,68 @@ from storage.models import Job, Shard, ShardStatus, utcnow
 LEASE = timedelta(seconds=float(os.environ.get("TOKENMILL_LEASE_S") or 120))  # renewed every quarter
 
 
+@dataclass(frozen=True)
+class WorkerIdentity:
+    host: str
+    pid: int
+    boot: str | None = None  # the kernel's boot id; None in an older worker's `host:pid`, "" where unknown
+    pid_namespace: str | None = None  # its inode; "" where unknown
+    nonce: str | None = None  # random, one per process
+
+    def __str__(self) -> str:
+        if self.nonce is None:
+            return f"{self.host}:{self.pid}"
+        return f"{self.host}:{self.pid}@{self.boot}.{self.pid_namespace}.{self.nonce}"
+
+    @classmethod
+    def parse(cls, worker: str) -> WorkerIdentity | None:
+        """`host:pid@boot.pidns.nonce`, or an older worker's `host:pid`; None if neither."""
+        host_pid, tagged, where = worker.partition("@")
+        host, _, pid = host_pid.rpartition(":")
+        if not host or not pid.isdigit():
+            return None
+        if not tagged:
+            return cls(host, int(pid))
+        parts = where.split(".")
+        if len(parts) != 3 or not parts[2]:
+            return None
+        return cls(host, int(pid), *parts)
+
+    def shares_pids_with(self, other: WorkerIdentity) -> bool:
+        """Does a PID of `other` name a process here: same host, boot and PID namespace, all known?"""
+        return (self.host == other.host and bool(self.boot) and bool(self.pid_namespace)
+                and (self.boot, self.pid_namespace) == (other.boot, other.pid_namespace))
+
+
+_this_process: WorkerIdentity | None = None
+
+
+def this_worker() -> WorkerIdentity:
+    """This process's identity, made afresh in a forked child (its PID changed)."""
+    global _this_process
+    if _this_process is None or _this_process.pid != os.getpid():
+        _this_process = WorkerIdentity(socket.gethostname(), os.getpid(), _boot_id(), _pid_namespace(),
+                                       secrets.token_hex(6))
+    return _this_process
+
+
 def worker_id() -> str:
-    return f"{socket.gethostname()}:{os.getpid()}"
+    return str(this_worker())
+
+
+def _boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip().replace("-", "")[:16]
+    except OSError:
+        return ""
+
+
+def _pid_namespace() -> str:
+    try:
+        return "".join(c for c in os.readlink("/proc/self/ns/pid") if c.isdigit())  # "pid:[4026531836]"
+    except OSError:
+        return ""
 
 
 def db_now(session: Session) -> datetime:
@@ -46,13 +112,19 @@ def lease_until(session: Session) -> datetime:
 
 def holder_alive(worker: str | None, lease_expires_at: datetime | None, now: datetime) -> bool:
     """Does `worker` still hold a lease that runs until `lease_expires_at` (`now` on the database's clock)?
-    A dead process on this host lets go at once."""
+    A dead process whose PID means the same here lets go at once; elsewhere only the lease counts."""
     if not worker or lease_expires_at is None or lease_expires_at <= now:
         return False
-    host, _, pid = worker.rpartition(":")
-    if host == socket.gethostname() and pid.isdigit() and int(pid) != os.getpid():
-        return _process_alive(int(pid))
-    return True
+    holder, me = WorkerIdentity.parse(worker), this_worker()
+    if holder is None or holder.host != me.host:
+        return True
+    if holder.nonce is None:  # an older worker's `host:pid`: its PID taken as one of this host's, as before
+        return holder.pid == me.pid or _process_alive(holder.pid)
+    if not me.shares_pids_with(holder):  # another container or boot: its PID means nothing here
+        return True
+    if holder.pid == me.pid:  # our PID: us, or a process that held it before this one started
+        return holder.nonce == me.nonce
+    return _process_alive(holder.pid)
 
 
 def _process_alive(pid: int) -> bool:
