@@ -86,18 +86,25 @@ def paused_uploader(sessions, job_id: str, monkeypatch, while_paused):
     return worker, claim
 
 
+def taken_over_and_completed(sessions, job_id: str):
+    """While the upload is paused: the lease lapses, another worker runs the shard and the job completes."""
+
+    def take_over(shard_id: int) -> None:
+        lapse_shard_lease(sessions, shard_id)
+        run_shard_to_commit(sessions, job_id, shard_id)
+        assert finalize(sessions, job_id).status == "completed"
+
+    return take_over
+
+
 def test_a_part_uploaded_after_its_claim_was_lost_is_removed(sqlite_sessions, tmp_path, monkeypatch) -> None:
     """Item 1: the worker's lease lapsed mid-upload; another worker ran the shard and the job completed before
     the paused upload landed. The late part is removed: the prefix holds exactly the manifest's parts."""
     job_id = make_job(sqlite_sessions, str(tmp_path / "out"), shards=1, status="in_progress")
     store = open_store(str(tmp_path / "out"))
 
-    def taken_over_and_completed(shard_id: int) -> None:
-        lapse_shard_lease(sqlite_sessions, shard_id)
-        run_shard_to_commit(sqlite_sessions, job_id, shard_id)
-        assert finalize(sqlite_sessions, job_id).status == "completed"
-
-    worker, claim = paused_uploader(sqlite_sessions, job_id, monkeypatch, taken_over_and_completed)
+    worker, claim = paused_uploader(sqlite_sessions, job_id, monkeypatch,
+                                    taken_over_and_completed(sqlite_sessions, job_id))
     outcome = worker.execute_shard(claim.job, claim.shard, lambda: None)
     assert outcome.lost
     assert worker.steps.load().status == "completed"
@@ -113,12 +120,8 @@ def test_a_lost_claims_part_whose_delete_failed_is_removed_by_the_sweep(sqlite_s
     job_id = make_job(sqlite_sessions, str(tmp_path / "out"), shards=1, status="in_progress")
     store = open_store(str(tmp_path / "out"))
 
-    def taken_over_and_completed(shard_id: int) -> None:
-        lapse_shard_lease(sqlite_sessions, shard_id)
-        run_shard_to_commit(sqlite_sessions, job_id, shard_id)
-        assert finalize(sqlite_sessions, job_id).status == "completed"
-
-    worker, claim = paused_uploader(sqlite_sessions, job_id, monkeypatch, taken_over_and_completed)
+    worker, claim = paused_uploader(sqlite_sessions, job_id, monkeypatch,
+                                    taken_over_and_completed(sqlite_sessions, job_id))
     monkeypatch.setattr(shard_step_module, "OUTAGE_WAIT_S", 0.0)
 
     def store_down(self, key):
