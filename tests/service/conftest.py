@@ -199,6 +199,15 @@ def wait_for_job(sessions, job_id: str, timeout: float = 180) -> dict:
                       f"job {job_id} to end", timeout)
 
 
+def worker_pid(worker: str) -> int:
+    """The PID in a claim's `worker` (`host:pid@boot.pidns.nonce`)."""
+    from storage.liveness import WorkerIdentity
+
+    identity = WorkerIdentity.parse(worker)
+    assert identity is not None, f"not a worker identity: {worker!r}"
+    return identity.pid
+
+
 def wait_for_workers(stack: RunningStack, count: int = 2, timeout: float = 120) -> None:
     """Until `count` workers answer a ping (their main process; a pool process may still load the model)."""
     from celery import Celery
@@ -262,6 +271,6 @@ def kafka_job(stack: RunningStack, sessions, tmp_path_factory) -> SubmittedJob:
     assert done.returncode == 0, f"the README walkthrough failed:\n{done.stdout}\n{done.stderr[-4000:]}"
     job_id = done.stdout.strip().splitlines()[-1]
     custom_ids = pq.read_table(sample_input(), columns=["custom_id"]).column(0).to_pylist()
-    shard_workers = {s["index"]: stack.worker_of(int(s["worker"].rpartition(":")[2]))
+    shard_workers = {s["index"]: stack.worker_of(worker_pid(s["worker"]))
                      for s in shard_rows(sessions, job_id)}
     return SubmittedJob(job_id, custom_ids, job_row(sessions, job_id)["output_uri"], folder, shard_workers)

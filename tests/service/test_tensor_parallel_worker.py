@@ -23,6 +23,7 @@ from tests.service.conftest import (
     wait_for_job,
     wait_for_workers,
     wait_until,
+    worker_pid,
 )
 
 pytestmark = pytest.mark.real_model
@@ -30,7 +31,7 @@ STACK_WORKERS = ("worker1", "worker2")
 
 
 def pid_of(shard: dict) -> int:
-    return int(shard["worker"].rpartition(":")[2])
+    return worker_pid(shard["worker"])
 
 
 def alive(pid: int) -> bool:

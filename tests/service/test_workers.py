@@ -22,6 +22,7 @@ from tests.service.conftest import (
     wait_for_job,
     wait_for_workers,
     wait_until,
+    worker_pid,
 )
 from tests.service.faulty_engine import POISON
 
@@ -29,7 +30,7 @@ pytestmark = pytest.mark.real_model
 
 
 def pid_of(shard: dict) -> int:
-    return int(shard["worker"].rpartition(":")[2])
+    return worker_pid(shard["worker"])
 
 
 def test_two_workers_run_one_jobs_shards_in_parallel(stack, sessions, kafka_job) -> None:
