@@ -55,7 +55,7 @@ def _is_server_side(error: BaseException) -> bool:
     return status >= 500 or status == 429 or response.get("Error", {}).get("Code") in THROTTLING_CODES
 
 
-CRASH_POINTS = ("after_part_upload", "during_finalize", "after_consumer_insert")
+CRASH_POINTS = ("after_part_upload", "during_finalize", "after_consumer_insert", "before_sweep_sends")
 
 
 def crash_point(name: str) -> None:

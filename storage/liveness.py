@@ -4,7 +4,10 @@ ends a lease early, but never keeps one alive, and is probed only where it means
 
 A worker is `host:pid@boot.pidns.nonce` (`WorkerIdentity`): containers with host networking share a hostname but
 not PIDs, so a PID is only comparable under the same boot id and PID namespace; the random nonce tells apart equal
-PIDs elsewhere and a PID reused after a restart. Rows of older workers say `host:pid`, read as before."""
+PIDs elsewhere and a PID reused after a restart. Rows of older workers say `host:pid`, read as before.
+
+Every lease lapses while the database is out of reach (a restart, a failover, a network partition), live
+holders included: `lapses_count_by` lets the sweep hold off for one lease after it sees the database again."""
 
 from __future__ import annotations
 
@@ -17,9 +20,14 @@ from datetime import UTC, datetime, timedelta
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from storage.models import Job, Shard, ShardStatus, utcnow
+from storage.models import Job, ServiceMarker, Shard, ShardStatus, utcnow
 
 LEASE = timedelta(seconds=float(os.environ.get("TOKENMILL_LEASE_S") or 120))  # renewed every quarter
+SWEEP_INTERVAL = timedelta(seconds=float(os.environ.get("TOKENMILL_SWEEP_INTERVAL_S") or 30))
+# A sweep that last reached the database longer ago than this saw an outage that may have lapsed leases: renewed
+# every quarter of a lease, one lapses only after three quarters of one without the database.
+OUTAGE_GAP = max(LEASE / 2, 2 * SWEEP_INTERVAL)
+SWEEP_MARKER = "sweep"  # its ServiceMarker: "<this sweep> <lapsed by> <settling until>" on the database's clock
 
 
 @dataclass(frozen=True)
@@ -99,6 +107,34 @@ def database_started_at(session: Session) -> datetime | None:
     if session.get_bind().dialect.name != "postgresql":
         return None
     return _utc(session.scalar(select(func.pg_postmaster_start_time())))
+
+
+def lapses_count_by(session: Session, now: datetime) -> datetime:
+    """(at a sweep, `now` on the database's clock) By when a lapsed lease must have lapsed to count: `now`, but
+    within one lease of the sweep seeing the database again after an outage (the server restarted, or no sweep
+    reached it for longer than OUTAGE_GAP: a partition, a failover), the time of the last sweep before it: the
+    leases that lapsed during the outage wait for their holders to renew them. Records this sweep (its marker
+    row, locked: sweeps take turns)."""
+    marker = session.get(ServiceMarker, SWEEP_MARKER, with_for_update=True)
+    last, since, until = _marker_times(marker.value) if marker is not None else (None, None, None)
+    started = database_started_at(session)
+    if started is not None and timedelta(0) <= now - started < LEASE and (last is None or last < started):
+        since, until = last, started + LEASE  # the first sweep since the server restarted
+    elif last is not None and now - last > OUTAGE_GAP:
+        since, until = last, now + LEASE
+    value = " ".join(moment.isoformat() if moment else "-" for moment in (now, since, until))
+    if marker is None:
+        session.add(ServiceMarker(name=SWEEP_MARKER, value=value))
+    else:
+        marker.value = value
+    if until is None or now >= until:
+        return now
+    return since or datetime.min.replace(tzinfo=UTC)  # no sweep before the restart: none counts yet
+
+
+def _marker_times(value: str) -> list[datetime | None]:
+    times = [None if part == "-" else _utc(datetime.fromisoformat(part)) for part in value.split()]
+    return times if len(times) == 3 else [None, None, None]
 
 
 def _utc(moment: datetime) -> datetime:

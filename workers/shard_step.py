@@ -36,6 +36,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("tokenmill.jobs")
 # how long a shard whose rows are done waits out a database or S3 outage to commit them (rather than redo them)
 OUTAGE_WAIT_S = float(os.environ.get("TOKENMILL_OUTAGE_WAIT_S") or 300)
+# how long a shard stopped by an outage waits for the database to give its attempt back (past it, the attempt counts)
+REFUND_WAIT_S = 3600.0
 
 S = JobStatus
 RUNNING_HERE: set[int] = set()  # the shards this process is running now
@@ -213,17 +215,19 @@ class ShardStep:
                  outcome.totals()["rows_completed"], len(outcome.errors))
 
     def _complete_shard(self, shard: Shard, outcome: ShardOutcome, key: str) -> bool:
-        """Mark the shard completed; True when it was the job's last (the job went to finalizing)."""
+        """Mark the shard completed; True when it was the job's last (the job went to finalizing), also when
+        this is a retry whose first try committed that (its reply lost): the finalize task is still to send."""
         with self.steps.sessions.begin() as session:
             job = self.steps.job_row(session)
             row = repo.get_shard_by_id(session, shard.id, for_update=True)
             if row.claim_token != shard.claim_token:
                 raise StaleClaim(f"job {job.id}: shard {shard.index} was claimed by another worker "
                                  f"(token {row.claim_token}, ours {shard.claim_token})")
+            committed_before = row.status == ShardStatus.COMPLETED  # by this claim's earlier try
             errors = [FailedRow(job_id=job.id, shard=shard.index, row_index=e.row, custom_id=e.custom_id,
                                 code=e.code, message=e.message) for e in outcome.errors]
             repo.complete_shard(session, row, outcome.totals(), key, errors)
-            return claims.settle(job) == S.FINALIZING
+            return claims.settle(job) == S.FINALIZING or (committed_before and job.status == S.FINALIZING)
 
     def _end_shard(self, shard: Shard, status: ShardStatus, error: str | None = None) -> bool:
         """A shard that stopped without completing: cancelled, or failed with its error (redone on a retry).
@@ -240,22 +244,40 @@ class ShardStep:
         discard_if_ended(self.steps.sessions, job)
         return True
 
-    def refund_attempt(self, shard: Shard) -> None:
-        """The shard failed for a transient fault (a service down), not for its work: the attempt does not count."""
+    def refund_attempt(self, shard: Shard, error: BaseException) -> None:
+        """The shard stopped for a transient fault (a service down), not for its work: the attempt does not
+        count. Waits for the database (up to REFUND_WAIT_S): an outage may also have kept its end from being
+        recorded (it ends failed here), and should its claim have moved on meanwhile, the attempt is given
+        back as after a lost claim."""
+        through_outages(lambda: self._refund_attempt(shard, f"{type(error).__name__}: {error}"), REFUND_WAIT_S)
+
+    def _refund_attempt(self, shard: Shard, error: str) -> None:
         with self.steps.sessions.begin() as session:
-            self.steps.job_row(session)
+            job = self.steps.job_row(session)
             row = repo.get_shard_by_id(session, shard.id, for_update=True)
-            if row.status == ShardStatus.FAILED and row.attempts > 0 and row.claim_token == shard.claim_token:
+            if row.claim_token != shard.claim_token:  # counted by the claim that took over too
+                if row.attempts > 0:
+                    row.attempts -= 1
+                return
+            ended = row.status == ShardStatus.RUNNING
+            if ended:
+                row.status, row.error, row.lease_expires_at, row.finished_at = (ShardStatus.FAILED.value, error,
+                                                                                None, utcnow())
+                claims.settle(job)
+            if row.status == ShardStatus.FAILED and row.attempts == shard.attempts > 0:  # not given back yet
                 row.attempts -= 1
+        if ended:
+            discard_if_ended(self.steps.sessions, job)
 
 
 T = TypeVar("T")
 
 
-def through_outages(step: Callable[[], T]) -> T:
-    """Run one commit step, retrying it with backoff while the database or S3 is down (up to OUTAGE_WAIT_S).
-    Each step is safe to repeat: the part key is the claim's own and the shard's commit replaces its rows."""
-    deadline, delay = time.monotonic() + OUTAGE_WAIT_S, 1.0
+def through_outages(step: Callable[[], T], wait_s: float | None = None) -> T:
+    """Run one commit step, retrying it with backoff while the database or S3 is down (up to `wait_s`, default
+    OUTAGE_WAIT_S). Each step is safe to repeat: the part key is the claim's own and the shard's commit replaces
+    its rows."""
+    deadline, delay = time.monotonic() + (OUTAGE_WAIT_S if wait_s is None else wait_s), 1.0
     while True:
         try:
             return step()

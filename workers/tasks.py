@@ -26,12 +26,12 @@ from kombu.exceptions import ChannelError
 from ingest.intake import Intake
 from storage import db
 from storage import repository as repo
-from storage.faults import is_transient
+from storage.faults import crash_point, is_transient
 from storage.models import Job, JobStatus, ShardStatus
 from workers.celery_app import app, config
 from workers.finalize import remove_stray_parts
 from workers.job_steps import JobSteps, discard_if_ended
-from workers.shard_step import ShardStep
+from workers.shard_step import ShardStep, through_outages
 from workers.worker_engine import engine_for
 
 log = logging.getLogger("tokenmill.tasks")
@@ -62,6 +62,16 @@ def intake() -> Intake:
 
 
 def finalize_later(job_id: str) -> None:
+    """Send the finalize task of a job that just went finalizing, through a broker outage (retried up to
+    TOKENMILL_OUTAGE_WAIT_S). Failing that, the sweep sends it: a finalize step that no one holds and no task
+    waits for is resent at the next sweep but one (`workers.sweep`)."""
+    try:
+        through_outages(lambda: send_finalize(job_id))
+    except Exception:
+        log.exception("job %s: could not send its finalize task; the sweep will", job_id)
+
+
+def send_finalize(job_id: str) -> None:
     finalize_job.apply_async((job_id,), queue=config.control_queue)
 
 
@@ -190,9 +200,9 @@ def run_shard(self: Task, job_id: str, shard_id: int) -> dict[str, Any]:
         delay = SHARD_RETRY_DELAY_S
         if is_transient(error):  # a service was down: wait it out without using up the shard's attempts
             delay = TRANSIENT_RETRY_DELAY_S
-            try:
-                shard_step.refund_attempt(shard)
-            except Exception:  # the database too: the sweep resends the shard once it is back
+            try:  # waits for the database, which the same outage may have taken
+                shard_step.refund_attempt(shard, error)
+            except Exception:  # down past REFUND_WAIT_S: the attempt counts; the sweep resends the shard
                 log.exception("job %s: shard %d: could not refund its attempt", job_id, shard.index)
         enqueue_shards(job_id, job.model, [shard_id], countdown=delay, head=True, job_priority=job.priority or 0)
         return _summary(job, shard=shard.index, decision="failed", error=f"{type(error).__name__}: {error}")
@@ -250,21 +260,24 @@ def _release(steps: JobSteps, finished: bool, transient: bool) -> None:
 
 @app.task(name="tokenmill.sweep")
 def sweep() -> dict[str, Any]:
-    from workers.broker_marker import broker_lost
+    from workers.broker_marker import broker_lost, restore_marker
     from workers.sweep import sweep as find_lost_work
 
     lost = broker_lost(sessions(), config.broker_url)
     found = find_lost_work(sessions(), stale=timedelta(seconds=config.sweep_grace_s), queued=queued_tasks,
-                           broker_lost=lost)
+                           broker_lost=lost, finalize_wait=timedelta(seconds=config.sweep_interval_s / 2))
     for job_id in found.cancelled + found.expired:
         discard_if_ended(sessions(), JobSteps(sessions(), job_id).load())
     remove_stray_parts(sessions())  # parts of lost claims whose own cleanup failed or never ran
+    crash_point("before_sweep_sends")
     for job_id, shard_id, model in found.requeue:
         enqueue_shards(job_id, model, [shard_id], head=True)
     for job_id in found.plan:
         dispatch_job(job_id)
     for job_id in found.finalize:
-        finalize_later(job_id)
+        send_finalize(job_id)
+    if lost:  # only once the resend went out: a sweep that failed or died before leaves the loss to the next
+        restore_marker(sessions(), config.broker_url)
     return {"requeued": [shard for _, shard, _ in found.requeue], "validating": found.plan, "broker_lost": lost,
             "finalizing": found.finalize, "cancelled": found.cancelled, "expired": found.expired}
 

@@ -10,7 +10,7 @@ import socket
 import subprocess
 import sys
 import uuid
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pyarrow as pa
@@ -29,7 +29,7 @@ from storage.objectstore import open_store
 from storage.states import output_claim
 from tests.jobs.test_claims import make_job, record
 from tokenmill.stack.hosts import faketime_env as clock_offset_env
-from workers.broker_marker import broker_lost
+from workers.broker_marker import broker_lost, restore_marker
 from workers.job_steps import JobSteps
 from workers.leases import StaleClaim, shard_claim
 from workers.shard_step import ShardStep, request_prefix
@@ -56,10 +56,19 @@ claim = ShardStep(steps).claim_shard(int(sys.argv[3]), max_attempts=3)
 print(claim.decision, datetime.datetime.now(datetime.UTC).isoformat(), claim.shard.lease_expires_at.isoformat())
 """
 
+SKEWED_SWEEP = """
+import sys, time
+from storage import db
+from workers.sweep import sweep
+found = sweep(db.session_factory(db.make_engine(sys.argv[1])))
+print(time.time(), [shard for _, shard, _ in found.requeue])
+"""
+
 
 def test_a_lease_is_stamped_on_the_database_clock_not_the_workers(pg_databases) -> None:
     """A worker whose clock runs 60 s slow claims a shard: its lease still runs LEASE from the database's now,
-    and a sweep on a clock 60 s fast leaves it alone (before, both hosts read their own clocks)."""
+    and a sweep on a clock a minute more than a lease fast leaves it alone, yet takes it once it lapsed on the
+    database's clock (before, both hosts read their own clocks)."""
     url = pg_databases()
     migrate.upgrade(url)
     sessions = db.session_factory(db.make_engine(url))
@@ -73,15 +82,26 @@ def test_a_lease_is_stamped_on_the_database_clock_not_the_workers(pg_databases) 
         decision, worker_now, lease = done.stdout.split()
         with sessions() as session:
             database_now = session.scalar(select(func.now()))
-        from datetime import datetime
-
         assert decision == "run"
         assert database_now - datetime.fromisoformat(worker_now) > timedelta(seconds=55), "the clock was not skewed"
         assert abs(datetime.fromisoformat(lease) - (database_now + LEASE)) < timedelta(seconds=10)
-        ahead = subprocess.run([sys.executable, "-c", "import sys; from storage import db; from workers.sweep import "
-                                "sweep; print(sweep(db.session_factory(db.make_engine(sys.argv[1]))).requeue)", url],
-                               capture_output=True, text=True, env=faketime_env("+60s"), timeout=120)
-        assert ahead.returncode == 0 and ahead.stdout.strip() == "[]", ahead.stdout + ahead.stderr[-2000:]
+        skew = LEASE + timedelta(seconds=60)  # on its own clock, the lease lapsed a minute ago
+
+        def skewed_sweep() -> list[int]:
+            ahead = subprocess.run([sys.executable, "-c", SKEWED_SWEEP, url], capture_output=True, text=True,
+                                   env=faketime_env(f"+{int(skew.total_seconds())}s"), timeout=120)
+            assert ahead.returncode == 0, ahead.stderr[-3000:]
+            sweeper_now, requeued = ahead.stdout.split(maxsplit=1)
+            with sessions() as session:
+                database_now = session.scalar(select(func.now()))
+            assert datetime.fromtimestamp(float(sweeper_now), UTC) - database_now > skew - timedelta(seconds=5), \
+                "the sweeper's clock was not skewed"
+            return json.loads(requeued)
+
+        assert skewed_sweep() == []
+        with sessions.begin() as session:  # the control: lapsed on the database's clock, the same sweep takes it
+            session.get(Shard, shard_id).lease_expires_at = session.scalar(select(func.now())) - timedelta(seconds=1)
+        assert skewed_sweep() == [shard_id]
     finally:
         sessions.kw["bind"].dispose()
 
@@ -302,8 +322,8 @@ def test_request_ids_carry_the_whole_job_id_and_the_claim() -> None:
 
 
 def test_a_flushed_broker_is_noticed_at_the_next_sweep(sqlite_sessions, tmp_path) -> None:
-    """The broker marker, on the real Redis (a database of its own): unseen the first time, then lost once
-    after a FLUSHDB, and the sweep sends pending work at once instead of after the grace."""
+    """The broker marker, on the real Redis (a database of its own): unseen the first time, then lost after a
+    FLUSHDB until put back, and the sweep sends pending work at once instead of after the grace."""
     import redis
 
     url = "redis://127.0.0.1:6379/13"
@@ -312,6 +332,7 @@ def test_a_flushed_broker_is_noticed_at_the_next_sweep(sqlite_sessions, tmp_path
     assert broker_lost(sqlite_sessions, url) is False
     redis.Redis.from_url(url).flushdb()
     assert broker_lost(sqlite_sessions, url) is True
+    restore_marker(sqlite_sessions, url)  # the sweep put it back once its resend went out
     assert broker_lost(sqlite_sessions, url) is False
     assert broker_lost(sqlite_sessions, "amqp://guest@localhost//") is False  # durable queues: no marker
     migrate.upgrade(other_url := f"sqlite:///{tmp_path / 'other.db'}")

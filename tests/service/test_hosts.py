@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -33,16 +35,41 @@ HOST = "hostb"
 
 @pytest.fixture
 def skewed_host(stack, tmp_path):
-    """`tokenmill worker` as host `hostb`, its clock 60 s behind the others', against the stack."""
+    """`tokenmill worker` as host `hostb`, its clock 60 s behind the others' (probed), against the stack."""
     log = tmp_path / f"{HOST}.log"
     worker = start_host_worker(stack.dir, stack.state["model"], HOST, log, "-60s", {**stack.env, **STACK_ENV},
                                ("--threads", "1", "--kv-cache-memory", "0.25", "--shards-in-flight", "1"))
     try:
         wait_for_workers(stack, 3, timeout=180)
+        assert_clock_moved(worker, -60.0)
         yield worker, log
     finally:
         os.killpg(worker.pid, signal.SIGCONT)
         stop_process_group(worker, 30)
+
+
+def assert_clock_moved(worker: subprocess.Popen, offset_s: float) -> None:
+    """Every process of the host has libfaketime loaded, and a probe run with their LD_PRELOAD and FAKETIME reads
+    a clock `offset_s` off this one's: the skew is real, not a setting that did nothing."""
+    group = [pid for pid in os.listdir("/proc") if pid.isdigit() and process_group(pid) == worker.pid]
+    assert worker.pid in map(int, group)
+    for pid in group:
+        assert "libfaketime" in Path(f"/proc/{pid}/maps").read_text(), f"no libfaketime in process {pid}"
+    environ = dict(item.split("=", 1) for item in Path(f"/proc/{worker.pid}/environ").read_text().split("\0")
+                   if "=" in item)
+    probe = subprocess.run([sys.executable, "-c", "import time; print(time.time())"], capture_output=True, text=True,
+                           env={**os.environ, "LD_PRELOAD": environ["LD_PRELOAD"], "FAKETIME": environ["FAKETIME"]},
+                           timeout=60)
+    assert probe.returncode == 0, probe.stderr[-2000:]
+    offset = float(probe.stdout) - time.time()
+    assert abs(offset - offset_s) < 10, f"the host's clock is {offset:+.0f} s off, not {offset_s:+.0f} s"
+
+
+def process_group(pid: str) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[2])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def hostb_shards(sessions, job_id: str, status: str | None = None) -> list[dict]:

@@ -102,7 +102,9 @@ def test_sweep_requeues_shards_of_dead_workers_and_finishes_cancels(sqlite_sessi
 
     found = sweep(sqlite_sessions, now=now + timedelta(hours=1))
     assert found.requeue == [(service, dead_here, "m"), (service, expired_elsewhere, "m")]
-    assert found.cancelled == [cancelling] and found.finalize == [stale]
+    assert found.cancelled == [cancelling] and found.finalize == []  # its holderless wait starts now
+    later = sweep(sqlite_sessions, now=now + timedelta(hours=1, seconds=30))
+    assert later.finalize == [stale] and later.requeue == []
     with sqlite_sessions() as session:
         statuses = {job_id: [s.status for s in repo.shards(session, job_id)] for job_id in (service, local)}
         assert repo.get_job(session, cancelling).status == "cancelled"
