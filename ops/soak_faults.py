@@ -2,13 +2,24 @@
 random times while they run, then every job's outputs checked row by row.
 
     python ops/soak_faults.py [--state-dir DIR] [--jobs 8] [--rows 12] [--faults 6] [--seed 1] [--hosts 1 --skew 60]
+                              [--fault-list postgres-restart,pause-worker-upload] [--min-hits N]
 
-Faults (picked at random): redis-restart, redis-flushall, tansu-restart, seaweedfs-outage (15 s), and SIGKILL of
-the consumer, the watcher, beat or a worker (each started again the way `stack up` started it). With `--hosts N`,
-N more workers run as simulated hosts (`tokenmill.stack.hosts`: their own hostname, clocks `--skew` seconds
-off, alternately slow and fast), and pause-host stops one with SIGSTOP past its lease, then resumes it. Prints
-the faults injected, jobs completed, rows lost, rows duplicated and part files outside a manifest (the goal: 0, 0
-and 0). Exit status 1 when a row was lost or duplicated, a part was left over or a job did not end."""
+Faults (picked at random, or named in order by `--fault-list`): redis-restart, redis-flushall, tansu-restart,
+seaweedfs-outage (15 s), SIGKILL of the consumer, the watcher, beat or a worker (each started again the way
+`stack up` started it), and pause-worker-upload: once a part upload starts (its `part-upload:` note in
+service_markers), the worker running that shard is stopped with SIGSTOP for its lease + 5 s, then resumed.
+On a stack with a PostgreSQL cluster of its own (`tokenmill stack up --postgres private`) also postgres-restart
+(pg_ctl restart, fast) and postgres-partition: every process of the cluster stopped with SIGSTOP for the lease +
+5 s, then resumed (clients hang as in a network partition; the server does not restart). With `--hosts N`, N
+more workers run as simulated hosts (`tokenmill.stack.hosts`: their own hostname, clocks `--skew` seconds off,
+alternately slow and fast), and pause-host stops one with SIGSTOP past its lease, then resumes it.
+
+A fault waits for running work: until a soak job has a shard running or a job step held (pause-worker-upload:
+a part upload noted); should every soak job have ended, one more is submitted. Just before each injection the
+database is asked again: the summary counts the faults that hit running work. Prints the faults injected (and
+how many hit running work), jobs completed, rows lost, rows duplicated and part files outside a manifest (the
+goal: 0, 0 and 0). Exit status 1 when a row was lost or duplicated, a part was left over, a job did not end or
+fewer than `--min-hits` faults hit running work."""
 
 from __future__ import annotations
 
@@ -28,7 +39,9 @@ sys.path.insert(0, str(REPO))
 
 TERMINAL = {"completed", "failed", "cancelled", "expired"}
 FAULTS = ("redis-restart", "redis-flushall", "tansu-restart", "seaweedfs-outage", "kill-consumer", "kill-watcher",
-          "kill-beat", "kill-worker")
+          "kill-beat", "kill-worker", "pause-worker-upload")
+POSTGRES_FAULTS = ("postgres-restart", "postgres-partition")  # on a stack's own cluster only
+WORK_WAIT_S = 120  # how long a fault waits for running work before it is injected anyway (and counts as a miss)
 
 
 def main() -> int:
@@ -42,6 +55,10 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=900, help="seconds to wait for the jobs to end")
     parser.add_argument("--hosts", type=int, default=0, help="extra workers, each a simulated host")
     parser.add_argument("--skew", type=float, default=60, help="their clock offsets, in seconds")
+    parser.add_argument("--fault-list", help="comma-separated faults to inject in this order (instead of --faults "
+                                             "drawn at random)")
+    parser.add_argument("--min-hits", type=int, default=0,
+                        help="exit 1 when fewer faults than this hit running work (default 0)")
     args = parser.parse_args()
 
     from storage.db import data_dir
@@ -70,19 +87,37 @@ def main() -> int:
                           shard_size=2, sampling={"max_tokens": args.max_tokens})
         expected[done.job_id] = ids
 
+    own_postgres = "postgres" in state
+    faults = FAULTS + (POSTGRES_FAULTS if own_postgres else ()) + (("pause-host",) if args.hosts else ())
+    if not own_postgres:
+        print("PostgreSQL faults left out: the stack's database is a server it does not own "
+              "(`tokenmill stack up --postgres private` runs a cluster of its own)", flush=True)
+    chosen = args.fault_list.split(",") if args.fault_list else None
+    if chosen and (unknown := [f for f in chosen if f not in faults]):
+        parser.error(f"faults not available on this stack: {', '.join(unknown)} (available: {', '.join(faults)})")
     hosts = start_hosts(state_dir, state, args.hosts, args.skew, work)
-    faults = FAULTS + (("pause-host",) if hosts else ())
-    injected: list[str] = []
+    injected: list[tuple[str, bool]] = []  # (fault, whether it hit running work)
     started = time.monotonic()
-    fault_times = sorted(rng.uniform(2, 20 + 6 * args.jobs) for _ in range(args.faults))
+    fault_times = sorted(rng.uniform(2, 20 + 6 * args.jobs) for _ in range(len(chosen) if chosen else args.faults))
     for index in range(args.jobs):
         submit(index)
-    for at in fault_times:
+
+    def top_up() -> None:
+        """Every soak job ended with faults still to come: one more job, so they land on running work."""
+        submit(len(expected))
+        print(f"{time.monotonic() - started:6.1f} s  (every job had ended: job {len(expected)} submitted)", flush=True)
+
+    for number, at in enumerate(fault_times):
         time.sleep(max(0.0, started + at - time.monotonic()))
-        fault = rng.choice(faults)
-        inject(fault, state_dir, stack_module, rng.choice(hosts) if hosts else None)
-        injected.append(fault)
-        print(f"{time.monotonic() - started:6.1f} s  {fault}", flush=True)
+        fault = chosen[number] if chosen else rng.choice(faults)
+        running, upload = wait_for_work(sessions, expected, top_up, uploads=fault == "pause-worker-upload")
+        hit = bool(running and sum(running))  # the database's answer just before the injection
+        target, paused = upload_worker(sessions, state_dir, stack_module, upload, hosts) if upload else (None, "")
+        shown = f"{running[0]} shard(s) running, {running[1]} step(s) held" if running else "database not answering"
+        print(f"{time.monotonic() - started:6.1f} s  {fault}{paused}  ({shown}{'' if hit else ': no running work'})",
+              flush=True)
+        inject(fault, state_dir, stack_module, rng.choice(hosts) if hosts else None, target)
+        injected.append((fault, hit))
 
     deadline = time.monotonic() + args.timeout
     statuses: dict[str, str] = {}
@@ -103,8 +138,10 @@ def main() -> int:
         duplicated += sum(count - 1 for count in seen.values() if count > 1)
         left_over += len(set(found) - set(parts))
     counts = collections.Counter(statuses.values())
-    kinds = ", ".join(f"{kind} x{n}" for kind, n in collections.Counter(injected).items())
+    kinds = ", ".join(f"{kind} x{n}" for kind, n in collections.Counter(f for f, _ in injected).items())
+    hits = sum(hit for _, hit in injected)
     print(f"faults injected: {len(injected)} ({kinds})")
+    print(f"faults that hit running work: {hits} of {len(injected)}")
     print(f"jobs completed: {counts['completed']} of {len(expected)}"
           + "".join(f", {status}: {n}" for status, n in counts.items() if status != "completed"))
     print(f"rows lost: {lost}")
@@ -112,7 +149,8 @@ def main() -> int:
     print(f"part files outside a manifest: {left_over}")
     print(f"extra hosts: {args.hosts}, clocks {', '.join(host_offset(i, args.skew) for i in range(args.hosts))}")
     print(f"wall time: {time.monotonic() - started:.0f} s")
-    return 0 if lost == duplicated == left_over == 0 and all(s in TERMINAL for s in statuses.values()) else 1
+    ended = all(statuses.get(job_id) in TERMINAL for job_id in expected)
+    return 0 if lost == duplicated == left_over == 0 and ended and hits >= args.min_hits else 1
 
 
 def start_hosts(state_dir: Path, state: dict, count: int, skew: float, work: Path) -> list:
@@ -145,13 +183,106 @@ def host_offset(index: int, skew: float) -> str:
     return f"{'-' if index % 2 == 0 else '+'}{skew:.0f}s"
 
 
-def inject(fault: str, state_dir: Path, stack_module, host=None) -> None:
+def wait_for_work(sessions, expected: dict[str, list[str]], top_up,
+                  uploads: bool) -> tuple[tuple[int, int] | None, tuple[str, str] | None]:
+    """Until a soak job has running work (with `uploads`: and a part upload noted), submitting one more job
+    (top_up) whenever every soak job has ended; at most WORK_WAIT_S. The last answer of running_work, and the
+    upload as (job id, key)."""
+    deadline = time.monotonic() + WORK_WAIT_S
+    checked_ended = 0.0
+    work = noted = None
+    while time.monotonic() < deadline:
+        noted = noted_upload(sessions, list(expected)) if uploads else None
+        if (noted or not uploads) and (work := running_work(sessions, list(expected))) and sum(work):
+            return work, noted
+        if time.monotonic() - checked_ended > 1:
+            checked_ended = time.monotonic()
+            statuses = job_statuses(sessions, list(expected))
+            if all(statuses.get(job_id) in TERMINAL for job_id in expected):
+                top_up()
+        time.sleep(0.05 if uploads else 0.2)
+    return running_work(sessions, list(expected)), noted
+
+
+def running_work(sessions, job_ids: list[str]) -> tuple[int, int] | None:
+    """(shards running, job steps held) of these jobs; None while the database does not answer."""
+    from sqlalchemy import func, select
+
+    from storage.models import Job, Shard
+
+    try:
+        with sessions() as session:
+            shards = session.scalar(select(func.count()).select_from(Shard)
+                                    .where(Shard.job_id.in_(job_ids), Shard.status == "running"))
+            steps = session.scalar(select(func.count()).select_from(Job)
+                                   .where(Job.id.in_(job_ids), Job.worker.is_not(None), Job.status.not_in(TERMINAL)))
+            return shards, steps
+    except Exception as error:
+        print(f"(database: {error})", file=sys.stderr)
+        return None
+
+
+def noted_upload(sessions, job_ids: list[str]) -> tuple[str, str] | None:
+    """A part upload of one of these jobs, noted and not yet committed or removed: (job id, key)."""
+    from storage import repository as repo
+
+    try:
+        with sessions() as session:
+            return next((upload for upload in repo.noted_uploads(session) if upload[0] in job_ids), None)
+    except Exception as error:
+        print(f"(database: {error})", file=sys.stderr)
+        return None
+
+
+def upload_worker(sessions, state_dir: Path, stack_module, upload: tuple[str, str],
+                  hosts: list) -> tuple[int | None, str]:
+    """The process group of the worker uploading this part (a stack worker or a simulated host), from the
+    `worker` of its shard's row, and words saying which; None (then worker1 is paused) if it cannot be told."""
+    from sqlalchemy import select
+
+    from storage.liveness import WorkerIdentity
+    from storage.models import Shard
+
+    job_id, key = upload
+    try:
+        index = int(key.split("-")[1])  # part-00003-<job>-c<claim>.parquet
+        with sessions() as session:
+            worker = session.scalar(select(Shard.worker).where(Shard.job_id == job_id, Shard.index == index))
+        identity = WorkerIdentity.parse(worker or "")
+        group = os.getpgid(identity.pid) if identity else None
+    except (ValueError, IndexError, ProcessLookupError, PermissionError) as error:
+        return None, f" of worker1 (the uploader not found: {error})"
+    ours = {pgid: name for name, pgid in stack_module.Stack(state_dir).state["processes"].items()}
+    ours.update({host.pid: f"host{i + 1}" for i, host in enumerate(hosts)})
+    if group not in ours:
+        return None, f" of worker1 (the uploader, {worker}, is no process of this stack)"
+    return group, f" of {ours[group]} (uploading {key})"
+
+
+def inject(fault: str, state_dir: Path, stack_module, host=None, target_group: int | None = None) -> None:
     stack = stack_module.Stack(state_dir)
-    if fault == "pause-host":
-        lease = float(stack.state["env"].get("TOKENMILL_LEASE_S") or 120)
-        os.killpg(host.pid, signal.SIGSTOP)
-        time.sleep(lease + 5)
-        os.killpg(host.pid, signal.SIGCONT)
+    lease = float(stack.state["env"].get("TOKENMILL_LEASE_S") or 120)
+    if fault in ("pause-host", "pause-worker-upload"):
+        group = host.pid if fault == "pause-host" else target_group or stack.state["processes"]["worker1"]
+        os.killpg(group, signal.SIGSTOP)
+        try:
+            time.sleep(lease + 5)
+        finally:
+            os.killpg(group, signal.SIGCONT)
+    elif fault == "postgres-restart":
+        stack.script("postgres", "restart", stack.state["postgres"]["dir"])
+    elif fault == "postgres-partition":
+        pids = stack_module.private_postgres_pids(stack.state)  # the postmaster first: it starts no more backends
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            time.sleep(lease + 5)
+        finally:
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGCONT)
+                except ProcessLookupError:
+                    pass
     elif fault == "redis-restart":
         stack_module.restart(state_dir, "redis")
     elif fault == "redis-flushall":

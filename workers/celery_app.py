@@ -2,10 +2,14 @@
 model plus a control queue, and beat's periodic tasks (the sweep and the schedule check).
 
 Shards are long, so every task is acknowledged only when it ends (a worker that dies leaves its task to be
-requeued), and task events are on for Flower. A worker runs its tasks in a pool of K threads over one engine
-(`workers.engine_loop`): up to K shards in flight, taken by their job's priority (the message priority).
+requeued), and task events are on for Flower. A worker runs its shards in a pool of K threads over one engine
+(`workers.engine_loop`): up to K shards in flight, taken by their job's priority (the message priority). A thread
+pool takes whatever task comes next, so the control tasks (plan, finalize, the sweep, schedules) have a node of
+their own, which loads no engine: they never wait for a shard thread, however busy the shards keep them.
 
-    tokenmill worker   (celery -A workers.celery_app worker -Q gpu.smollm2-135m,control --pool threads -c K)
+    tokenmill worker   two nodes, started and stopped together:
+                       celery -A workers.celery_app worker -Q gpu.smollm2-135m --pool threads -c K -n NAME@host
+                       celery -A workers.celery_app worker -Q control --pool threads -c 2 -n NAME-control@host
     celery -A workers.celery_app beat
     celery -A workers.celery_app flower --basic-auth=user:password
 """

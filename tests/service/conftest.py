@@ -1,6 +1,7 @@
 """The service tests run against one real stack for the whole session, started the way a user starts it
-(`tokenmill stack up --workers 2`, in a subprocess) on free ports, with a fresh PostgreSQL database, and
-stopped with `tokenmill stack down`, which must leave no process and no open port behind.
+(`tokenmill stack up --workers 2`, in a subprocess) on free ports, with a PostgreSQL cluster of its own
+(`--postgres private`: the soak restarts and pauses it, never the machine's server), and stopped with
+`tokenmill stack down`, which must leave no process and no open port behind.
 
 The workers load the real model with small settings (1 thread each, 256 MiB of KV) through
 tests/service/faulty_engine.py: the real engine, except that a prompt holding POISON kills its process."""
@@ -103,11 +104,11 @@ class RunningStack:
 
 
 @pytest.fixture(scope="session")
-def stack(tmp_path_factory, pg_databases) -> Iterator[RunningStack]:  # noqa: F811
+def stack(tmp_path_factory) -> Iterator[RunningStack]:
     state_dir = tmp_path_factory.mktemp("data") / "stack"  # $TOKENMILL_DATA/stack, as the README assumes
     extra = [arg for name, value in STACK_ENV.items() for arg in ("--env", f"{name}={value}")]
     tokenmill("stack", "up", "--workers", "2", "--state-dir", str(state_dir), "--port-base", str(free_port_block(24)),
-              "--database-url", pg_databases(), "--threads", "1", "--kv-cache-memory", "0.25", *extra,
+              "--postgres", "private", "--threads", "1", "--kv-cache-memory", "0.25", *extra,
               env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=240)
     running = RunningStack(state_dir, json.loads((state_dir / "stack.json").read_text()))
     saved = {k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_REGION")}
@@ -129,9 +130,10 @@ def _stop_and_check(running: RunningStack) -> None:
     module = stack_module()
     assert not [name for name, pgid in groups.items() if module.group_alive(pgid)], "orphan processes"
     ports = running.state["ports"]
-    still_open = [p for p in [ports["kafka"], ports["redis"], ports["flower"], *range(ports["s3"], ports["s3"] + 8)]
-                  if module.port_open(p)]
+    still_open = [p for p in [ports["kafka"], ports["redis"], ports["flower"], *range(ports["s3"], ports["s3"] + 8),
+                              ports["postgres"]] if module.port_open(p)]
     assert not still_open, f"ports still open after stack down: {still_open}"
+    assert not Path(running.state["postgres"]["dir"]).exists(), "the stack's own PostgreSQL cluster was left behind"
 
 
 @pytest.fixture
@@ -209,14 +211,18 @@ def worker_pid(worker: str) -> int:
 
 
 def wait_for_workers(stack: RunningStack, count: int = 2, timeout: float = 120) -> None:
-    """Until `count` workers answer a ping (their main process; a pool process may still load the model)."""
+    """Until `count` workers answer a ping: `count` shard nodes and as many control nodes (NAME-control), each
+    `tokenmill worker` running one of each (the shard node answers while it still loads the model)."""
     from celery import Celery
 
     app = Celery(broker=stack.state["env"]["TOKENMILL_BROKER_URL"])
+    suffix = f"{stack_module().CONTROL_NODE_SUFFIX}@"
 
     def answered() -> bool:
         try:
-            return len(app.control.ping(timeout=1.0)) >= count
+            nodes = [node for reply in app.control.ping(timeout=1.0) for node in reply]
+            control = sum(suffix in node for node in nodes)
+            return control >= count and len(nodes) - control >= count
         except Exception as error:  # Redis closed this client's connection (it just restarted): ask again
             if not is_transient(error):
                 raise

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from dataclasses import dataclass
 
 from tokenmill.options import (
     add_engine_options,
@@ -31,6 +32,8 @@ SUBMIT_DESCRIPTION = """\
 Send a job to the running service and print its id. --via kafka puts the job spec on the job topic;
 --via s3 drops the input (and a NAME.job.json sidecar with the settings) into the S3 inbox. A local file is
 uploaded to the service's bucket first. Follow the job with `tokenmill status JOB` or in SQL (job_status)."""
+
+WORKER_ROLE_ENV = "TOKENMILL_WORKER_CHILD"  # set by `tokenmill worker` for each node it runs: engine, control
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -131,12 +134,16 @@ def _register_stack(commands: argparse._SubParsersAction) -> None:
     start = actions.add_parser("up", help="start every component and print their addresses")
     start.add_argument("--workers", type=int, default=1, metavar="N", help="Celery workers (default: 1)")
     start.add_argument("--port-base", type=int, metavar="PORT",
-                       help="Kafka on PORT, Redis +1, Flower +2, the OpenAI Batch API +3, S3 +10..+17 (default: 9092, "
-                            "6380, 5555, 8000, 8333)")
+                       help="Kafka on PORT, Redis +1, Flower +2, the OpenAI Batch API +3, a private PostgreSQL +4, "
+                            "S3 +10..+17 (default: 9092, 6380, 5555, 8000, 5433, 8333)")
     start.add_argument("--database-url", metavar="URL",
                        help="job database, as an administrator who creates it (if missing) and the service's own "
                             "role <database>_service, which the stack then uses (default: PostgreSQL on 127.0.0.1 "
                             "as postgres, database tokenmill)")
+    start.add_argument("--postgres", choices=("server", "private"), default="server",
+                       help="server: the PostgreSQL server --database-url names (default); private: a cluster of the "
+                            "stack's own (initdb, pg_ctl; needs the PostgreSQL server binaries), which `stack down` "
+                            "stops and deletes, and which ops/soak_faults.py may restart and pause")
     start.add_argument("--model", default="smollm2-135m", help="the model the workers load")
     start.add_argument("--threads", type=int, metavar="N", help="CPU threads per worker (default: cores / N)")
     start.add_argument("--kv-cache-memory", type=float, default=0.5, metavar="GIB",
@@ -168,13 +175,18 @@ def _register_stack(commands: argparse._SubParsersAction) -> None:
 def _register_worker(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser("worker", help="a Celery worker holding one loaded engine",
                                  description="A Celery worker: one process that loads the model once and holds up "
-                                             "to K shards of the model's queue in flight in that engine (and runs "
-                                             "the control queue's validation and finalizing tasks), K tasks in a "
-                                             "pool of threads, shards of any job sharing the engine. A worker "
-                                             "that ends unasked (a row that crashes the engine, a lost broker) "
-                                             "is started again.")
+                                             "to K shards of the model's queue in flight in that engine, K tasks in a "
+                                             "pool of threads, shards of any job sharing the engine. Beside it a "
+                                             "second Celery node, NAME-control, runs the control queue's tasks "
+                                             "(validation and planning, finalizing, the sweep) in threads of its "
+                                             "own, so they never wait for a shard. Either node that ends unasked "
+                                             "(a row that crashes the engine, a lost broker) is started again; "
+                                             "both end with this command.")
     parser.add_argument("--name", default="worker", help="node name; the host is appended (default: worker)")
     parser.add_argument("--queues", metavar="Q1,Q2", help="queues to consume (default: the model's and control)")
+    parser.add_argument("--control-threads", type=int, default=2, metavar="N",
+                        help="threads of the control node, which runs the control queue's tasks beside the shards "
+                             "(default: 2; 0: no control node, control tasks share the K shard threads)")
     parser.add_argument("--metrics-port", type=int, metavar="PORT",
                         help="serve this worker's Prometheus metrics at http://127.0.0.1:PORT/metrics")
     _shards_in_flight_options(parser)
@@ -310,13 +322,16 @@ def stack_up(args: argparse.Namespace) -> int:
     from tokenmill.stack import local_stack
 
     workers = max(args.workers, 1)
+    if args.postgres == "private" and args.database_url:
+        raise local_stack.StackError("--database-url names a server, --postgres private runs one of the stack's "
+                                     "own: pass one of them")
     threads = args.threads or max(1, (os.cpu_count() or 1) // workers)
     extra_env = dict(item.split("=", 1) for item in args.env)
     worker_args = ["--threads", str(threads), "--kv-cache-memory", str(args.kv_cache_memory),
                    *(["--shards-in-flight", str(args.shards_in_flight)] if args.shards_in_flight else [])]
     settings = local_stack.StackSettings(args.state_dir or default_state_dir(), workers, args.port_base,
                                          args.database_url or local_stack.DEFAULT_DATABASE, args.model, worker_args,
-                                         extra_env)
+                                         extra_env, args.postgres)
     state = local_stack.up(settings)
     print(f"tokenmill stack is up (state: {settings.state_dir})")
     print(local_stack.describe(state, settings.state_dir))
@@ -346,21 +361,54 @@ def worker(args: argparse.Namespace) -> int:
     import json
     import socket
 
-    if not os.environ.get("TOKENMILL_WORKER_CHILD"):
-        return _supervise([sys.executable, "-m", "tokenmill", *args.argv])
+    role = os.environ.get(WORKER_ROLE_ENV)
+    if not role:
+        nodes = worker_nodes(args, _service_config())
+        return _supervise({role: [sys.executable, "-m", "tokenmill", *args.argv] for role in nodes})
     os.environ["TOKENMILL_WORKER_MODEL"] = args.model
     os.environ["TOKENMILL_WORKER_ENGINE"] = json.dumps(engine_kwargs(args))
-    if args.metrics_port:
-        os.environ["TOKENMILL_METRICS_PORT"] = str(args.metrics_port)
     from workers.celery_app import app, config
 
-    queues = args.queues or f"{config.model_queue(args.model)},{config.control_queue}"
-    if config.model_queue(args.model) in queues.split(","):
+    # another role (TOKENMILL_WORKER_CHILD=1: run without its supervisor): one node takes every queue
+    node = worker_nodes(args, config).get(role) or WorkerNode(_worker_queues(args, config), None, args.name)
+    if config.model_queue(args.model) in node.queues:
         os.environ["TOKENMILL_WORKER_PRELOAD"] = "1"  # its pool process loads the model before taking tasks
-    app.worker_main(["worker", "--pool", "threads", "--concurrency", str(shards_in_flight(args)), "--queues", queues,
-                     "--hostname", f"{args.name}@{socket.gethostname()}", "--task-events",
-                     "--prefetch-multiplier", "1", "--loglevel", "INFO", "--without-gossip", "--without-mingle"])
+        if args.metrics_port:
+            os.environ["TOKENMILL_METRICS_PORT"] = str(args.metrics_port)
+    app.worker_main(["worker", "--pool", "threads", "--concurrency", str(node.threads or shards_in_flight(args)),
+                     "--queues", ",".join(node.queues), "--hostname", f"{node.name}@{socket.gethostname()}",
+                     "--task-events", "--prefetch-multiplier", "1", "--loglevel", "INFO", "--without-gossip",
+                     "--without-mingle"])
     return 0
+
+
+@dataclass(frozen=True)
+class WorkerNode:
+    queues: list[str]
+    threads: int | None  # None: K, the shards in flight
+    name: str
+
+
+def worker_nodes(args: argparse.Namespace, config) -> dict[str, WorkerNode]:
+    """The Celery nodes of one `tokenmill worker`, by role: `engine` on the model queue(s), K threads over the
+    engine; `control` on the control queue, --control-threads of its own, no engine (a thread pool takes whatever
+    task comes next, so only a node of their own keeps plan, finalize and the sweep from waiting for a shard)."""
+    from tokenmill.stack.local_stack import control_node_name
+
+    control_queue = config.control_queue
+    queues = _worker_queues(args, config)
+    shard_queues = [q for q in queues if q != control_queue]
+    if not shard_queues:  # a control worker: one node, under its own name
+        return {"control": WorkerNode(queues, args.control_threads or None, args.name)}
+    if len(shard_queues) == len(queues) or args.control_threads <= 0:
+        return {"engine": WorkerNode(queues, None, args.name)}
+    return {"engine": WorkerNode(shard_queues, None, args.name),  # first: PID 2 where the supervisor is PID 1
+            "control": WorkerNode([control_queue], args.control_threads, control_node_name(args.name))}
+
+
+def _worker_queues(args: argparse.Namespace, config) -> list[str]:
+    default = f"{config.model_queue(args.model)},{config.control_queue}"
+    return [q for q in (args.queues or default).split(",") if q]
 
 
 def shards_in_flight(args: argparse.Namespace) -> int:
@@ -369,40 +417,80 @@ def shards_in_flight(args: argparse.Namespace) -> int:
     return args.shards_in_flight or default(args.max_num_seqs, args.shard_rows, args.num_kv_blocks)
 
 
-def _supervise(command: list[str]) -> int:
-    """Run the worker in a child process (same process group) and start it again whenever it ends unasked (killed
-    by a signal, as a prefork pool replaces its lost process, or exited); SIGTERM or SIGINT here stops it and
-    returns."""
+def _supervise(commands: dict[str, list[str]]) -> int:
+    """Run each node in a child process of its own (same process group; TOKENMILL_WORKER_CHILD=ROLE) and start one
+    again whenever it ends unasked (killed by a signal, as a prefork pool replaces its lost process, or exited),
+    the others running on. SIGTERM or SIGINT here stops them all and returns; a node that cannot start at all stops
+    the others too. A node also gets SIGTERM should this process die (killed alone): none outlives it."""
     import signal
     import subprocess
     import time
 
     stopping = False
-    child: subprocess.Popen | None = None
-    quick_exits = 0
+    children: dict[int, tuple[str, subprocess.Popen, float]] = {}  # pid -> role, process, started
+    quick_exits = dict.fromkeys(commands, 0)
+    code = 0
 
     def stop(signum, _frame) -> None:
         nonlocal stopping
         stopping = True
-        if child is not None and child.poll() is None:
-            child.send_signal(signum)
+        for pid in list(children):
+            try:
+                os.kill(pid, signum)  # not Popen.poll: it would reap the child the loop below waits for
+            except ProcessLookupError:
+                pass
+
+    def start(role: str) -> None:
+        child = subprocess.Popen(commands[role], env={**os.environ, WORKER_ROLE_ENV: role},
+                                 preexec_fn=_end_with_parent(os.getpid()))
+        children[child.pid] = (role, child, time.monotonic())
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
-    while True:
-        started = time.monotonic()
-        child = subprocess.Popen(command, env={**os.environ, "TOKENMILL_WORKER_CHILD": "1"})
-        code = child.wait()
+    for role in commands:
+        start(role)
+    while children:
+        try:
+            pid, status = os.wait()
+        except ChildProcessError:
+            break
+        if pid not in children:  # as PID 1 (a container) it also reaps orphans
+            continue
+        role, child, started = children.pop(pid)
+        child.returncode = exit_code = os.waitstatus_to_exitcode(status)
         if stopping:
-            return code
-        quick_exits = quick_exits + 1 if code >= 0 and time.monotonic() - started < 30 else 0
-        if quick_exits >= 5:  # it cannot start at all (bad settings): give up
-            return code
+            code = code or exit_code
+            continue
+        quick = exit_code >= 0 and time.monotonic() - started < 30
+        quick_exits[role] = quick_exits[role] + 1 if quick else 0
+        if quick_exits[role] >= 5:  # it cannot start at all (bad settings): give up, the other nodes too
+            code = exit_code
+            stop(signal.SIGTERM, None)
+            continue
         # a signal (a row that crashed the engine), or Celery giving up on its broker connection (after a Redis
-        # restart its consumer can end with "Unrecoverable error"): either way the worker is wanted back
-        why = f"killed by signal {-code}" if code < 0 else f"exited with {code}"
-        print(f"tokenmill worker: {why}; starting it again", file=sys.stderr, flush=True)
+        # restart its consumer can end with "Unrecoverable error"): either way the node is wanted back
+        why = f"killed by signal {-exit_code}" if exit_code < 0 else f"exited with {exit_code}"
+        print(f"tokenmill worker: its {role} node {why}; starting it again", file=sys.stderr, flush=True)
         time.sleep(1)
+        if not stopping:
+            start(role)
+    return code
+
+
+def _end_with_parent(parent: int):
+    """For Popen's preexec_fn: the child gets SIGTERM when its parent dies (Linux PR_SET_PDEATHSIG)."""
+    import ctypes
+    import signal
+
+    prctl = ctypes.CDLL(None).prctl if sys.platform.startswith("linux") else None  # looked up before the fork
+
+    def arm() -> None:
+        if prctl is not None:
+            prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # it died before that
+            os._exit(1)
+
+    return arm
 
 
 def _intake():

