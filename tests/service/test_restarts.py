@@ -182,10 +182,12 @@ def test_a_second_job_on_a_live_jobs_output_is_refused_naming_it(stack, sessions
 
 
 def test_an_input_replaced_mid_job_fails_the_job_with_that_reason(stack, sessions, tmp_path) -> None:
-    job_id, _ = start_job(stack, tmp_path, "replaced", rows=12, max_tokens=24)
+    # more shards than the two workers hold in flight: some are still to read their rows after the replacement
+    job_id, _ = start_job(stack, tmp_path, "replaced", rows=48, max_tokens=16)
     a_shard_completed(sessions, job_id)
     job = job_row(sessions, job_id)
-    replacement = write_parquet(tmp_path / "other.parquet", prompt_rows(12, "other"))
+    assert any(s["status"] == "pending" for s in shard_rows(sessions, job_id)), "every shard ran before the change"
+    replacement = write_parquet(tmp_path / "other.parquet", prompt_rows(48, "other"))
     bucket_uri, _, key = job["input_uri"].rpartition("/")
     stack.store(bucket_uri).put_file(key, replacement)
     job = wait_for_job(sessions, job_id, timeout=180)
