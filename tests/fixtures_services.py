@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import random
 import socket
 import subprocess
 import uuid
@@ -61,14 +62,22 @@ def pg_url(pg_databases) -> str:
 # ---- SeaweedFS (S3) --------------------------------------------------------------------------------
 
 def free_port_block(size: int = 8) -> int:
-    """A base port with `size` consecutive free ports after it."""
-    for _ in range(50):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            base = probe.getsockname()[1]
-        if base + size < 65535 and all(_port_free(base + i) for i in range(size)):
+    """A base port with `size` consecutive free ports after it, below the kernel's ephemeral range: a port in it may
+    be taken as the local end of some connection between this check and the server's bind (it happened)."""
+    ephemeral_low = _ephemeral_ports()[0]
+    for _ in range(200):
+        base = random.randrange(10000, max(10001, ephemeral_low - size))
+        if all(_port_free(base + i) for i in range(size)):
             return base
     raise RuntimeError("no block of free ports found")
+
+
+def _ephemeral_ports() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
 
 
 def _port_free(port: int) -> bool:
