@@ -18,6 +18,7 @@ _EXPORTS = {
     "EmbeddingOutput": "engine.outputs",
     "EmbeddingEngine": "engine.embedding_engine",
     "PoolingParams": "engine.pooling",
+    "LoRARequest": "engine.lora.request",
 }
 
 __all__ = list(_EXPORTS)

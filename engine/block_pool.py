@@ -35,6 +35,15 @@ def chain_hash(parent_hash: bytes | None, block_token_ids: Iterable[int], extra_
     return h.digest()
 
 
+def first_block_key(seq: Sequence) -> str | None:
+    """What besides its tokens a sequence's first block hash holds: its cache salt and its adapter's digest, tagged
+    so that no salt can spell another request's key (a digest is 64 hex digits)."""
+    salt = None if seq.cache_salt is None else f"salt:{seq.cache_salt}"
+    if seq.lora is None:
+        return salt
+    return f"lora:{seq.lora.digest}" + ("" if salt is None else f"|{salt}")
+
+
 @dataclass
 class PrefixCacheStats:
     queries: int = 0  # prompt tokens looked up at each request's first admission (not after preemption)
@@ -137,14 +146,15 @@ class KVCacheManager:
         return -(-num_tokens // self.block_size)
 
     def update_block_hashes(self, seq: Sequence) -> None:
-        """Extend seq.block_hashes over every full block of its known tokens; the request's `cache_salt`
-        goes into the first block, so requests with different salts share no block."""
+        """Extend seq.block_hashes over every full block of its known tokens; the request's `cache_salt` and
+        its LoRA adapter's digest go into the first block, so requests with different salts or adapters share no
+        block (and one adapter loaded under two names shares its blocks)."""
         bs = self.block_size
         tokens = seq.token_ids
         for index in range(len(seq.block_hashes), len(tokens) // bs):
             parent = seq.block_hashes[-1] if seq.block_hashes else None
-            salt = seq.cache_salt if index == 0 else None
-            seq.block_hashes.append(chain_hash(parent, tokens[index * bs:(index + 1) * bs], salt))
+            key = first_block_key(seq) if index == 0 else None
+            seq.block_hashes.append(chain_hash(parent, tokens[index * bs:(index + 1) * bs], key))
 
     def find_cached_prefix(self, seq: Sequence) -> list[int]:
         """Blocks of the longest cached prefix of seq's tokens (at least one token is left to compute)."""

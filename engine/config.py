@@ -47,6 +47,12 @@ class EngineConfig:
     # float32 encoders: "high" runs their GEMMs as 3 bfloat16 products on AMX tiles (about 16 bits of precision,
     # what PyTorch's "high" allows), where the CPU has AMX; "highest": float32 arithmetic
     float32_matmul_precision: str = "highest"
+    # LoRA adapters (engine/lora/): requests may name one with a LoRARequest; at most `max_loras` in one batch
+    # (resident on the device), `max_cpu_loras` kept loaded in host memory (LRU), ranks up to `max_lora_rank`
+    enable_lora: bool = False
+    max_loras: int = 4
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None  # default: max_loras
 
     def __post_init__(self) -> None:
         self.validate()
@@ -80,6 +86,12 @@ class EngineConfig:
              f"float32_matmul_precision must be one of {FLOAT32_MATMUL_PRECISIONS}, "
              f"got {self.float32_matmul_precision!r}")
         need(self.tensor_parallel_size >= 1, f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        need(self.max_loras >= 1, f"max_loras must be >= 1, got {self.max_loras}")
+        need(self.max_lora_rank >= 1, f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
+        need(self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras,
+             f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+        need(not (self.enable_lora and self.tensor_parallel_size > 1),
+             "enable_lora does not combine with tensor_parallel_size > 1 yet")
         need(0 < self.memory_utilization <= 1, f"memory_utilization must be in (0, 1], got {self.memory_utilization}")
         if not self.enable_chunked_prefill and self.max_model_len is not None:
             need(self.max_num_batched_tokens >= self.max_model_len,

@@ -9,6 +9,7 @@ from engine.chat import chat_token_ids
 from engine.config import DEFAULT_MODEL, EngineConfig
 from engine.embedding_engine import EmbeddingEngine, create_engine
 from engine.llm_engine import Prompt
+from engine.lora.request import LoRARequest
 from engine.outputs import EmbeddingRequestOutput, RequestOutput
 from engine.pooling import PoolingParams
 from engine.sampling_params import SamplingParams
@@ -70,10 +71,12 @@ class LLM:
     def generate(self, prompts: Prompt | Seq[Prompt],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = False, priority: Seq[int] | None = None,
-                 cache_salt: str | None = None) -> list[RequestOutput]:
+                 cache_salt: str | None = None,
+                 lora_request: LoRARequest | Seq[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Strings or token-id lists; one SamplingParams for all or one per prompt. Outputs in input order.
         `priority`: one int per prompt, lower first (with `scheduling_policy="priority"`); `cache_salt`:
-        these prompts share prefix-cache blocks only with requests of the same salt."""
+        these prompts share prefix-cache blocks only with requests of the same salt. `lora_request`: the LoRA
+        adapter for all prompts, or one per prompt (None: the base model); needs `LLM(enable_lora=True)`."""
         if isinstance(self.engine, EmbeddingEngine):
             raise ValueError(f"model {self.engine.config.model!r} is an embedding model: use LLM.embed")
         prompts = normalize_prompts(prompts)
@@ -81,22 +84,25 @@ class LLM:
         priority = [0] * len(prompts) if priority is None else list(priority)
         if len(priority) != len(prompts):
             raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
-        return self._run(prompts, params, use_tqdm, priority, cache_salt)
+        loras = per_prompt_loras(lora_request, len(prompts))
+        return self._run(prompts, params, use_tqdm, priority, cache_salt, loras)
 
     def chat(self, conversations: Conversation | Seq[Conversation],
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-             use_tqdm: bool = False, add_generation_prompt: bool = True) -> list[RequestOutput]:
+             use_tqdm: bool = False, add_generation_prompt: bool = True,
+             lora_request: LoRARequest | Seq[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Render each conversation with the model's chat template, then generate."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]  # type: ignore[list-item]
         prompts = [self.apply_chat_template(c, add_generation_prompt) for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
     def apply_chat_template(self, conversation: Conversation, add_generation_prompt: bool = True) -> list[int]:
         return chat_token_ids(self.engine.tokenizer, conversation, add_generation_prompt)
 
     def _run(self, prompts: list[Prompt], params: list[SamplingParams], use_tqdm: bool,
-             priority: list[int] | None = None, cache_salt: str | None = None) -> list[RequestOutput]:
+             priority: list[int] | None = None, cache_salt: str | None = None,
+             loras: list[LoRARequest | None] | None = None) -> list[RequestOutput]:
         engine = self.engine
         first_id = f"gen-{id(prompts):x}-"
         ids = [f"{first_id}{i}" for i in range(len(prompts))]
@@ -108,7 +114,8 @@ class LLM:
             progress = tqdm(total=len(prompts), desc="generating", unit="req")
         try:
             priority = priority or [0] * len(prompts)
-            requests = list(zip(ids, prompts, params, priority, [cache_salt] * len(prompts), strict=True))
+            loras = loras or [None] * len(prompts)
+            requests = list(zip(ids, prompts, params, priority, [cache_salt] * len(prompts), loras, strict=True))
             if engine.config.scheduling_policy == "priority":  # the engine holds only some at a time: feed by priority
                 requests.sort(key=lambda request: request[3])
             for output in engine.stream(requests):
@@ -142,6 +149,16 @@ def normalize_prompts(prompts: Prompt | Seq[Prompt]) -> list[Prompt]:
         if not isinstance(prompt, str) and not (isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)):
             raise TypeError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
     return prompts
+
+
+def per_prompt_loras(lora_request: LoRARequest | Seq[LoRARequest | None] | None,
+                     count: int) -> list[LoRARequest | None]:
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * count
+    loras = list(lora_request)
+    if len(loras) != count:
+        raise ValueError(f"got {len(loras)} LoRA requests for {count} prompts")
+    return loras
 
 
 def per_prompt_params(params: SamplingParams | Seq[SamplingParams] | None, count: int) -> list[SamplingParams]:

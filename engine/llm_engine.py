@@ -13,6 +13,7 @@ from typing import Any
 from engine.block_pool import KVCacheManager
 from engine.config import EngineConfig
 from engine.distributed.group import RankFailure
+from engine.lora.request import LoRARequest
 from engine.metrics import EngineStats
 from engine.model_loader import resolve_model
 from engine.model_runner import ModelRunner
@@ -68,7 +69,8 @@ class LLMEngine:
                             watermark_blocks=max(1, self.runner.num_blocks // 100))
         limits = SchedulerLimits(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
                                  config.enable_chunked_prefill, config.admission_lookahead,
-                                 config.scheduling_policy, config.long_prefill_token_threshold)
+                                 config.scheduling_policy, config.long_prefill_token_threshold,
+                                 config.max_loras if config.enable_lora else 0)
         self._seq_ids = itertools.count()
         self.scheduler = Scheduler(limits, kv, frozenset(eos),
                                    next_seq_id=self._seq_ids.__next__)
@@ -134,10 +136,12 @@ class LLMEngine:
         return list(prompt)
 
     def add_request(self, request_id: str | None, prompt: Prompt, params: SamplingParams | None = None,
-                    priority: int = 0, cache_salt: str | None = None) -> str:
+                    priority: int = 0, cache_salt: str | None = None, lora_request: LoRARequest | None = None) -> str:
         """Queue a request. One that can never run comes back from the next `step()` with an error.
         `priority` orders admission under `scheduling_policy="priority"` (lower first); requests share
-        prefix-cache blocks only with requests of the same `cache_salt` (None: the shared, unsalted cache)."""
+        prefix-cache blocks only with requests of the same `cache_salt` (None: the shared, unsalted cache).
+        `lora_request`: the LoRA adapter it runs with (needs `enable_lora`); ValueError when the adapter cannot be
+        served, saying why."""
         params = params or SamplingParams()
         request_id = str(next(self._request_ids)) if request_id is None else request_id
         if request_id in self.output.requests:
@@ -148,11 +152,22 @@ class LLMEngine:
             raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
         if params.structured_outputs is not None:
             self.structured.compile(params.structured_outputs)  # an invalid schema fails here, as a ValueError
+        adapter = self._adapter(lora_request)
         seq = Sequence(next(self._seq_ids), request_id, self.encode(prompt), params, priority=priority,
-                       cache_salt=cache_salt)
+                       cache_salt=cache_salt, lora=adapter)
         accepted = self.scheduler.add(seq)  # False: it can never run, and fails at the next step
         self.output.add_request(request_id, prompt if isinstance(prompt, str) else None, seq, accepted)
         return request_id
+
+    def _adapter(self, lora_request: LoRARequest | None):
+        if lora_request is None:
+            return None
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
+        if self.runner.lora is None:
+            raise ValueError(f"request names LoRA adapter {lora_request.lora_name!r} but the engine serves none: "
+                             "start it with enable_lora=True")
+        return self.runner.lora.load(lora_request)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now; it is dropped without an output. False when it is unknown or done."""

@@ -49,6 +49,13 @@ class ModelRunner:
             from engine.distributed.sharding import load_shard
 
             self.model = load_shard(model_dir, hf_config, max_model_len, self.dtype, self.device, tp)
+        self.lora = None  # LoRA adapters' slots (engine/lora/), with enable_lora
+        if config.enable_lora:
+            from engine.lora.manager import LoRAManager
+
+            self.lora = LoRAManager(hf_config, config.max_loras, config.max_lora_rank, config.max_cpu_loras,
+                                    self.device)
+            self.model.attach_lora(self.lora)
         shard = self.model.config  # this rank's heads and KV heads
         self.num_layers = hf_config.num_hidden_layers
         self.num_kv_heads = shard.num_key_value_heads
@@ -115,7 +122,11 @@ class ModelRunner:
     def prepare(self, items: list[BatchItem]) -> tuple[StepBatch, dict]:
         """The flat batch of `items` (its `sample_indices` still empty) and each sequence's rows in it."""
         self.zeroing.cover(items)
-        return build_step_batch(items, self.block_size, self.tensor)
+        batch, rows = build_step_batch(items, self.block_size, self.tensor)
+        if self.lora is not None:
+            self.lora.begin_step(((item.seq.lora, rows[item.seq.seq_id].first, rows[item.seq.seq_id].count)
+                                  for item in items), len(batch.input_ids))
+        return batch, rows
 
     def tensor(self, values) -> torch.Tensor:
         """A long tensor on the device."""
@@ -166,12 +177,17 @@ class ModelRunner:
         if batch is None:
             batch, _ = self.prepare(step.items)
         batch.sample_indices = self.tensor(step.sample_rows)
+        lora_step = self.lora is not None and self.lora.step is not None
         with collectives(self.tp):
-            if self.graphs is not None and not self.batch_invariant and self.graphs.can_run(batch):  # replay a decode
-                hidden = self.graphs.run(batch)
+            if self.graphs is not None and not self.batch_invariant and not lora_step and self.graphs.can_run(batch):
+                hidden = self.graphs.run(batch)  # replay a decode
             else:
                 self.attention.begin_step(batch)
-                hidden = self.model(batch.input_ids, batch.positions, self.attention.forward)
+                try:
+                    hidden = self.model(batch.input_ids, batch.positions, self.attention.forward)
+                finally:
+                    if lora_step:  # a draft model or layer pass between steps runs without adapters
+                        self.lora.end_step()
             if not step.sample_rows:
                 return None
             logits = self.model.compute_logits(hidden.index_select(0, batch.sample_indices))

@@ -24,7 +24,9 @@ class BatchEngine(Protocol):
         """The speculative decoder of the requests now running (its counters); None: none."""
 
     def add_request(self, request_id: str, prompt: str | list[int], params: Any = None, priority: int = 0,
-                    cache_salt: str | None = None) -> str: ...
+                    cache_salt: str | None = None, lora_request: Any = None) -> str:
+        """`lora_request`: an `engine.LoRARequest` (text engines with enable_lora); ValueError when the adapter
+        cannot be served."""
 
     def abort(self, request_id: str) -> bool: ...
 

@@ -28,6 +28,7 @@ class SchedulerLimits:
     admission_lookahead: int = 1  # waiting requests searched for the longest cached prefix (1: strict FCFS)
     policy: str = "fcfs"  # "fcfs", or "priority": lowest `priority` value first, then arrival
     long_prefill_token_threshold: int = 0  # cap on one prompt's chunk per step (0: only the budget caps it)
+    max_loras: int = 0  # distinct LoRA adapters running at once (0: no adapters served)
 
 
 class Scheduler:
@@ -135,6 +136,11 @@ class Scheduler:
         limits = self.limits
         while self.waiting and budget > 0:
             seq, cached = self._next_waiting()
+            if not self._adapter_fits(seq):  # its adapter would be one too many: admit the first one that fits
+                seq = next((s for s in self.waiting if self._adapter_fits(s)), None)
+                if seq is None:
+                    return self.waiting[0], f"max_loras ({limits.max_loras}) adapters are running"
+                cached = self.kv.find_cached_prefix(seq)
             if len(self.running) + (seq.params.n if seq.fork_pending else 1) > limits.max_num_seqs:
                 return seq, f"max_num_seqs ({limits.max_num_seqs}) is reached"
             num_new = seq.num_tokens - len(cached) * self.kv.block_size
@@ -154,6 +160,13 @@ class Scheduler:
             out.scheduled.append(self._scheduled(seq, num_new))
             budget -= num_new
         return None
+
+    def _adapter_fits(self, seq: Sequence) -> bool:
+        """Can seq run beside the running sequences without more than `max_loras` distinct adapters?"""
+        if seq.lora is None:
+            return True
+        running = {s.lora.digest for s in self.running if s.lora is not None}
+        return seq.lora.digest in running or len(running) < self.limits.max_loras
 
     def _chunk(self, num_uncomputed: int, budget: int) -> int:
         """Tokens of one sequence to compute this step: under the budget and, for a prompt, under

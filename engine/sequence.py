@@ -7,8 +7,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.lora.adapter import LoRAAdapter
 
 
 class SequenceStatus(enum.Enum):
@@ -42,6 +46,7 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     priority: int = 0  # lower runs first under the "priority" scheduling policy
     cache_salt: str | None = None  # prefix-cache blocks are shared only between requests with the same salt
+    lora: LoRAAdapter | None = None  # the adapter it runs with (engine/lora/); None: the base model
     block_hashes: list[bytes] = field(default_factory=list)  # chain hashes of the full blocks, in order
     num_registered_blocks: int = 0  # leading blocks of block_table entered in the prefix cache
     status: SequenceStatus = SequenceStatus.WAITING
@@ -76,7 +81,7 @@ class Sequence:
     def fork(self, seq_id: int, sample_index: int) -> Sequence:
         """A new sample sharing this sequence's tokens and KV blocks (the caller takes the block references)."""
         child = Sequence(seq_id, self.request_id, self.prompt_token_ids, self.params, self.arrival_time,
-                         priority=self.priority, cache_salt=self.cache_salt)
+                         priority=self.priority, cache_salt=self.cache_salt, lora=self.lora)
         child.sample_index = sample_index
         child.token_ids = list(self.token_ids)
         child.num_computed_tokens = self.num_computed_tokens

@@ -34,7 +34,7 @@ log = logging.getLogger("tokenmill.attention")
 
 SOURCES = [Path(__file__).with_name("csrc") / name for name in ("paged_decode.c", "layer_ops.c", "encoder_ops.c",
                                                                          "amx_gemm.c", "avx512_gemm.c",
-                                                                         "decode_layers.c")]
+                                                                         "decode_layers.c", "lora.c")]
 HEADERS = [Path(__file__).with_name("csrc") / "fast_math.h"]
 FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno",
          "-fno-trapping-math", "-fassociative-math",
@@ -74,7 +74,8 @@ def _library() -> ctypes.CDLL | None:
                   "rope": [ptr, i64, ptr, ptr, ptr, i64, i64, i64, threads],
                   "silu_mul": [ptr, ptr, i64, i64, threads],
                   "packed_attention": [ptr, ptr, ptr, ptr, i64, i64, i64, i64, f32, threads],
-                  "add_layer_norm": [ptr, ptr, ptr, ptr, ptr, i64, i64, f32, threads]}
+                  "add_layer_norm": [ptr, ptr, ptr, ptr, ptr, i64, i64, f32, threads],
+                  "lora": [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, threads]}
     for name, argtypes in signatures.items():
         for suffix in SUFFIXES.values():
             function = getattr(library, f"{name}_{suffix}")
@@ -152,6 +153,17 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: tor
     function = getattr(_library(), f"write_kv_{SUFFIXES[k.dtype]}")
     function(k.data_ptr(), v.data_ptr(), k.stride(0), k_pool.data_ptr(), v_pool.data_ptr(), slots.data_ptr(),
              k.shape[0], num_kv_heads, head_dim, num_blocks * block_size, torch.get_num_threads())
+
+
+def lora(x: torch.Tensor, out: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+         slots: torch.Tensor) -> None:
+    """out[t] += (x[t] @ lora_a[s].T) @ lora_b[s] in place for each row t of slot s = slots[t] >= 0 (lora.c): x
+    [T, in] and out [T, out] float32 or bfloat16, each row contiguous, rows at any stride; lora_a [S, R, in] and
+    lora_b [S, R, out] float32 contiguous; slots [T] int64 contiguous."""
+    num_slots, rank, in_features = lora_a.shape
+    function = getattr(_library(), f"lora_{SUFFIXES[x.dtype]}")
+    function(x.data_ptr(), x.stride(0), out.data_ptr(), out.stride(0), lora_a.data_ptr(), lora_b.data_ptr(),
+             slots.data_ptr(), x.shape[0], in_features, out.shape[1], rank, num_slots, torch.get_num_threads())
 
 
 class LayerOps:
@@ -342,7 +354,21 @@ class _DecodeStep(ctypes.Structure):  # decode_step in decode_layers.c
     _fields_ = [(name, ctypes.c_int64) for name in ("tokens", "hidden", "heads", "kv_heads", "head_dim", "inter",
                                                     "num_blocks", "block_size", "table_stride")] \
         + [(name, ctypes.c_void_p) for name in ("positions", "slots", "tables", "context_lens", "cos_table",
-                                                "sin_table", "k_pools", "v_pools")]
+                                                "sin_table", "k_pools", "v_pools", "lora_slots")] \
+        + [("lora_num_slots", ctypes.c_int64)] + [(name, ctypes.c_void_p) for name in ("lora_a", "lora_b", "lora_rank")]
+
+
+@dataclass
+class DecodeLoRA:
+    """A step's LoRA products for `DecodeLayers` (decode_layers.c, lora.c): each token's slot (int64, -1: the base
+    model), and per layer and projection (qkv, o, gate_up, down) the stacks' pointers (None where no row's adapter
+    changes it), with each projection's stacked rank."""
+
+    slots: torch.Tensor
+    num_slots: int
+    lora_a: ctypes.Array
+    lora_b: ctypes.Array
+    rank: ctypes.Array
 
 
 @dataclass
@@ -381,7 +407,7 @@ class DecodeLayers:
 
     def run(self, residual: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
             context_lens: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], k_pools: list[torch.Tensor],
-            v_pools: list[torch.Tensor], num_layers: int | None = None) -> torch.Tensor:
+            v_pools: list[torch.Tensor], num_layers: int | None = None, lora: DecodeLoRA | None = None) -> torch.Tensor:
         """residual [tokens, hidden] (the embeddings; updated in place) -> the last layer's output through the
         final norm, after `num_layers` layers (default all). positions, slots: int64 per token; tables [tokens,
         blocks] and context_lens, int32: the decode kernel's; k_pools, v_pools: each layer's [Hkv, NB, BS, D]."""
@@ -396,6 +422,10 @@ class DecodeLayers:
                            positions.data_ptr(), slots.data_ptr(), tables.data_ptr(), context_lens.data_ptr(),
                            rope[0].data_ptr(), rope[1].data_ptr(), ctypes.addressof(self._pools[2]),
                            ctypes.addressof(self._pools[3]))
+        if lora is not None:
+            step.lora_slots, step.lora_num_slots = lora.slots.data_ptr(), lora.num_slots
+            step.lora_a, step.lora_b = ctypes.addressof(lora.lora_a), ctypes.addressof(lora.lora_b)
+            step.lora_rank = ctypes.addressof(lora.rank)
         width = (heads + 2 * kv_heads) * head_dim
         scratch = torch.empty(tokens * (hidden + width + heads * head_dim + 3 * inter), dtype=self.dtype)
         normed = torch.empty_like(residual)

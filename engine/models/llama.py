@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +17,9 @@ from torch import nn
 
 from engine.attention import cpu_kernel
 from engine.models.cpu_gemm import AMX_MAX_ROWS, Linear, PackedWeight
+
+if TYPE_CHECKING:
+    from engine.lora.manager import LoRAManager
 
 Attention = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -86,20 +90,28 @@ class DecoderLayer(nn.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=mlp_bias)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lora: LoRAManager | None = None  # adds each row's adapter to the projections (engine/lora/)
+
+    def project(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        """A projection (qkv, o, gate_up or down) of x, with this step's LoRA products added."""
+        out = getattr(self, f"{name}_proj")(x)
+        if self.lora is not None:
+            self.lora.add(self.index, name, x, out)
+        return out
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: Attention) -> torch.Tensor:
         tokens = x.shape[0]
         q_size = self.split[0]
-        qkv = self.qkv_proj(self.input_layernorm(x))
+        qkv = self.project("qkv", self.input_layernorm(x))
         qk, v = qkv[:, :-self.split[2]], qkv[:, -self.split[2]:]
         qk = qk.reshape(tokens, self.num_heads + self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             qk = torch.cat([self.q_norm(qk[:, :self.num_heads]), self.k_norm(qk[:, self.num_heads:])], dim=1)
         qk = (qk * cos + rotate_half(qk) * sin).reshape(tokens, -1)  # RoPE on queries and keys at once
         attn = attention(self.index, qk[:, :q_size], qk[:, q_size:], v)
-        x = x + self.o_proj(attn)
-        gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).split(self.intermediate_size, dim=-1)
-        return x + self.down_proj(F.silu(gate) * up)
+        x = x + self.project("o", attn)
+        gate, up = self.project("gate_up", self.post_attention_layernorm(x)).split(self.intermediate_size, dim=-1)
+        return x + self.project("down", F.silu(gate) * up)
 
     def forward_fused(self, normed: torch.Tensor, residual: torch.Tensor, positions: torch.Tensor,
                       rope: tuple[torch.Tensor, torch.Tensor], attention: Attention,
@@ -107,12 +119,12 @@ class DecoderLayer(nn.Module):
         """The same layer through the fused CPU ops: `normed` is input_layernorm(residual); adds the attention
         output to `residual` in place and returns the MLP's output (the next norm adds it)."""
         q_size, kv_size = self.split[0], self.split[1]
-        qkv = self.qkv_proj(normed)
+        qkv = self.project("qkv", normed)
         ops.rope_(qkv, self.num_heads + self.num_kv_heads, self.head_dim, positions, *rope)
         attn = attention(self.index, qkv[:, :q_size], qkv[:, q_size:q_size + kv_size], qkv[:, q_size + kv_size:])
         norm = self.post_attention_layernorm
-        normed = ops.rms_norm(self.o_proj(attn), norm.weight, norm.eps, residual=residual)
-        return self.down_proj(ops.silu_mul(self.gate_up_proj(normed)))
+        normed = ops.rms_norm(self.project("o", attn), norm.weight, norm.eps, residual=residual)
+        return self.project("down", ops.silu_mul(self.project("gate_up", normed)))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -135,6 +147,13 @@ class LlamaForCausalLM(nn.Module):
         self.fused_ops: cpu_kernel.LayerOps | None = None  # set by pack_for_cpu where the C kernels build
         self.decode_layers: cpu_kernel.DecodeLayers | None = None  # the layers in one C call, where they run
         self.decode_rows_max: int | None = None  # more tokens than this take the Python loop
+        self.lora: LoRAManager | None = None
+
+    def attach_lora(self, manager: LoRAManager) -> None:
+        """Serve LoRA adapters: every projection adds the step's rows' adapter products."""
+        self.lora = manager
+        for layer in self.layers:
+            layer.lora = manager
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -157,9 +176,12 @@ class LlamaForCausalLM(nn.Module):
                        num_layers: int | None) -> torch.Tensor:
         backend = getattr(attention, "__self__", None)  # the attention backend the bound `forward` belongs to
         plan = backend.kernel_plan() if self.decode_layers is not None and hasattr(backend, "kernel_plan") else None
-        if plan is not None and (self.decode_rows_max is None or residual.shape[0] <= self.decode_rows_max):
+        lora = None if self.lora is None or self.lora.step is None else self.lora.decode_layers_args()
+        lora_fits = lora is not None or self.lora is None or self.lora.step is None
+        if plan is not None and lora_fits and (self.decode_rows_max is None
+                                               or residual.shape[0] <= self.decode_rows_max):
             return self.decode_layers.run(residual, positions, *plan, self.rope_tables_f32, backend.k_caches,
-                                          backend.v_caches, num_layers)
+                                          backend.v_caches, num_layers, lora)
         ops, layers = self.fused_ops, self.layers[:num_layers]
         first = layers[0].input_layernorm
         normed = ops.rms_norm(residual, first.weight, first.eps)

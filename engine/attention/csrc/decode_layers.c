@@ -20,6 +20,13 @@ typedef struct {
     const int32_t *tables, *context_lens; /* per token: block table and tokens attended */
     const float *cos_table, *sin_table;
     void *const *k_pools, *const *v_pools; /* per layer: [Hkv, NB, BS, D] */
+    /* LoRA adapters (lora.c), or lora_slots NULL: per token its slot (-1: the base model); per layer and projection
+     * (qkv, o, gate_up, down) the slots' stacked A [slots, rank, in] and B [slots, rank, out], NULL where no row's
+     * adapter changes that projection; per projection its stacked rank */
+    const int64_t *lora_slots;
+    int64_t lora_num_slots;
+    const float *const *lora_a, *const *lora_b;
+    const int64_t *lora_rank;
 } decode_step;
 
 #define PROTOTYPES(SUFFIX, T)                                                                                     \
@@ -40,6 +47,20 @@ PROTOTYPES(f32, float)
 PROTOTYPES(bf16, uint16_t)
 void amx_linear_bf16(const uint16_t *x, const uint16_t *packed, const float *bias, uint16_t *y, int64_t m, int64_t n,
                      int64_t k, int threads);
+void lora_f32(const float *x, int64_t x_stride, float *out, int64_t out_stride, const float *lora_a,
+              const float *lora_b, const int64_t *slots, int64_t rows, int64_t in, int64_t out_features, int64_t rank,
+              int64_t num_slots, int threads);
+void lora_bf16(const uint16_t *x, int64_t x_stride, uint16_t *out, int64_t out_stride, const float *lora_a,
+               const float *lora_b, const int64_t *slots, int64_t rows, int64_t in, int64_t out_features,
+               int64_t rank, int64_t num_slots, int threads);
+
+enum { LORA_QKV, LORA_O, LORA_GATE_UP, LORA_DOWN };
+
+/* y += the rows' adapters' products of x for projection P of layer l, where some row's adapter changes it */
+#define LORA_ADD(SUFFIX, P, x, y, in, n)                                                                          \
+    if (step->lora_slots && step->lora_a[l * 4 + P])                                                              \
+        lora_##SUFFIX(x, in, y, n, step->lora_a[l * 4 + P], step->lora_b[l * 4 + P], step->lora_slots, S, in, n,   \
+                      step->lora_rank[P], step->lora_num_slots, threads)
 
 enum { GEMM_SECONDS, ATTENTION_SECONDS, ELEMENTWISE_SECONDS };
 
@@ -64,6 +85,7 @@ void decode_layers_##SUFFIX(const decoder_layer *layers, int64_t num_layers, con
         T *k_pool = step->k_pools[l], *v_pool = step->v_pools[l];                                                       \
         mark = omp_get_wtime();                                                                                   \
         LINEAR(normed, layer->qkv, layer->qkv_bias, qkv, S, width, H);                                            \
+        LORA_ADD(SUFFIX, LORA_QKV, normed, qkv, H, width);                                                        \
         double now = omp_get_wtime();                                                                             \
         spent[GEMM_SECONDS] += now - mark, mark = now;                                                            \
         rope_##SUFFIX(qkv, width, step->positions, step->cos_table, step->sin_table, S, step->heads + Hkv, D,     \
@@ -78,18 +100,21 @@ void decode_layers_##SUFFIX(const decoder_layer *layers, int64_t num_layers, con
         now = omp_get_wtime();                                                                                    \
         spent[ATTENTION_SECONDS] += now - mark, mark = now;                                                       \
         LINEAR(attn, layer->o, layer->o_bias, projected, S, H, q_size);                                           \
+        LORA_ADD(SUFFIX, LORA_O, attn, projected, q_size, H);                                                     \
         now = omp_get_wtime();                                                                                    \
         spent[GEMM_SECONDS] += now - mark, mark = now;                                                            \
         rms_norm_##SUFFIX(projected, residual, layer->post_norm, normed, S, H, layer->post_eps, threads);         \
         now = omp_get_wtime();                                                                                    \
         spent[ELEMENTWISE_SECONDS] += now - mark, mark = now;                                                     \
         LINEAR(normed, layer->gate_up, layer->gate_up_bias, gate_up, S, 2 * I, H);                                \
+        LORA_ADD(SUFFIX, LORA_GATE_UP, normed, gate_up, H, 2 * I);                                                \
         now = omp_get_wtime();                                                                                    \
         spent[GEMM_SECONDS] += now - mark, mark = now;                                                            \
         silu_mul_##SUFFIX(gate_up, act, S, I, threads);                                                           \
         now = omp_get_wtime();                                                                                    \
         spent[ELEMENTWISE_SECONDS] += now - mark, mark = now;                                                     \
         LINEAR(act, layer->down, layer->down_bias, projected, S, H, I);                                           \
+        LORA_ADD(SUFFIX, LORA_DOWN, act, projected, I, H);                                                        \
         now = omp_get_wtime();                                                                                    \
         spent[GEMM_SECONDS] += now - mark, mark = now;                                                            \
         const int last = l + 1 == num_layers;                                                                     \
