@@ -187,6 +187,8 @@ class Intake:
                 self.policy.check_output(request.output_uri)
             if request.input_uri is not None:
                 self.policy.check_input(request.input_uri)
+            for adapter_uri in request.lora_modules.values():  # workers read adapters as they read inputs
+                self.policy.check_input(adapter_uri)
         except ValueError as error:
             raise SpecError(str(error)) from None
         salt = self.policy.cache_salt(request.cache_salt, f"{source}:{tenant}", key)

@@ -7,12 +7,16 @@
      "idempotency_key": "...", "job_id": "<uuid>",                  # both optional
      "completion_window": "24h",                                      # the deadline (s, m, h or d; <= 30 days)
      "served_model_names": ["gpt-4o-mini"],                           # aliases an OpenAI row's model may name
+     "lora_modules": {"sql": "s3://bucket/adapters/sql"},             # LoRA adapters a row's model may name
      "batch_invariant": true,                                         # outputs independent of the batch (slower)
      "task": "embed", "truncate_inputs": false}                       # embedding jobs (see below)
 
 `task` is `generate` (the default) or `embed`: an embedding model's job, whose Parquet input has a `text` column
 (OpenAI JSONL rows say `/v1/embeddings` themselves); `truncate_inputs` cuts inputs longer than the model's
 max_seq_length instead of failing their rows.
+
+`lora_modules` names LoRA adapters (PEFT directories; for the service, s3:// prefixes): a row whose `model` (an
+OpenAI body's, or a Parquet `model` column) names one runs with it (docs/lora.md).
 
 Only `output_uri` and one of `input_uri` / `rows` are required (the S3 inbox supplies both). Unknown fields
 are refused, so a typo does not silently run with defaults.
@@ -56,6 +60,7 @@ MAX_DEPTH = 32  # nesting of arrays and objects in a spec
 PRIORITY_BOUND = 2**31  # priorities are 32-bit in the database
 MAX_CACHE_SALT = 256
 MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+MAX_LORA_MODULES = 64  # adapters one job may name
 # bounds of the speculative settings a job may set (the engine checks the rest)
 SPECULATIVE_BOUNDS = {"prompt_lookup_max": (1, 64), "prompt_lookup_min": (1, 64), "max_verify_tokens": (1, 1024),
                       "probe_every": (1, 1_000_000), "draft_layers": (1, 1024)}
@@ -102,6 +107,8 @@ class JobRequest(BaseModel):
     # other names an OpenAI row's `model` may give for this job's model (vLLM's --served-model-name)
     served_model_names: list[Annotated[str, Field(min_length=1, max_length=256)]] = Field(default_factory=list,
                                                                                          max_length=16)
+    # LoRA adapters a row's `model` may name: name -> PEFT directory or s3:// prefix (vLLM's --lora-modules)
+    lora_modules: dict[str, str] = Field(default_factory=dict, max_length=MAX_LORA_MODULES)
     task: Literal["generate", "embed"] = "generate"
     truncate_inputs: bool = False
 
@@ -152,10 +159,27 @@ class JobRequest(BaseModel):
             SpeculativeConfig.from_dict(value)  # ValueError names the bad key or value
         return value
 
+    @field_validator("lora_modules")
+    @classmethod
+    def _lora_modules(cls, value: dict[str, str]) -> dict[str, str]:
+        for name in value:
+            if not MODEL_NAME.fullmatch(name):
+                raise ValueError(f"adapter name {name!r} must be 1-128 letters, digits, '.', '_' or '-'")
+        return {name: normalize_uri(uri) for name, uri in value.items()}
+
     @model_validator(mode="after")
     def _one_input(self) -> JobRequest:
         if (self.input_uri is None) == (self.rows is None):
             raise ValueError("give exactly one of input_uri or rows")
+        return self
+
+    @model_validator(mode="after")
+    def _adapter_names(self) -> JobRequest:
+        if taken := sorted(set(self.lora_modules) & {self.model, *self.served_model_names}):
+            raise ValueError(f"lora_modules: {', '.join(map(repr, taken))} already names the base model; an "
+                             f"adapter needs a name of its own")
+        if self.lora_modules and self.task == "embed":
+            raise ValueError("lora_modules: LoRA adapters serve generation jobs, not embeddings")
         return self
 
     def to_job(self, *, executor: str, source: str = JobSource.CLI.value, source_ref: str | None = None,
@@ -173,13 +197,17 @@ class JobRequest(BaseModel):
             check_model_name("model", self.model)
             if (self.speculative_config or {}).get("model") is not None:
                 check_model_name("speculative_config.model", self.speculative_config["model"])
+            if local := sorted(name for name, uri in self.lora_modules.items() if not uri.startswith("s3://")):
+                raise SpecError(f"lora_modules: the service's workers read adapters from object storage only; "
+                                f"{', '.join(map(repr, local))} names a local path (tokenmill submit uploads "
+                                f"local adapter directories)")
         settings = JobSettings(sampling=self.sampling, engine=self.engine, speculative_config=self.speculative_config,
                                batch_invariant=self.batch_invariant,
                                shard_size=self.shard_size, limits=limits or Limits.from_env(), s3=s3 or S3Options(),
                                openai_output=self.openai_output, executor=executor, cache_salt=self.cache_salt,
                                completion_window=self.completion_window,
-                               served_model_names=self.served_model_names, task=self.task,
-                               truncate_inputs=self.truncate_inputs)
+                               served_model_names=self.served_model_names, lora_modules=self.lora_modules,
+                               task=self.task, truncate_inputs=self.truncate_inputs)
         return NewJob(input_uri=self.input_uri, output_uri=self.output_uri, model=self.model, settings=settings,
                       source=source, source_ref=source_ref, priority=self.priority,
                       idempotency_key=self.idempotency_key or default_key,

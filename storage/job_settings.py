@@ -47,6 +47,7 @@ class JobSettings(BaseModel):
     executor: Literal["local", "celery"] = LOCAL
     cache_salt: str | None = None  # rows share prefix-cache blocks only with rows of the same salt
     served_model_names: list[str] = Field(default_factory=list)  # aliases an OpenAI row's `model` may name
+    lora_modules: dict[str, str] = Field(default_factory=dict)  # LoRA adapters a row's `model` may name: name -> URI
     completion_window: CompletionWindow = DEFAULT_COMPLETION_WINDOW  # past it the sweep ends the job `expired`
     task: Literal["generate", "embed"] = "generate"  # embed: a Parquet input's `text` column is embedded
     truncate_inputs: bool = False  # embedding inputs over the model's max_seq_length are cut (else the row fails)

@@ -17,7 +17,9 @@ DATABASE_HELP = ("SQLAlchemy database URL, e.g. postgresql+psycopg://user@host/d
                  "else SQLite at $TOKENMILL_DATA/tokenmill.db, $TOKENMILL_DATA defaulting to ~/.local/share/tokenmill)")
 
 
-def add_engine_options(parser: argparse.ArgumentParser) -> None:
+def add_engine_options(parser: argparse.ArgumentParser, lora: str | None = None) -> None:
+    """The engine's settings; `lora` adds the LoRA knobs, with --enable-lora's default: "adapters" (on when
+    --lora-modules names some: `run`), "single-rank" (on unless -tp > 1: `worker`)."""
     group = parser.add_argument_group(
         "engine", "On CPUs, C kernels (built once into ~/.cache/tokenmill/kernels) run decode attention and the "
                   "layers' norms, RoPE and SiLU, and the GEMMs (bfloat16 on CPUs with AMX or avx512_bf16, "
@@ -72,6 +74,28 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
                             "(the model's own first layers); adaptive, so large batches are not slowed (default: off)")
     group.add_argument("--num-speculative-tokens", type=int, default=5, help="draft tokens per step (default: 5)")
     group.add_argument("--draft-model", help="draft model name or directory for --speculative-method draft")
+    if lora is not None:
+        _add_lora_knobs(group, lora)
+
+
+LORA_DEFAULT_HELP = {"adapters": "on when --lora-modules names adapters", "single-rank": "on unless -tp > 1, so a "
+                     "job may bring adapters of its own"}
+MAX_LORAS_DEFAULT = 4  # device slots without --lora-modules
+MAX_LORAS_CAP = 8  # slots sized from the --lora-modules count go no higher
+
+
+def _add_lora_knobs(group: argparse._ArgumentGroup, default: str) -> None:
+    group.add_argument("--enable-lora", action=argparse.BooleanOptionalAction, default=None,
+                       help=f"serve LoRA adapters (docs/lora.md) (default: {LORA_DEFAULT_HELP[default]})")
+    group.add_argument("--max-loras", type=int, metavar="N",
+                       help=f"adapters one engine step runs at once, each in a device slot (default: the number of "
+                            f"--lora-modules, at most {MAX_LORAS_CAP}; {MAX_LORAS_DEFAULT} without)")
+    group.add_argument("--max-lora-rank", type=int, default=16, metavar="R",
+                       help="largest adapter rank served; an adapter of a higher rank fails its rows (default: 16)")
+    group.add_argument("--max-cpu-loras", type=int, metavar="N",
+                       help="adapters kept loaded in host memory, least recently used dropped (default: the larger "
+                            "of --max-loras and the number of --lora-modules)")
+    group.set_defaults(lora_default=default)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -87,12 +111,62 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     )
     if args.kv_cache_memory is not None:
         kwargs["kv_cache_memory"] = int(args.kv_cache_memory * 2**30)
+    kwargs.update(lora_engine_kwargs(args))
     if args.speculative_method:
         kwargs["speculative_config"] = {"method": args.speculative_method,
                                         "num_speculative_tokens": args.num_speculative_tokens}
         if args.draft_model:
             kwargs["speculative_config"]["model"] = args.draft_model
     return kwargs
+
+
+def lora_engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine's LoRA settings: none when LoRA is off (an engine, and a job's settings, as without it)."""
+    if getattr(args, "lora_default", None) is None:
+        return {}
+    count = len(lora_modules(args))
+    enabled = args.enable_lora
+    if enabled is None:
+        enabled = bool(count) if args.lora_default == "adapters" else args.tensor_parallel_size == 1
+    if not enabled:
+        if count:
+            raise ValueError("--lora-modules needs LoRA: drop --no-enable-lora")
+        return {}
+    max_loras = args.max_loras or (min(count, MAX_LORAS_CAP) if count else MAX_LORAS_DEFAULT)
+    cpu_loras = args.max_cpu_loras or (count if count > max_loras else None)
+    return {"enable_lora": True, "max_loras": max_loras, "max_lora_rank": args.max_lora_rank,
+            **({"max_cpu_loras": cpu_loras} if cpu_loras else {})}
+
+
+def add_lora_modules_option(parser: argparse.ArgumentParser, help: str) -> None:
+    parser.add_argument("--lora-modules", nargs="+", action="extend", type=lora_module, default=[],
+                        metavar="NAME=DIR_OR_URI", help=help)
+
+
+def lora_module(text: str) -> tuple[str, str]:
+    """One --lora-modules item: NAME=DIR_OR_URI, or vLLM's JSON form {"name": NAME, "path": DIR_OR_URI}."""
+    text = text.strip()
+    if text.startswith("{"):
+        try:
+            document = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise argparse.ArgumentTypeError(f"not JSON: {error}") from None
+        name, path = (document.get("name"), document.get("path")) if isinstance(document, dict) else (None, None)
+    else:
+        name, _, path = text.partition("=")
+    if not isinstance(name, str) or not isinstance(path, str) or not name.strip() or not path.strip():
+        raise argparse.ArgumentTypeError(f'expected NAME=DIR_OR_URI or {{"name": ..., "path": ...}}, got {text!r}')
+    return name.strip(), path.strip()
+
+
+def lora_modules(args: argparse.Namespace) -> dict[str, str]:
+    """--lora-modules as {name: directory or URI}; ValueError for a name given twice."""
+    modules: dict[str, str] = {}
+    for name, path in getattr(args, "lora_modules", None) or []:
+        if name in modules:
+            raise ValueError(f"--lora-modules names adapter {name!r} twice")
+        modules[name] = path
+    return modules
 
 
 def add_sampling_options(parser: argparse.ArgumentParser, max_tokens: int = 128,

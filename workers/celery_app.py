@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from celery import Celery
 from celery.signals import beat_init, worker_process_init, worker_ready
+from celery.worker.control import inspect_command
 
 from ingest.config import ServiceConfig
 
@@ -95,6 +96,28 @@ def _start_tasks_process(background: bool) -> None:
             logging.getLogger("tokenmill.worker").exception("could not load the engine")
 
     threading.Thread(target=load, name="engine-load", daemon=True).start() if background else load()
+
+
+@inspect_command()
+def tokenmill_served(state) -> dict:
+    """What this node serves, for `tokenmill model list`: its model, its role (engine or control), whether its
+    engine runs LoRA adapters (a job's own too), its own adapters, and those in its machine's adapter cache."""
+    import os
+
+    from workers.adapters import cached_adapters
+    from workers.config import WorkerEngine
+
+    role = os.environ.get("TOKENMILL_WORKER_CHILD", "")
+    if role == "control":  # no engine
+        return {"role": role}
+    spec = WorkerEngine.from_env()
+    lora = bool(spec.settings.get("enable_lora"))
+    if lora:
+        from engine.embedding_engine import is_embedding_model
+
+        lora = not is_embedding_model(spec.model)  # an embedding engine serves no adapters, whatever its settings
+    return {"model": spec.model, "role": role, "lora": lora, "max_loras": spec.settings.get("max_loras"),
+            "adapters": spec.lora_modules, "cached": [entry["uri"] for entry in cached_adapters()]}
 
 
 @beat_init.connect

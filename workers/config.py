@@ -1,9 +1,10 @@
-"""The engine a worker process loads, read from the environment (`tokenmill worker` sets it)."""
+"""The engine a worker process loads, and the LoRA adapters it serves, read from the environment (`tokenmill
+worker` sets it)."""
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ingest.config import env_setting
@@ -16,6 +17,7 @@ class WorkerEngine:
     model: str
     settings: dict[str, Any]
     factory: str  # "module:function", called with the settings; returns an LLMEngine
+    lora_modules: dict[str, str] = field(default_factory=dict)  # its own LoRA adapters: name -> directory or URI
 
     @classmethod
     def from_env(cls) -> WorkerEngine:
@@ -28,4 +30,9 @@ class WorkerEngine:
             raise ValueError(f"TOKENMILL_WORKER_ENGINE must be a JSON object of engine settings: {error}") from None
         model = env_setting("WORKER_MODEL", settings.get("model", DEFAULT_MODEL))
         factory = env_setting("ENGINE_FACTORY", "workers.engine_loader:load_engine")
-        return cls(model, {**settings, "model": model}, factory)
+        try:
+            lora_modules = json.loads(env_setting("WORKER_LORA_MODULES", "{}"))
+        except json.JSONDecodeError as error:
+            raise ValueError(f"TOKENMILL_WORKER_LORA_MODULES must be a JSON object of adapter name -> directory or "
+                             f"URI: {error}") from None
+        return cls(model, {**settings, "model": model}, factory, lora_modules)

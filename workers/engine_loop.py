@@ -30,7 +30,7 @@ from storage.formats import Request, RowError
 from workers.shards import EmbeddingRow, ShardOutcome, collect_row, prepare_embedding_row, prepare_row
 
 if TYPE_CHECKING:
-    from engine import BatchEngine, EmbeddingRequestOutput, RequestOutput
+    from engine import BatchEngine, EmbeddingRequestOutput, LoRARequest, RequestOutput
     from workers.progress import Progress
 
 log = logging.getLogger("tokenmill.engine_loop")
@@ -50,8 +50,8 @@ def shards_in_flight(max_num_seqs: int, rows_per_shard: int, kv_rows: int | None
 @dataclass
 class RowSettings:
     """How a job's rows run: its sampling defaults, engine request priority, prefix-cache salt, speculative
-    decoding and batch-invariant settings (None: the engine's own), and the model names its OpenAI rows may give
-    (none: any)."""
+    decoding and batch-invariant settings (None: the engine's own), the model names its rows may give (none: any)
+    and the LoRA adapters they may name."""
 
     defaults: dict[str, Any]
     priority: int = 0
@@ -60,6 +60,9 @@ class RowSettings:
     models: frozenset[str] = frozenset()
     batch_invariant: bool | None = None
     truncate_inputs: bool = False  # embedding rows: cut inputs over the model's max_seq_length (else they fail)
+    # the LoRA adapters its rows name (workers.adapters): each one's request, or why it cannot be served
+    adapters: dict[str, LoRARequest | str] = field(default_factory=dict)
+    adapter_names: frozenset[str] = frozenset()  # every adapter its rows may name (default: those of `adapters`)
 
 
 @dataclass(eq=False)
@@ -78,6 +81,7 @@ class Ticket:
     fed: bool = False
     suspect: bool = False  # it was in the engine when a step raised: it runs again alone
     request_ids: set[str] = field(default_factory=set)  # its requests still in the engine
+    bad_adapters: dict[str, str] = field(default_factory=dict)  # adapters the engine refused: name -> why
 
     def restart(self) -> None:
         self.outcome, self.rows_done, self.tokens, self.fed, self.suspect = ShardOutcome(), 0, 0, False, True
@@ -231,19 +235,38 @@ class EngineLoop:
             self._feed_embeddings(ticket)
             return
         settings = ticket.settings
+        adapter_names = settings.adapter_names or settings.adapters.keys()
         for item in ticket.rows:
             prepared = item if isinstance(item, RowError) else prepare_row(self.engine, settings.defaults, item,
-                                                                           settings.models)
+                                                                           settings.models, adapter_names)
+            if not isinstance(prepared, RowError):
+                prepared = self._add_text_row(ticket, item, *prepared)
             if isinstance(prepared, RowError):
                 ticket.outcome.errors.append(prepared)
                 ticket.rows_done += 1
-                continue
-            request_id = f"{ticket.prefix}{item.row}"
-            self.engine.add_request(request_id, *prepared, settings.priority, settings.cache_salt)
-            self.pending[request_id] = TextRow(ticket, item, prepared[1].logprobs)
-            ticket.request_ids.add(request_id)
         ticket.fed = True
         self._finish_if_done(ticket)
+
+    def _add_text_row(self, ticket: Ticket, item: Request, token_ids: list[int], params) -> RowError | None:
+        """Add a prepared row to the engine, with its LoRA adapter if it names one; the row's error when the
+        adapter cannot be served (the engine's reason, given once per shard and adapter)."""
+        settings = ticket.settings
+        name = item.model if isinstance(item.model, str) else None
+        adapter = settings.adapters.get(name) if name else None
+        if isinstance(adapter, str) or name in ticket.bad_adapters:
+            return RowError(item.row, item.custom_id, "invalid_adapter", ticket.bad_adapters.get(name, adapter))
+        request_id = f"{ticket.prefix}{item.row}"
+        try:
+            self.engine.add_request(request_id, token_ids, params, settings.priority, settings.cache_salt,
+                                    *(() if adapter is None else (adapter,)))  # the base model: as before LoRA
+        except ValueError as problem:  # the engine could not load the adapter (rank, target modules, files)
+            if adapter is None:
+                raise
+            ticket.bad_adapters[name] = str(problem)
+            return RowError(item.row, item.custom_id, "invalid_adapter", str(problem))
+        self.pending[request_id] = TextRow(ticket, item, params.logprobs)
+        ticket.request_ids.add(request_id)
+        return None
 
     def _feed_embeddings(self, ticket: Ticket) -> None:
         """Embedding rows: one engine request per input (request id: prefix, row, '.', input index), added

@@ -12,7 +12,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, NamedTuple, TypeVar
 
 from sqlalchemy import select
@@ -20,11 +20,12 @@ from sqlalchemy import select
 from storage import claims
 from storage import repository as repo
 from storage.faults import crash_point, is_transient
-from storage.formats import part_key, write_part
+from storage.formats import Request, part_key, write_part
 from storage.liveness import LEASE, db_now
 from storage.models import FailedRow, Job, JobStatus, Shard, ShardStatus, utcnow
 from storage.objectstore import InputChanged, open_store
 from storage.states import transition
+from workers.adapters import AdapterSource, job_adapters, resolve_adapters
 from workers.engine_loop import RowSettings, loop_for
 from workers.job_steps import JobSteps, discard_if_ended
 from workers.leases import Claim, StaleClaim, StatusWatch, shard_claim
@@ -69,8 +70,9 @@ class ShardStep:
     """The shard steps of one job. `steps` is the job's: its sessions, worker id, heartbeat, progress and input
     reader serve every shard of the job this process runs."""
 
-    def __init__(self, steps: JobSteps) -> None:
+    def __init__(self, steps: JobSteps, adapters: Mapping[str, AdapterSource] | None = None) -> None:
         self.steps = steps
+        self.adapters = adapters or {}  # the worker's own LoRA adapters, served to every job beside the job's
 
     def claim_shard(self, shard_id: int, max_attempts: int) -> ShardClaim:
         """Take the shard unless it is done, a live lease holds it, or its job is not running. A shard that
@@ -152,10 +154,13 @@ class ShardStep:
         watch = StatusWatch(self.steps.sessions, job.id, self.steps.heartbeat, claim)
         if watch.should_stop():  # a shard never starts on a job that stopped
             return ShardOutcome(cancelled=True)
+        rows = self.steps.read_rows(job, shard)  # read here, not on the engine thread
+        sources = job_adapters(job, self.adapters)
+        named = {row.model for row in rows if isinstance(row, Request) and isinstance(row.model, str)}
         settings = RowSettings(job.settings.sampling, engine_priority(job), job.settings.cache_salt,
                                job.settings.speculative_config, served_models(job), job.settings.batch_invariant,
-                               job.settings.truncate_inputs)
-        rows = self.steps.read_rows(job, shard)  # read here, not on the engine thread
+                               job.settings.truncate_inputs, resolve_adapters(named & sources.keys(), sources),
+                               frozenset(sources))  # fetched here too: only the adapters its rows name
         return loop_for(engine).run(settings, rows, request_prefix(job, shard), watch.should_stop,
                                     self.steps.progress)
 

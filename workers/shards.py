@@ -49,17 +49,16 @@ class ShardOutcome:
         }
 
 
-def prepare_row(engine: LLMEngine, defaults: dict[str, Any], request: Request, models: Collection[str] = ()
-                ) -> tuple[list[int], SamplingParams] | RowError:
+def prepare_row(engine: LLMEngine, defaults: dict[str, Any], request: Request, models: Collection[str] = (),
+                adapters: Collection[str] = ()) -> tuple[list[int], SamplingParams] | RowError:
     """A row as the engine runs it (token ids and sampling parameters, the job's `defaults` under the row's
-    own), or the row's error when it cannot run. A row naming a model outside `models` (when given) fails
-    with `model_not_found`."""
+    own), or the row's error when it cannot run. A row naming a model outside `models` (when given) and the
+    LoRA `adapters` fails with `model_not_found`."""
     def error(code: str, message: str) -> RowError:
         return RowError(request.row, request.custom_id, code, message)
 
-    if models and request.model is not None and request.model not in models:
-        return error("model_not_found", f"The model {request.model!r} does not exist here; this job serves "
-                                        f"{', '.join(map(repr, sorted(models)))}")
+    if unknown := model_not_found(request, models, adapters):
+        return unknown
     if is_embedding_engine(engine) or request.endpoint == EMBEDDINGS:
         return error("invalid_request", f"{request.endpoint} needs a model that generates text; "
                                         f"{engine.config.model!r} embeds (use /v1/embeddings)"
@@ -88,6 +87,18 @@ def prepare_row(engine: LLMEngine, defaults: dict[str, Any], request: Request, m
     if too_long := context_length_error(len(token_ids), params.max_tokens, engine.max_model_len):
         return error("context_length_exceeded", too_long)
     return token_ids, params
+
+
+def model_not_found(request: Request, models: Collection[str], adapters: Collection[str] = ()) -> RowError | None:
+    """The `model_not_found` error of a row naming neither one of `models` (none: any goes) nor an adapter."""
+    model = request.model
+    if not models or model is None or (isinstance(model, str) and (model in models or model in adapters)):
+        return None
+    served = ", ".join(map(repr, sorted(models)))
+    if adapters:
+        served += f" and the LoRA adapters {', '.join(map(repr, sorted(adapters)))}"
+    return RowError(request.row, request.custom_id, "model_not_found",
+                    f"The model {request.model!r} does not exist here; this job serves {served}")
 
 
 def is_embedding_engine(engine) -> bool:
@@ -138,9 +149,8 @@ def prepare_embedding_row(engine, request: Request, truncate: bool, models: Coll
 
     if request.endpoint != EMBEDDINGS:
         return prepare_row(engine, {}, request, models)  # fails it: this engine embeds
-    if models and request.model is not None and request.model not in models:
-        return error("model_not_found", f"The model {request.model!r} does not exist here; this job serves "
-                                        f"{', '.join(map(repr, sorted(models)))}")
+    if unknown := model_not_found(request, models):
+        return unknown
     try:
         params = PoolingParams(dimensions=request.params.get("dimensions"), truncate=truncate)
         engine.check_params(params)

@@ -28,7 +28,9 @@ from storage import db
 from storage import repository as repo
 from storage.faults import crash_point, is_transient
 from storage.models import Job, JobStatus, ShardStatus
+from workers.adapters import AdapterSource, worker_adapters
 from workers.celery_app import app, config
+from workers.config import WorkerEngine
 from workers.finalize import remove_stray_parts
 from workers.job_steps import JobSteps, discard_if_ended
 from workers.shard_step import ShardStep, through_outages
@@ -47,6 +49,12 @@ PROGRESS_EVERY_S = 1.0
 def sessions():
     """One engine and session factory per worker process (made after the pool forks)."""
     return db.session_factory(db.make_engine(config.database_url))
+
+
+@functools.cache
+def worker_lora_modules() -> dict[str, AdapterSource]:
+    """The LoRA adapters this worker serves to every job of its model (`tokenmill worker --lora-modules`)."""
+    return worker_adapters(WorkerEngine.from_env().lora_modules, config.s3)
 
 
 # ---- sending ---------------------------------------------------------------------------------------
@@ -187,7 +195,7 @@ def _unfinished_shards(job_id: str) -> list[int]:
 @app.task(name="tokenmill.run_shard", bind=True)
 def run_shard(self: Task, job_id: str, shard_id: int) -> dict[str, Any]:
     steps = JobSteps(sessions(), job_id, TaskProgress(self, job_id, shard_id))
-    shard_step = ShardStep(steps)
+    shard_step = ShardStep(steps, worker_lora_modules())
     claim = _or_retry(self, lambda: shard_step.claim_shard(shard_id, config.max_shard_attempts))
     if claim.decision != "run":
         log.info("job %s: shard %d not run: %s", job_id, claim.shard.index, claim.decision)

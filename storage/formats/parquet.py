@@ -1,7 +1,8 @@
 """Parquet input: footer and schema checks first, then row groups streamed one at a time.
 
 Columns: `custom_id` (string) and exactly one of `prompt` (string) or `messages` (list of struct{role,
-content}); optional per-row sampling columns (see `rows.PARAM_NAMES`). An embedding job (task `embed`) reads
+content}); optional per-row sampling columns (see `rows.PARAM_NAMES`) and `model` (string: the job's model, one of
+its served names or a LoRA adapter it serves; null: the job's model). An embedding job (task `embed`) reads
 `custom_id` and `text` (string) instead, one vector per row.
 """
 
@@ -50,7 +51,7 @@ class ParquetInput:
             raise InputError(f"{name} is not a readable Parquet file (corrupt footer: {error})") from None
         self._check_footer_limits()
         self.prompt_column = self._check_schema()
-        self.columns = ["custom_id", self.prompt_column] + [c for c in PARAM_NAMES + UNSUPPORTED_PARAMS
+        self.columns = ["custom_id", self.prompt_column] + [c for c in (*PARAM_NAMES, *UNSUPPORTED_PARAMS, "model")
                                                             if c in self.column_names and task != "embed"]
         metadata = self.parquet.metadata
         self.row_group_starts = [0]
@@ -109,6 +110,8 @@ class ParquetInput:
             found = "both" if present else "neither"
             hint = "; a 'text' column is embedding input: run the job with task embed" if "text" in schema.names else ""
             raise InputError(f"the input needs exactly one of the columns 'prompt' or 'messages' (found {found}){hint}")
+        if "model" in schema.names:
+            _require(_is_string(schema.field("model").type), "model", "strings (a model or adapter name)", schema)
         column = present[0]
         if column == "prompt":
             _require(_is_string(schema.field("prompt").type), "prompt", "strings", schema)
@@ -166,16 +169,16 @@ class ParquetInput:
             if not isinstance(text, str) or not text:
                 return RowError(row, custom_id, "missing_input", "text is null or empty")
             return Request(row, custom_id, EMBEDDINGS, inputs=[text], params={"encoding_format": "float"})
-        params = pick_params(values)
+        params, model = pick_params(values), values.get("model")
         if self.prompt_column == "messages":
             messages = parse_messages(row, custom_id, values["messages"])
             if isinstance(messages, RowError):
                 return messages
-            return Request(row, custom_id, CHAT, messages=messages, params=params)
+            return Request(row, custom_id, CHAT, messages=messages, params=params, model=model)
         prompt = parse_prompt(row, custom_id, values["prompt"])
         if isinstance(prompt, RowError):
             return prompt
-        return Request(row, custom_id, COMPLETIONS, prompt=prompt, params=params)
+        return Request(row, custom_id, COMPLETIONS, prompt=prompt, params=params, model=model)
 
     def close(self) -> None:
         self.file.close()

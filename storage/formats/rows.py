@@ -76,7 +76,7 @@ class Request:
     messages: list[dict[str, str]] | None = None
     params: dict[str, Any] = field(default_factory=dict)  # per-row overrides of the job's sampling defaults
     inputs: list[str | list[int]] | None = None  # EMBEDDINGS: the texts (or token ids) to embed, one vector each
-    model: str | None = None  # an OpenAI body's `model`: the job's model or one of its served names
+    model: str | None = None  # the row's `model` (OpenAI body, Parquet column): the job's model, an alias or an adapter
 
 
 @dataclass(slots=True)

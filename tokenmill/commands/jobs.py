@@ -9,10 +9,12 @@ from pathlib import Path
 from tokenmill.options import (
     DATABASE_HELP,
     add_engine_options,
+    add_lora_modules_option,
     add_sampling_options,
     add_served_model_name_option,
     add_task_options,
     engine_kwargs,
+    lora_modules,
     running_stack_env,
     sample_input,
     sampling_kwargs,
@@ -33,6 +35,9 @@ file, as a path, file:// or s3:// URI. Without INPUT the bundled sample of 40 ch
 
 Constrained JSON for every row (each output parses and validates against the schema):
   tokenmill run reviews.parquet --json-schema label.json --openai-output
+
+LoRA adapters: rows pick one by their `model` (the base model's rows name it, or nothing):
+  tokenmill run rows.jsonl --lora-modules sql=./sql-lora chat=s3://adapters/chat --openai-output
 
 Embeddings: with an embedding model, a Parquet input's `text` column (--task embed) or OpenAI JSONL rows with
 url /v1/embeddings become part files of custom_id, embedding (float32 vectors) and prompt_tokens:
@@ -128,8 +133,13 @@ def _register_run(commands: argparse._SubParsersAction) -> None:
     s3.add_argument("--s3-region", metavar="REGION", help="S3 region")
     s3.add_argument("--s3-profile", metavar="NAME", help="AWS profile whose credentials to use")
     add_sampling_options(parser, max_tokens=64)
-    add_engine_options(parser)
+    add_engine_options(parser, lora="adapters")
     add_served_model_name_option(parser)
+    add_lora_modules_option(parser, "LoRA adapters rows may name as their `model` (an OpenAI row's body, a Parquet "
+                                    "`model` column): NAME=DIR_OR_URI, a PEFT directory or an s3:// prefix (fetched "
+                                    "once into $TOKENMILL_DATA/lora-cache); several, or the option repeated (vLLM's "
+                                    "syntax; also {\"name\": ..., \"path\": ...}). Turns --enable-lora on; a row "
+                                    "naming an adapter that cannot be served fails with invalid_adapter (docs/lora.md)")
     parser.set_defaults(handler=_friendly(run))
 
 
@@ -206,7 +216,8 @@ def _new_job(args: argparse.Namespace):
                                     batch_invariant=job_batch_invariant(engine["batch_invariant"]),
                                     shard_size=args.shard_size or DEFAULT_SHARD_SIZE,
                                     openai_output=args.openai_output,
-                                    served_model_names=args.served_model_name, task=args.task,
+                                    served_model_names=args.served_model_name, lora_modules=lora_modules(args),
+                                    task=args.task,
                                     truncate_inputs=args.truncate_inputs))
     return request.to_job(executor=LOCAL, limits=limits,
                           s3=S3Options(args.s3_endpoint_url, args.s3_region, args.s3_profile))

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import argparse
 
+from tokenmill.options import running_stack_env, stack_dir_option
+
+BROKER_ENV = "TOKENMILL_BROKER_URL"
+
 
 def register(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser("model", help="fetch and list models",
@@ -20,9 +24,13 @@ def register(commands: argparse._SubParsersAction) -> None:
                                                                         "all-minilm-l6-v2")
     pull.add_argument("--force", action="store_true", help="convert again even if a cached copy exists")
     pull.set_defaults(handler=run_pull)
-    listing = actions.add_parser("list", help="show bundled and cached models",
+    listing = actions.add_parser("list", help="show bundled and cached models, and LoRA adapters",
                                  description="Bundled models with their state (ready, installed, not installed) "
-                                             "and any other model directories in the cache.")
+                                             "and any other model directories in the cache; the LoRA adapters the "
+                                             "running stack's workers serve (asked over the Celery broker: "
+                                             "$TOKENMILL_BROKER_URL, else the stack's state directory); and the "
+                                             "adapters fetched from S3 into this machine's adapter cache.")
+    stack_dir_option(listing)
     listing.set_defaults(handler=run_list)
 
 
@@ -45,8 +53,71 @@ def run_list(args: argparse.Namespace) -> int:
 
     from engine.model_loader import list_models
 
+    console = Console()
     table = Table("name", "status", "path", "description")
     for row in list_models():
         table.add_row(row["name"], row["status"], row["path"], row["description"])
-    Console().print(table)
+    console.print(table)
+    _print_worker_adapters(console, args)
+    _print_cached_adapters(console)
     return 0
+
+
+def _print_worker_adapters(console, args: argparse.Namespace) -> None:
+    """The running stack's workers (their engine nodes) and the adapters each serves; nothing without a stack."""
+    import os
+
+    from rich.table import Table
+
+    broker = os.environ.get(BROKER_ENV) or running_stack_env(args).get(BROKER_ENV)
+    if not broker:
+        return
+    try:
+        replies = served_by_workers(broker)
+    except Exception as error:  # a stack state left behind, a broker down: the models are listed all the same
+        console.print(f"workers: the broker at {broker} did not answer ({type(error).__name__}: {error})",
+                      highlight=False)
+        return
+    table = Table("worker", "model", "LoRA", "adapter", "source", title="LoRA adapters the workers serve",
+                  title_justify="left")
+    for node, reply in sorted(replies.items()):
+        lora = f"on, {reply.get('max_loras')} slots" if reply.get("lora") else "off"
+        own = sorted(reply.get("adapters", {}).items())
+        fetched = [("(fetched for a job)", uri) for uri in reply.get("cached", []) if uri not in dict(own).values()]
+        adapters = own + fetched or [("(a job's own)" if reply.get("lora") else "", "")]
+        for name, source in adapters:
+            table.add_row(node, reply.get("model", "?"), lora, name, source)
+    console.print(table if replies else "workers: none answered", highlight=False)
+
+
+def served_by_workers(broker_url: str, timeout_s: float = 2.0) -> dict[str, dict]:
+    """{node: what it serves} from the engine nodes answering on the broker (control nodes left out)."""
+    from celery import Celery
+
+    app = Celery(broker=broker_url)
+    try:
+        with app.connection_for_write() as connection:
+            connection.ensure_connection(max_retries=1, timeout=timeout_s)
+            replies = app.control.broadcast("tokenmill_served", reply=True, timeout=timeout_s, connection=connection)
+    finally:
+        app.close()
+    return {node: reply for answer in replies for node, reply in answer.items()
+            if isinstance(reply, dict) and reply.get("role") != "control"}
+
+
+def _print_cached_adapters(console) -> None:
+    from datetime import datetime
+
+    from rich.table import Table
+
+    from workers.adapters import cache_root, cached_adapters
+
+    cached = cached_adapters()
+    if not cached:
+        return
+    table = Table("source", "MiB", "fetched", "path", title=f"LoRA adapters in this machine's cache ({cache_root()})",
+                  title_justify="left")
+    for entry in cached:
+        table.add_row(entry["uri"], f"{entry['bytes'] / 2**20:.1f}",
+                      datetime.fromtimestamp(entry["fetched_at"]).strftime("%Y-%m-%d %H:%M"), entry["path"])
+    console.print(table)

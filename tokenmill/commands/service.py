@@ -14,10 +14,12 @@ from dataclasses import dataclass
 
 from tokenmill.options import (
     add_engine_options,
+    add_lora_modules_option,
     add_sampling_options,
     add_task_options,
     default_state_dir,
     engine_kwargs,
+    lora_modules,
     sample_input,
     sampling_kwargs,
     stack_dir_option,
@@ -95,6 +97,11 @@ def _register_submit(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--cache-salt", metavar="TEXT",
                         help="share prefix-cache blocks only with jobs of the same salt (the service folds in the "
                              "job's source too: TOKENMILL_CACHE_ISOLATION, see the README's Security section)")
+    add_lora_modules_option(parser, "LoRA adapters the job's rows may name as their `model` (vLLM's syntax; "
+                                    "several, or the option repeated): a PEFT directory, uploaded to the service's "
+                                    "bucket first (<bucket>/adapters/NAME-<content hash>/), or an s3:// prefix. "
+                                    "The workers fetch each once and cache it; rows naming none of them or the "
+                                    "--model fail with model_not_found (docs/lora.md)")
     parser.add_argument("--wait", action="store_true", help="wait until the job ends and print its status")
     parser.add_argument("--timeout", type=float, default=1800, metavar="S", help="how long --wait waits")
     add_sampling_options(parser, max_tokens=64)
@@ -145,6 +152,8 @@ def _register_stack(commands: argparse._SubParsersAction) -> None:
                             "stack's own (initdb, pg_ctl; needs the PostgreSQL server binaries), which `stack down` "
                             "stops and deletes, and which ops/soak_faults.py may restart and pause")
     start.add_argument("--model", default="smollm2-135m", help="the model the workers load")
+    add_lora_modules_option(start, "LoRA adapters every worker serves to every job (`tokenmill worker "
+                                   "--lora-modules`): NAME=DIR_OR_URI, a PEFT directory or an s3:// prefix")
     start.add_argument("--threads", type=int, metavar="N", help="CPU threads per worker (default: cores / N)")
     start.add_argument("--kv-cache-memory", type=float, default=0.5, metavar="GIB",
                        help="KV pool per worker in GiB (default: 0.5)")
@@ -190,7 +199,12 @@ def _register_worker(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--metrics-port", type=int, metavar="PORT",
                         help="serve this worker's Prometheus metrics at http://127.0.0.1:PORT/metrics")
     _shards_in_flight_options(parser)
-    add_engine_options(parser)
+    add_engine_options(parser, lora="single-rank")
+    add_lora_modules_option(parser, "LoRA adapters this worker serves to every job of its model, beside the "
+                                    "adapters a job brings (whose name wins): NAME=DIR_OR_URI, a PEFT directory "
+                                    "or an s3:// prefix, fetched once into $TOKENMILL_DATA/lora-cache; several, or "
+                                    "the option repeated (vLLM's syntax). Give every worker of a model the same: "
+                                    "jobs go to a model's queue, whatever adapters their rows name (docs/lora.md)")
     for action in parser._actions:  # a worker's shards of several jobs are admitted by their job's priority
         if action.dest == "scheduling_policy":
             action.default, action.help = "priority", action.help.replace("(default: fcfs)", "(default: priority)")
@@ -248,14 +262,30 @@ def _sessions():
 def submit(args: argparse.Namespace) -> int:
     from ingest.submit import submit_job
 
-    sent = submit_job(args.input or sample_input(), args.via, _service_config(), args.output, model=args.model,
+    config = _service_config()
+    adapters = _published_adapters(lora_modules(args), config)
+    sent = submit_job(args.input or sample_input(), args.via, config, args.output, model=args.model,
                       sampling=sampling_kwargs(args), shard_size=args.shard_size, priority=args.priority,
-                      openai_output=args.openai_output, cache_salt=args.cache_salt, **_embedding_fields(args))
+                      openai_output=args.openai_output, cache_salt=args.cache_salt, **_embedding_fields(args),
+                      **({"lora_modules": adapters} if adapters else {}))
     print(f"job {sent.job_id}: {sent.input_uri} -> {sent.output_uri} (sent to {sent.sent_to})", file=sys.stderr)
     print(sent.job_id, flush=True)
     if args.wait:
         return _wait(sent.job_id, args.timeout)
     return 0
+
+
+def _published_adapters(modules: dict[str, str], config) -> dict[str, str]:
+    """The job's adapters as s3:// URIs: local directories uploaded to the service's bucket first."""
+    from storage.objectstore import normalize_uri
+    from workers.adapters import publish_adapter
+
+    uris = {name: normalize_uri(path) for name, path in modules.items()}
+    if any(not uri.startswith("s3://") for uri in uris.values()) and not config.bucket_uri:
+        raise ValueError("no service bucket to upload local adapters to: start the stack or set TOKENMILL_BUCKET_URI")
+    return {name: uri if uri.startswith("s3://") else
+            publish_adapter(uri[len("file://"):], name, config.in_bucket("adapters"), config.s3)
+            for name, uri in uris.items()}
 
 
 def _embedding_fields(args: argparse.Namespace) -> dict:
@@ -328,7 +358,8 @@ def stack_up(args: argparse.Namespace) -> int:
     threads = args.threads or max(1, (os.cpu_count() or 1) // workers)
     extra_env = dict(item.split("=", 1) for item in args.env)
     worker_args = ["--threads", str(threads), "--kv-cache-memory", str(args.kv_cache_memory),
-                   *(["--shards-in-flight", str(args.shards_in_flight)] if args.shards_in_flight else [])]
+                   *(["--shards-in-flight", str(args.shards_in_flight)] if args.shards_in_flight else []),
+                   *_lora_module_args(lora_modules(args))]
     settings = local_stack.StackSettings(args.state_dir or default_state_dir(), workers, args.port_base,
                                          args.database_url or local_stack.DEFAULT_DATABASE, args.model, worker_args,
                                          extra_env, args.postgres)
@@ -336,6 +367,15 @@ def stack_up(args: argparse.Namespace) -> int:
     print(f"tokenmill stack is up (state: {settings.state_dir})")
     print(local_stack.describe(state, settings.state_dir))
     return 0
+
+
+def _lora_module_args(modules: dict[str, str]) -> list[str]:
+    """--lora-modules for the workers, local directories as absolute file:// URIs (the workers run in the state
+    directory)."""
+    from storage.objectstore import normalize_uri
+
+    items = [f"{name}={normalize_uri(path)}" for name, path in modules.items()]
+    return ["--lora-modules", *items] if items else []
 
 
 def stack_down(args: argparse.Namespace) -> int:
@@ -362,11 +402,13 @@ def worker(args: argparse.Namespace) -> int:
     import socket
 
     role = os.environ.get(WORKER_ROLE_ENV)
+    engine, adapters = engine_kwargs(args), worker_lora_modules(args)  # bad settings stop it before any node starts
     if not role:
         nodes = worker_nodes(args, _service_config())
         return _supervise({role: [sys.executable, "-m", "tokenmill", *args.argv] for role in nodes})
     os.environ["TOKENMILL_WORKER_MODEL"] = args.model
-    os.environ["TOKENMILL_WORKER_ENGINE"] = json.dumps(engine_kwargs(args))
+    os.environ["TOKENMILL_WORKER_ENGINE"] = json.dumps(engine)
+    os.environ["TOKENMILL_WORKER_LORA_MODULES"] = json.dumps(adapters)
     from workers.celery_app import app, config
 
     # another role (TOKENMILL_WORKER_CHILD=1: run without its supervisor): one node takes every queue
@@ -380,6 +422,17 @@ def worker(args: argparse.Namespace) -> int:
                      "--task-events", "--prefetch-multiplier", "1", "--loglevel", "INFO", "--without-gossip",
                      "--without-mingle"])
     return 0
+
+
+def worker_lora_modules(args: argparse.Namespace) -> dict[str, str]:
+    """--lora-modules checked as a job's are (names; not the model's name): {name: file:// or s3:// URI}."""
+    from ingest.spec import validate_request
+
+    modules = lora_modules(args)
+    if not modules:
+        return {}
+    return validate_request({"input_uri": "file:///dev/null", "output_uri": "file:///dev/null",
+                             "model": args.model, "lora_modules": modules}).lora_modules
 
 
 @dataclass(frozen=True)
