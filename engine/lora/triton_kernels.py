@@ -26,15 +26,22 @@ MIN_RANKS = 16  # tl.dot's smallest inner size: ranks are padded to a power of t
 
 
 @triton.jit
+def _slot_rows(order_ptr, start_ptr, slot, count, tile, BLOCK_ROWS: tl.constexpr):
+    """A program's rows of one slot: their positions in `order`, which are real, and the batch rows."""
+    positions = tl.load(start_ptr + slot) + tile * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    row_mask = tile * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS) < count
+    rows = tl.load(order_ptr + positions, mask=row_mask, other=0).to(tl.int64)
+    return positions, row_mask, rows
+
+
+@triton.jit
 def _shrink_kernel(x_ptr, a_ptr, h_ptr, order_ptr, start_ptr, count_ptr, stride_x, in_features, rank,
                    BLOCK_ROWS: tl.constexpr, BLOCK_RANK: tl.constexpr, BLOCK_IN: tl.constexpr):
     tile, slot = tl.program_id(0), tl.program_id(1)
     count = tl.load(count_ptr + slot)
     if tile * BLOCK_ROWS >= count:
         return
-    positions = tl.load(start_ptr + slot) + tile * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-    row_mask = tile * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS) < count
-    rows = tl.load(order_ptr + positions, mask=row_mask, other=0).to(tl.int64)
+    positions, row_mask, rows = _slot_rows(order_ptr, start_ptr, slot, count, tile, BLOCK_ROWS)
     ranks = tl.program_id(2) * BLOCK_RANK + tl.arange(0, BLOCK_RANK)
     rank_mask = ranks < rank
     a_rows = a_ptr + slot.to(tl.int64) * rank * in_features + ranks.to(tl.int64) * in_features
@@ -65,9 +72,7 @@ def _expand_kernel(h_ptr, b_ptr, out_ptr, order_ptr, start_ptr, count_ptr, strid
     count = tl.load(count_ptr + slot)
     if tile * BLOCK_ROWS >= count:
         return
-    positions = tl.load(start_ptr + slot) + tile * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-    row_mask = tile * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS) < count
-    rows = tl.load(order_ptr + positions, mask=row_mask, other=0).to(tl.int64)
+    positions, row_mask, rows = _slot_rows(order_ptr, start_ptr, slot, count, tile, BLOCK_ROWS)
     columns = tl.program_id(1) * BLOCK_OUT + tl.arange(0, BLOCK_OUT)
     column_mask = columns < out_features
     b_slot = b_ptr + slot.to(tl.int64) * rank * out_features

@@ -11,7 +11,6 @@ import os
 import platform
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -24,6 +23,7 @@ if not CUDA:
 from engine.attention import cpu_kernel  # noqa: E402
 from engine.lora import kernels  # noqa: E402
 from tests.engine.cpu_flags import cpu_flags  # noqa: E402
+from tests.engine.triton_compile import HOPPER_SHARED_BYTES, hopper_shared_bytes  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 DEVICE = torch.device("cuda" if CUDA else "cpu")
@@ -234,13 +234,5 @@ def test_triton_rounds_bfloat16_as_torch():
 def test_triton_kernels_compile_for_hopper_without_a_gpu():
     """What the interpreter does not check (types, tl.dot shapes, resources): compile for sm_90 with the launches'
     own parameters, in a fresh process without the interpreter."""
-    script = ("import torch\n"
-              "from engine.lora.triton_kernels import compile_for\n"
-              "for args in [(torch.bfloat16, 48), (torch.float32, 16)]:\n"
-              "    print(max(compile_for(90, *args).values()))\n")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", script], env=env, cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    shared = [int(line) for line in proc.stdout.split()]
-    assert len(shared) == 2 and max(shared) <= 227 * 1024, shared
+    shared = hopper_shared_bytes("engine.lora.triton_kernels", ["(torch.bfloat16, 48)", "(torch.float32, 16)"])
+    assert len(shared) == 2 and max(shared) <= HOPPER_SHARED_BYTES, shared

@@ -25,6 +25,7 @@ from engine.attention import triton_kernels as tk  # noqa: E402
 from engine.attention.base import PrefillGroup, StepBatch  # noqa: E402
 from engine.attention.torch_backend import TorchAttention  # noqa: E402
 from engine.attention.triton_backend import TritonAttention  # noqa: E402
+from tests.engine.triton_compile import HOPPER_SHARED_BYTES, hopper_shared_bytes  # noqa: E402
 
 DEVICE = torch.device("cuda" if CUDA else "cpu")
 ROOT = Path(__file__).resolve().parents[2]
@@ -175,23 +176,13 @@ def test_backend_rejects_unsupported_shapes():
         TritonAttention([pool], [pool], 3)
 
 
-HOPPER_SHARED_BYTES = 227 * 1024  # per thread block, opted in
-
-
 @pytest.mark.skipif(CUDA, reason="on CUDA the kernels are compiled and run by the tests above")
 def test_kernels_compile_for_hopper_without_a_gpu():
     """What the interpreter does not check (types, tl.dot shapes, resources): compile for sm_90 with the launches'
     own parameters, in a fresh process without the interpreter."""
-    script = ("import torch\n"
-              "from engine.attention.triton_kernels import compile_for\n"
-              "for args in [(torch.bfloat16, 9, 3, 64, 16), (torch.float32, 4, 2, 24, 1),\n"
-              "             (torch.float16, 8, 4, 256, 64), (torch.float32, 32, 8, 128, 32)]:\n"
-              "    print(max(compile_for(90, *args).values()))\n")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", script], env=env, cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    shared = [int(line) for line in proc.stdout.split()]
+    shared = hopper_shared_bytes("engine.attention.triton_kernels",
+                                 ["(torch.bfloat16, 9, 3, 64, 16)", "(torch.float32, 4, 2, 24, 1)",
+                                  "(torch.float16, 8, 4, 256, 64)", "(torch.float32, 32, 8, 128, 32)"])
     assert len(shared) == 4 and max(shared) <= HOPPER_SHARED_BYTES, shared
 
 
