@@ -67,8 +67,11 @@ class DecodeGraphs:
                  time.perf_counter() - started)
 
     def can_run(self, batch: StepBatch) -> bool:
+        """A decode step the graphs hold: no prefill, no LoRA rows (the graphs were captured without adapters)."""
+        lora = getattr(self.model, "lora", None)
         return (batch.prefill is None and 0 < batch.num_decodes <= self.sizes[-1]
-                and batch.decode_block_tables.shape[1] <= self.block_tables.shape[1])
+                and batch.decode_block_tables.shape[1] <= self.block_tables.shape[1]
+                and (lora is None or lora.step is None))
 
     def run(self, batch: StepBatch) -> torch.Tensor:
         """Hidden states of the step's tokens, [num_decodes, hidden]: a view of the graph's output buffer,

@@ -15,6 +15,7 @@ from engine import heap
 from engine.attention.base import AttentionBackend, StepBatch, allocate_kv_pool
 from engine.batch import BatchItem, PoolZeroing, build_step_batch
 from engine.config import EngineConfig
+from engine.lora.manager import LoRAManager
 from engine.memory_plan import plan_kv_cache
 from engine.model_loader import load_model, pick_device, pick_dtype
 from engine.models import cpu_gemm
@@ -49,13 +50,7 @@ class ModelRunner:
             from engine.distributed.sharding import load_shard
 
             self.model = load_shard(model_dir, hf_config, max_model_len, self.dtype, self.device, tp)
-        self.lora = None  # LoRA adapters' slots (engine/lora/), with enable_lora
-        if config.enable_lora:
-            from engine.lora.manager import LoRAManager
-
-            self.lora = LoRAManager(hf_config, config.max_loras, config.max_lora_rank, config.max_cpu_loras,
-                                    self.device)
-            self.model.attach_lora(self.lora)
+        self.lora = LoRAManager.for_model(self.model, config, hf_config, self.device)  # None without enable_lora
         shard = self.model.config  # this rank's heads and KV heads
         self.num_layers = hf_config.num_hidden_layers
         self.num_kv_heads = shard.num_key_value_heads
@@ -124,8 +119,7 @@ class ModelRunner:
         self.zeroing.cover(items)
         batch, rows = build_step_batch(items, self.block_size, self.tensor)
         if self.lora is not None:
-            self.lora.begin_step(((item.seq.lora, rows[item.seq.seq_id].first, rows[item.seq.seq_id].count)
-                                  for item in items), len(batch.input_ids))
+            self.lora.begin_step(items, rows, len(batch.input_ids))
         return batch, rows
 
     def tensor(self, values) -> torch.Tensor:
@@ -177,17 +171,12 @@ class ModelRunner:
         if batch is None:
             batch, _ = self.prepare(step.items)
         batch.sample_indices = self.tensor(step.sample_rows)
-        lora_step = self.lora is not None and self.lora.step is not None
         with collectives(self.tp):
-            if self.graphs is not None and not self.batch_invariant and not lora_step and self.graphs.can_run(batch):
-                hidden = self.graphs.run(batch)  # replay a decode
+            if self.graphs is not None and not self.batch_invariant and self.graphs.can_run(batch):  # replay a decode
+                hidden = self.graphs.run(batch)
             else:
                 self.attention.begin_step(batch)
-                try:
-                    hidden = self.model(batch.input_ids, batch.positions, self.attention.forward)
-                finally:
-                    if lora_step:  # a draft model or layer pass between steps runs without adapters
-                        self.lora.end_step()
+                hidden = self.model(batch.input_ids, batch.positions, self.attention.forward)
             if not step.sample_rows:
                 return None
             logits = self.model.compute_logits(hidden.index_select(0, batch.sample_indices))

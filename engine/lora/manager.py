@@ -9,7 +9,6 @@ import ctypes
 import logging
 import os
 from collections import OrderedDict
-from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,6 +52,15 @@ class LoRAManager:
         self.num_loads = 0  # adapters read from disk
         self.num_activations = 0  # adapters copied into a device slot
 
+    @classmethod
+    def for_model(cls, model, config, hf_config, device: torch.device) -> LoRAManager | None:
+        """The manager of `model`'s adapters, attached to it, where the engine config enables LoRA; else None."""
+        if not config.enable_lora:
+            return None
+        manager = cls(hf_config, config.max_loras, config.max_lora_rank, config.max_cpu_loras, device)
+        model.attach_lora(manager)
+        return manager
+
     def load(self, request: LoRARequest) -> LoRAAdapter:
         """The request's adapter, from the host cache or its directory (ValueError when it cannot be served). A
         directory whose files changed since it was loaded is read again."""
@@ -69,10 +77,10 @@ class LoRAManager:
         self.loaded.move_to_end(key)
         return adapter
 
-    def begin_step(self, rows: Iterable[tuple[LoRAAdapter | None, int, int]], num_rows: int) -> None:
-        """Make the step's adapters resident and set each row's slot; `rows`: (adapter, first row, count) per item.
-        The scheduler admits at most `max_loras` adapters at once, so they all fit."""
-        rows = list(rows)
+    def begin_step(self, items: list, item_rows: dict, num_rows: int) -> None:
+        """Make the step's adapters resident and set each row's slot; `items` (engine.batch.BatchItem) and their rows
+        in the flat batch, by seq_id. The scheduler admits at most `max_loras` adapters at once, so they all fit."""
+        rows = [(item.seq.lora, item_rows[item.seq.seq_id].first, item_rows[item.seq.seq_id].count) for item in items]
         wanted = {adapter.digest: adapter for adapter, _, _ in rows if adapter is not None}
         if not wanted:
             self.step = None

@@ -162,15 +162,20 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: Attention,
                 num_layers: int | None = None) -> torch.Tensor:
         """Hidden states after the final norm, [num_tokens, hidden]; `num_layers` runs only the first
-        layers (a self-speculative draft)."""
-        x = self.embed_tokens(input_ids)
-        if self.fused_ops is not None:
-            return self._forward_fused(x, positions, attention, num_layers)
-        cos = self.rope_cos.index_select(0, positions).to(x.dtype)[:, None, :]
-        sin = self.rope_sin.index_select(0, positions).to(x.dtype)[:, None, :]
-        for layer in self.layers[:num_layers]:
-            x = layer(x, cos, sin, attention)
-        return self.norm(x)
+        layers (a self-speculative draft). The step's LoRA rows (`lora.begin_step`) apply to this pass only: a draft
+        pass between steps runs without adapters."""
+        try:
+            x = self.embed_tokens(input_ids)
+            if self.fused_ops is not None:
+                return self._forward_fused(x, positions, attention, num_layers)
+            cos = self.rope_cos.index_select(0, positions).to(x.dtype)[:, None, :]
+            sin = self.rope_sin.index_select(0, positions).to(x.dtype)[:, None, :]
+            for layer in self.layers[:num_layers]:
+                x = layer(x, cos, sin, attention)
+            return self.norm(x)
+        finally:
+            if self.lora is not None:
+                self.lora.end_step()
 
     def _forward_fused(self, residual: torch.Tensor, positions: torch.Tensor, attention: Attention,
                        num_layers: int | None) -> torch.Tensor:

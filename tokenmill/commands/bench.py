@@ -10,13 +10,14 @@ from tokenmill.bench import (
     embed_cli,
     jobs_cli,
     latency_cli,
+    lora_cli,
     peak_cli,
     prefix_cli,
     spec_cli,
     throughput_cli,
 )
 
-BENCHMARKS = (throughput_cli, prefix_cli, spec_cli, peak_cli, capacity_cli, latency_cli, embed_cli, jobs_cli)
+BENCHMARKS = (throughput_cli, prefix_cli, spec_cli, peak_cli, capacity_cli, latency_cli, embed_cli, jobs_cli, lora_cli)
 
 
 def register(commands: argparse._SubParsersAction) -> None:
