@@ -78,6 +78,9 @@ def resolve_model(name_or_path: str, pull: bool = True) -> Path:
             raise FileNotFoundError(f"{path} is not a Hugging Face model directory (config.json + *.safetensors)")
         return path
     if name_or_path not in BUNDLED_MODELS:
+        cached = models_dir() / name_or_path  # a local copy in the cache, listed by `tokenmill model list`
+        if "/" not in name_or_path and is_model_dir(cached):
+            return cached
         raise FileNotFoundError(
             f"unknown model {name_or_path!r}: give a bundled model name ({', '.join(BUNDLED_MODELS)}) "
             "or a local Hugging Face model directory")

@@ -61,6 +61,52 @@ def test_a_kafka_job_gives_each_row_its_adapters_greedy_text(stack, sessions, tm
     assert all(uri in listing for uri in uploaded.values())  # fetched into the workers' cache
 
 
+def test_a_float32_worker_gives_each_row_its_adapters_exact_greedy_text(stack, sessions, tmp_path) -> None:
+    """The done-when in float32: a worker of its own (`--dtype float32`) serving the model under a name of its own
+    (a local copy in the model cache, so a queue of its own) runs a Kafka job of three adapters and the base model;
+    each row's text is the engine's float32 greedy text with its adapter, which tests/engine/test_lora.py holds
+    equal to Hugging Face + PEFT merged."""
+    from engine import LLM, LoRARequest, SamplingParams
+    from engine.model_loader import models_dir, resolve_model
+
+    model_dir = "smollm2-135m-float32"  # a job's model is a name: a local copy in the model cache
+    copy = models_dir() / model_dir
+    copy.unlink(missing_ok=True)
+    copy.symlink_to(resolve_model(BASE), target_is_directory=True)
+    dirs = dict(zip(ADAPTERS, make_adapters(tmp_path / "adapters", len(ADAPTERS), rank=8, seed=32), strict=True))
+    rows = [(f"{q}-{name}", question, name) for q, question in enumerate(QUESTIONS) for name in (*ADAPTERS, model_dir)]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps({"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
+                                        "body": {"model": name, "messages": [{"role": "user", "content": question}]}})
+                            + "\n" for custom_id, question, name in rows))
+    env = {**stack.env, "PYTHONPATH": str(REPO)}
+    worker = subprocess.Popen([sys.executable, "-m", "tokenmill", "worker", "--name", "lora-float32", "--model",
+                               model_dir, "--dtype", "float32", "--control-threads", "0", "--threads", "1",
+                               "--state-dir", str(stack.dir)], cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        job_id = submit_file(stack, path, "--model", model_dir, "--max-tokens", str(MAX_TOKENS), "--shard-size", "4",
+                             "--lora-modules",
+                             *(f"{name}={directory}" for name, directory in dirs.items()))
+        job = wait_for_job(sessions, job_id, timeout=300)
+    finally:
+        stop_process_group(worker, timeout=30)
+        copy.unlink()
+    assert job["status"] == "completed", job["error"]
+    results, errors, _ = assert_each_id_once(stack.store(job["output_uri"]), [custom_id for custom_id, *_ in rows])
+    assert errors == []
+    llm = LLM(dtype="float32", batch_invariant="auto", enable_lora=True, max_loras=4, num_threads=1,
+              kv_cache_memory=256 << 20)
+    requests = {name: LoRARequest(name, i + 1, str(dirs[name])) for i, name in enumerate(ADAPTERS)}
+    outputs = llm.generate([llm.apply_chat_template([{"role": "user", "content": q}]) for _, q, _ in rows],
+                           SamplingParams(max_tokens=MAX_TOKENS, temperature=0),
+                           lora_request=[requests.get(name) for *_, name in rows])
+    got = {r["custom_id"]: r["text"] for r in results}
+    expected = [o.outputs[0].text for o in outputs]
+    assert [got[custom_id] for custom_id, *_ in rows] == expected
+    assert len({text for text, (*_, name) in zip(expected, rows, strict=True) if name != model_dir}) > len(QUESTIONS)
+
+
 def test_model_list_shows_a_workers_own_adapters(stack) -> None:
     env = {**stack.env, "PYTHONPATH": str(REPO)}
     process = subprocess.Popen([sys.executable, "-m", "tokenmill", "worker", "--name", "lora-lister", "--queues",
