@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from engine.lora.adapter import PROJECTIONS, LoRAAdapter, load_adapter, projection_shapes
+from engine.lora.kernels import lora_apply
 from engine.lora.request import LoRARequest
 
 log = logging.getLogger("tokenmill.lora")
@@ -124,8 +125,6 @@ class LoRAManager:
         step = self.step
         if step is None or projection not in step.projections:
             return
-        from engine.lora.kernels import lora_apply
-
         lora_a, lora_b = self.stacks[(layer, projection)]
         lora_apply(x, out, lora_a, lora_b, step.slots)
 
