@@ -24,15 +24,31 @@ QUESTIONS = ["Name a color.", "What is a haiku?", "Where do penguins live?"]
 MAX_TOKENS = 8
 
 
-def test_a_kafka_job_gives_each_row_its_adapters_greedy_text(stack, sessions, tmp_path) -> None:
-    from engine import LLM, LoRARequest, SamplingParams
-
-    dirs = dict(zip(ADAPTERS, make_adapters(tmp_path / "adapters", len(ADAPTERS), rank=8, seed=31), strict=True))
-    rows = [(f"{name}-{q}", question, name) for q, question in enumerate(QUESTIONS) for name in (*ADAPTERS, BASE)]
-    path = tmp_path / "rows.jsonl"
+def write_rows(path, rows: list[tuple[str, str, str]]):
+    """An OpenAI chat JSONL of (custom_id, question, model or adapter name) rows."""
     path.write_text("".join(json.dumps({"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
                                         "body": {"model": name, "messages": [{"role": "user", "content": question}]}})
                             + "\n" for custom_id, question, name in rows))
+    return path
+
+
+def engine_texts(dtype: str, rows: list[tuple[str, str, str]], dirs: dict) -> list[str]:
+    """Each row's greedy text from the offline engine with its adapter (names not in `dirs`: the base model)."""
+    from engine import LLM, LoRARequest, SamplingParams
+
+    llm = LLM(dtype=dtype, batch_invariant="auto", enable_lora=True, max_loras=4, num_threads=1,
+              kv_cache_memory=256 << 20)
+    requests = {name: LoRARequest(name, i + 1, str(dirs[name])) for i, name in enumerate(ADAPTERS)}
+    outputs = llm.generate([llm.apply_chat_template([{"role": "user", "content": q}]) for _, q, _ in rows],
+                           SamplingParams(max_tokens=MAX_TOKENS, temperature=0),
+                           lora_request=[requests.get(name) for *_, name in rows])
+    return [o.outputs[0].text for o in outputs]
+
+
+def test_a_kafka_job_gives_each_row_its_adapters_greedy_text(stack, sessions, tmp_path) -> None:
+    dirs = dict(zip(ADAPTERS, make_adapters(tmp_path / "adapters", len(ADAPTERS), rank=8, seed=31), strict=True))
+    rows = [(f"{name}-{q}", question, name) for q, question in enumerate(QUESTIONS) for name in (*ADAPTERS, BASE)]
+    path = write_rows(tmp_path / "rows.jsonl", rows)
     job_id = submit_file(stack, path, "--max-tokens", str(MAX_TOKENS), "--shard-size", "4", "--lora-modules",
                          *(f"{name}={directory}" for name, directory in dirs.items()))
     job = wait_for_job(sessions, job_id, timeout=300)
@@ -45,14 +61,8 @@ def test_a_kafka_job_gives_each_row_its_adapters_greedy_text(stack, sessions, tm
     assert errors == []
 
     # the workers' engine: the stack's dtype and batch invariance (auto: bfloat16 on AMX CPUs, else float32), LoRA on
-    llm = LLM(dtype="auto", batch_invariant="auto", enable_lora=True, max_loras=4, num_threads=1,
-              kv_cache_memory=256 << 20)
-    requests = {name: LoRARequest(name, i + 1, str(dirs[name])) for i, name in enumerate(ADAPTERS)}
-    outputs = llm.generate([llm.apply_chat_template([{"role": "user", "content": q}]) for _, q, _ in rows],
-                           SamplingParams(max_tokens=MAX_TOKENS, temperature=0),
-                           lora_request=[requests.get(name) for *_, name in rows])
     got = {r["custom_id"]: r["text"] for r in results}
-    assert [got[custom_id] for custom_id, *_ in rows] == [o.outputs[0].text for o in outputs]
+    assert [got[custom_id] for custom_id, *_ in rows] == engine_texts("auto", rows, dirs)
 
     listing = stack.cli("model", "list").stdout
     for worker in ("worker1", "worker2"):
@@ -66,7 +76,6 @@ def test_a_float32_worker_gives_each_row_its_adapters_exact_greedy_text(stack, s
     (a local copy in the model cache, so a queue of its own) runs a Kafka job of three adapters and the base model;
     each row's text is the engine's float32 greedy text with its adapter, which tests/engine/test_lora.py holds
     equal to Hugging Face + PEFT merged."""
-    from engine import LLM, LoRARequest, SamplingParams
     from engine.model_loader import models_dir, resolve_model
 
     model_dir = "smollm2-135m-float32"  # a job's model is a name: a local copy in the model cache
@@ -75,10 +84,7 @@ def test_a_float32_worker_gives_each_row_its_adapters_exact_greedy_text(stack, s
     copy.symlink_to(resolve_model(BASE), target_is_directory=True)
     dirs = dict(zip(ADAPTERS, make_adapters(tmp_path / "adapters", len(ADAPTERS), rank=8, seed=32), strict=True))
     rows = [(f"{q}-{name}", question, name) for q, question in enumerate(QUESTIONS) for name in (*ADAPTERS, model_dir)]
-    path = tmp_path / "rows.jsonl"
-    path.write_text("".join(json.dumps({"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
-                                        "body": {"model": name, "messages": [{"role": "user", "content": question}]}})
-                            + "\n" for custom_id, question, name in rows))
+    path = write_rows(tmp_path / "rows.jsonl", rows)
     env = {**stack.env, "PYTHONPATH": str(REPO)}
     worker = subprocess.Popen([sys.executable, "-m", "tokenmill", "worker", "--name", "lora-float32", "--model",
                                model_dir, "--dtype", "float32", "--control-threads", "0", "--threads", "1",
@@ -95,14 +101,8 @@ def test_a_float32_worker_gives_each_row_its_adapters_exact_greedy_text(stack, s
     assert job["status"] == "completed", job["error"]
     results, errors, _ = assert_each_id_once(stack.store(job["output_uri"]), [custom_id for custom_id, *_ in rows])
     assert errors == []
-    llm = LLM(dtype="float32", batch_invariant="auto", enable_lora=True, max_loras=4, num_threads=1,
-              kv_cache_memory=256 << 20)
-    requests = {name: LoRARequest(name, i + 1, str(dirs[name])) for i, name in enumerate(ADAPTERS)}
-    outputs = llm.generate([llm.apply_chat_template([{"role": "user", "content": q}]) for _, q, _ in rows],
-                           SamplingParams(max_tokens=MAX_TOKENS, temperature=0),
-                           lora_request=[requests.get(name) for *_, name in rows])
     got = {r["custom_id"]: r["text"] for r in results}
-    expected = [o.outputs[0].text for o in outputs]
+    expected = engine_texts("float32", rows, dirs)
     assert [got[custom_id] for custom_id, *_ in rows] == expected
     assert len({text for text, (*_, name) in zip(expected, rows, strict=True) if name != model_dir}) > len(QUESTIONS)
 
