@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import secrets
 
-from sqlalchemy import select
+from sqlalchemy import Engine, select
 from sqlalchemy.orm import Session
 
 from storage.models import ApiKey, utcnow
@@ -30,6 +30,26 @@ def tenant_of(session: Session, token: str) -> str | None:
     """The tenant a live key acts for; None for an unknown or revoked one."""
     return session.scalar(select(ApiKey.tenant).where(ApiKey.key_hash == key_hash(token),
                                                       ApiKey.revoked_at.is_(None)))
+
+
+def tenant_of_token(engine: Engine, token: str) -> str | None:
+    """`tenant_of` that takes no write lock, for checks of every request: on SQLite every session begins with
+    BEGIN IMMEDIATE, so this runs one autocommit SELECT on a raw pooled connection (WAL: it never waits for a
+    writer, and a flood of bad keys cannot stall the jobs' writes); elsewhere a plain read."""
+    if engine.dialect.name != "sqlite":
+        with engine.connect() as connection:
+            return connection.scalar(select(ApiKey.tenant).where(ApiKey.key_hash == key_hash(token),
+                                                                 ApiKey.revoked_at.is_(None)))
+    raw = engine.raw_connection()
+    try:
+        cursor = raw.cursor()
+        cursor.execute("SELECT tenant FROM api_keys WHERE key_hash = :hash AND revoked_at IS NULL",
+                       {"hash": key_hash(token)})
+        row = cursor.fetchone()
+        cursor.close()
+    finally:
+        raw.close()
+    return None if row is None else row[0]
 
 
 def list_keys(session: Session, tenant: str | None = None) -> list[ApiKey]:

@@ -324,6 +324,8 @@ class ApiFile(Base):
     uri: Mapped[str] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     deleted_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime, index=True)  # then the cleanup deletes it
+    lines: Mapped[int | None] = mapped_column(Integer)  # a batch's output or error file: its lines
 
 
 class ApiBatch(Base):
@@ -340,5 +342,7 @@ class ApiBatch(Base):
     output_file_id: Mapped[str | None] = mapped_column(String(64))
     error_file_id: Mapped[str | None] = mapped_column(String(64))
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, index=True)
+    output_expires_after: Mapped[int | None] = mapped_column(Integer)  # seconds its result files live
+    errors: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON)  # lines refused at creation
 
     job: Mapped[Job] = relationship()

@@ -12,6 +12,7 @@ import io
 import os
 import posixpath
 import re
+import shutil
 import tempfile
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
@@ -181,6 +182,10 @@ class ObjectStore(ABC):
     def put_file(self, key: str, path: str | Path) -> None: ...
 
     @abstractmethod
+    def put_stream(self, key: str, source: IO[bytes]) -> None:
+        """Store what `source` yields from its position on, read in pieces (never whole in memory)."""
+
+    @abstractmethod
     def open(self, key: str) -> IO[bytes]:
         """A seekable binary reader that fetches what is read, not the whole object."""
 
@@ -244,6 +249,9 @@ class LocalStore(ObjectStore):
                     f.write(chunk)
 
         self._atomic_write(key, copy)
+
+    def put_stream(self, key: str, source: IO[bytes]) -> None:
+        self._atomic_write(key, lambda f: shutil.copyfileobj(source, f, READ_BUFFER))
 
     def _atomic_write(self, key: str, write) -> None:
         target = self.path(key)
@@ -312,6 +320,9 @@ class S3Store(ObjectStore):
 
     def put_file(self, key: str, path: str | Path) -> None:
         self.client.upload_file(str(path), self.bucket, self.key(key), Config=_transfer_config())
+
+    def put_stream(self, key: str, source: IO[bytes]) -> None:
+        self.client.upload_fileobj(source, self.bucket, self.key(key), Config=_transfer_config())
 
     def open(self, key: str, if_match: str | None = None) -> IO[bytes]:
         reader = S3RangeReader(self.client, self.bucket, self.key(key), if_match)

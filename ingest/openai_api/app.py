@@ -1,52 +1,77 @@
 """The OpenAI Batch REST API on FastAPI: files in the service's bucket, batches as jobs made by `Intake`.
 
-    POST /v1/files  GET /v1/files/{id}  GET /v1/files/{id}/content  DELETE /v1/files/{id}
+    POST /v1/files  GET /v1/files  GET /v1/files/{id}  GET /v1/files/{id}/content  DELETE /v1/files/{id}
     POST /v1/batches  GET /v1/batches/{id}  GET /v1/batches  POST /v1/batches/{id}/cancel
 
-Every call carries `Authorization: Bearer <key>`; the key's tenant owns what it creates and sees nothing else
-(another tenant's file or batch is 404). A batch's output and error files appear once its job completed: the
-lines of the job's batch_output.jsonl without and with an error.
+Every call carries `Authorization: Bearer <key>`, checked with every body cap before any byte of the body is
+read (`guard.RequestGuard`); the key's tenant owns what it creates and sees nothing else (another tenant's file
+or batch is 404). Every error is OpenAI's shape, with no internal text or path. A batch's input is validated line
+by line at creation (`validation`); its output and error files appear once its job completed, was cancelled
+or expired (`results`). Per-tenant limits (`ApiService`) have OpenAI's defaults where OpenAI has one.
 """
 
 from __future__ import annotations
 
-import json
+import logging
 import os
-import tempfile
+import re
+import threading
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Annotated, Any
+from datetime import timedelta
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, FastAPI, File, Form, Query, Request, UploadFile
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, Field
-from sqlalchemy import select
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
+from starlette.exceptions import HTTPException
 
-from ingest.intake import Intake
+from ingest.intake import Intake, submit
+from ingest.openai_api.guard import RequestGuard
 from ingest.openai_api.objects import ApiError, Deleted, FileObject, batch_object, file_object, not_found
+from ingest.openai_api.results import (
+    ENDED,
+    UPLOAD,
+    FileInUse,
+    add_result_files,
+    content,
+    delete_expired_files,
+    delete_file,
+    result_counts,
+)
+from ingest.openai_api.validation import TooManyRows, check_lines
 from ingest.spec import SpecError, validate_request
-from storage.api_keys import tenant_of
-from storage.formats import BATCH_OUTPUT_KEY, ENDPOINTS
-from storage.job_settings import CELERY, DEFAULT_COMPLETION_WINDOW, DEFAULT_SHARD_SIZE
-from storage.models import ApiBatch, ApiFile, Job, JobSource, utcnow
-from storage.objectstore import S3Options, open_file_store
-from storage.states import is_terminal
+from storage.api_keys import tenant_of_token
+from storage.formats import ENDPOINTS
+from storage.job_settings import CELERY, DEFAULT_COMPLETION_WINDOW, DEFAULT_SHARD_SIZE, window_seconds
+from storage.models import ApiBatch, ApiFile, Job, JobSource, JobStatus, utcnow
+from storage.objectstore import open_file_store
+from storage.states import TERMINAL, transition
 
-MAX_UPLOAD_BYTES = 200 << 20  # OpenAI's limit for a batch input file
-CHUNK = 1 << 20
-UPLOAD = "upload"
-OUTPUT_KINDS = {"batch_output": False, "batch_error": True}  # kind -> holds the lines with an error
+MAX_UPLOAD_BYTES = 200 << 20  # OpenAI: a batch input file is at most 200 MB
+MAX_BATCH_ROWS = 50_000  # OpenAI: a batch holds at most 50,000 requests
+MAX_TENANT_BYTES = 100 << 30  # a tenant's stored files, all of them
+MAX_BATCHES_IN_PROGRESS = 100  # a tenant's batches not yet ended
+MAX_REQUEST_BYTES = 1 << 20  # any body but an upload's
+MULTIPART_SLACK = 64 << 10  # an upload's body beyond its file: boundaries, headers, the other fields
+FILE_EXPIRY_S = 30 * 86400  # OpenAI: batch files expire after 30 days unless `expires_after` says otherwise
+MIN_EXPIRY_S, MAX_EXPIRY_S = 3600, 30 * 86400  # OpenAI's bounds of `expires_after.seconds`
+CLEANUP_INTERVAL_S = 60.0
+WINDOW = r"[1-9][0-9]{0,6}[smhd]"  # a completion window: a number and s, m, h or d
+
+log = logging.getLogger("tokenmill.api")
 
 
 @dataclass
 class ApiService:
     """What the API works with. `intake` makes the jobs and hands them to `intake.dispatch`; `cancel(job_id)`
-    asks a job to stop (the workers' `cancel_job`); `executor` is who runs the jobs (see `Intake.accept`)."""
+    asks a job to stop (the workers' `cancel_job`); `executor` is who runs the jobs (see `Intake.accept`).
+    The limits are per tenant; `max_completion_window` (None: only OpenAI's `24h`) allows other windows up to it."""
 
     sessions: sessionmaker[Session]
     bucket_uri: str  # uploads go to <bucket>/files/, results to <bucket>/results/<batch id>
@@ -57,6 +82,23 @@ class ApiService:
     executor: str = CELERY
     max_upload_bytes: int = MAX_UPLOAD_BYTES
     shard_size: int = DEFAULT_SHARD_SIZE
+    max_batch_rows: int = MAX_BATCH_ROWS
+    max_tenant_bytes: int = MAX_TENANT_BYTES
+    max_batches_in_progress: int = MAX_BATCHES_IN_PROGRESS
+    max_request_bytes: int = MAX_REQUEST_BYTES
+    file_expiry_s: int = FILE_EXPIRY_S  # lifetime of uploads without `expires_after` (0: never expire)
+    max_completion_window: str | None = None
+    openapi: bool = True  # /openapi.json, behind a key like every path
+    cleanup_interval_s: float = CLEANUP_INTERVAL_S
+
+    @property
+    def served(self) -> set[str]:
+        return {self.model, *self.served_model_names}
+
+
+class ExpiresAfter(BaseModel):
+    anchor: Literal["created_at"]
+    seconds: int = Field(ge=MIN_EXPIRY_S, le=MAX_EXPIRY_S)
 
 
 class BatchCreate(BaseModel):
@@ -65,28 +107,54 @@ class BatchCreate(BaseModel):
     completion_window: str = DEFAULT_COMPLETION_WINDOW
     metadata: dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]] | None = Field(
         default=None, max_length=16)
+    output_expires_after: ExpiresAfter | None = None
 
 
-BEARER = HTTPBearer(auto_error=False)
 router = APIRouter(prefix="/v1")
 
 
-def create_app(service: ApiService) -> FastAPI:
-    app = FastAPI(title="tokenmill: OpenAI Batch API", docs_url=None, redoc_url=None)
+def create_app(service: ApiService) -> RequestGuard:
+    """The ASGI app: the routes inside `RequestGuard` (body caps and keys first), and the expired files'
+    cleanup running beside them every `cleanup_interval_s`."""
+    if service.max_completion_window is not None:  # ValueError now, not a 500 at the first batch
+        if not re.fullmatch(WINDOW, service.max_completion_window):
+            raise ValueError(f"--max-completion-window {service.max_completion_window!r} is not like 24h or 7d")
+        window_seconds(service.max_completion_window)
+    app = FastAPI(title="tokenmill: OpenAI Batch API", docs_url=None, redoc_url=None,
+                  openapi_url="/openapi.json" if service.openapi else None, lifespan=_cleanup_loop)
     app.state.service = service
     app.include_router(router)
     app.add_exception_handler(ApiError, api_error)
     app.add_exception_handler(RequestValidationError, invalid_request)
+    app.add_exception_handler(HTTPException, http_error)
+    app.add_exception_handler(Exception, server_error)
+    engine = service.sessions.kw["bind"]
+    return RequestGuard(app, lambda method, path: body_limit(service, method, path),
+                        lambda token: tenant_of_token(engine, token))
 
-    @app.middleware("http")
-    async def refuse_large_uploads(request: Request, call_next):
-        """Before the body is read: an upload that says it is over the limit (the copy counts the rest)."""
-        declared = request.headers.get("content-length", "")
-        if request.url.path == "/v1/files" and declared.isdigit() and int(declared) > service.max_upload_bytes + CHUNK:
-            return api_error(request, _too_large(service.max_upload_bytes))
-        return await call_next(request)
 
-    return app
+def body_limit(service: ApiService, method: str, path: str) -> tuple[int, str]:
+    if method == "POST" and path.rstrip("/") == "/v1/files":
+        return service.max_upload_bytes + MULTIPART_SLACK, "--max-upload-bytes"
+    return service.max_request_bytes, "--max-request-bytes"
+
+
+@asynccontextmanager
+async def _cleanup_loop(app: FastAPI):
+    service: ApiService = app.state.service
+    stop = threading.Event()
+
+    def loop() -> None:
+        while not stop.wait(service.cleanup_interval_s):
+            try:
+                delete_expired_files(service.sessions, service.intake.s3)
+            except Exception as error:  # the database is down: the next round tries again
+                log.warning("the cleanup of expired files failed: %s", error)
+
+    thread = threading.Thread(target=loop, name="tokenmill-api-cleanup", daemon=True)
+    thread.start()
+    yield
+    stop.set()
 
 
 def api_error(_request: Request, error: ApiError) -> JSONResponse:
@@ -100,20 +168,31 @@ def invalid_request(request: Request, error: RequestValidationError) -> JSONResp
     return api_error(request, ApiError(400, message, code="invalid_value", param=where))
 
 
+def http_error(request: Request, error: HTTPException) -> JSONResponse:
+    """Routing's 404 and 405, and the body parser's 400, in OpenAI's words."""
+    what = f"{request.method} {request.url.path}"
+    message = {404: f"Invalid URL ({what})", 405: f"Invalid method for URL ({what})"}.get(
+        error.status_code, "Could not parse the request body." if error.status_code == 400 else "Invalid request.")
+    code = {404: "unknown_url", 405: "method_not_allowed"}.get(error.status_code)
+    return api_error(request, ApiError(error.status_code, message, code=code))
+
+
+def server_error(request: Request, _error: Exception) -> JSONResponse:
+    """An uncaught exception: logged by the server, never shown to the client."""
+    return api_error(request, ApiError(500, "The server had an error while processing your request.",
+                                       kind="server_error", code="internal_error"))
+
+
 def service_of(request: Request) -> ApiService:
     return request.app.state.service
 
 
-def tenant_of_request(service: Annotated[ApiService, Depends(service_of)],
-                      credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(BEARER)]) -> str:
-    owner = None
-    if credentials is not None:
-        with service.sessions() as db:
-            owner = tenant_of(db, credentials.credentials)
-    if owner is None:
-        raise ApiError(401, "Incorrect API key provided." if credentials else
-                       "You didn't provide an API key (Authorization: Bearer <key>).", code="invalid_api_key")
-    return owner
+def tenant_of_request(request: Request) -> str:
+    """The tenant `RequestGuard` found for the request's key."""
+    tenant = getattr(request.state, "tenant", None)
+    if tenant is None:
+        raise ApiError(401, "You didn't provide an API key (Authorization: Bearer <key>).", code="invalid_api_key")
+    return tenant
 
 
 Service = Annotated[ApiService, Depends(service_of)]
@@ -122,17 +201,68 @@ Tenant = Annotated[str, Depends(tenant_of_request)]
 
 @router.post("/files")
 def create_file(service: Service, owner: Tenant, file: Annotated[UploadFile, File()],
-                purpose: Annotated[str, Form()]) -> FileObject:
+                purpose: Annotated[str, Form()],
+                expires_anchor: Annotated[str | None, Form(alias="expires_after[anchor]")] = None,
+                expires_seconds: Annotated[int | None, Form(alias="expires_after[seconds]")] = None) -> FileObject:
+    """The upload was spooled once by the body parser (under the guard's cap); it is streamed from there to
+    the bucket, nowhere else."""
     if purpose != "batch":
         raise ApiError(400, f"purpose must be 'batch' here, got {purpose!r}", code="invalid_value", param="purpose")
+    lifetime = _expiry(service, expires_anchor, expires_seconds)
+    size = file.size if file.size is not None else file.file.seek(0, os.SEEK_END)
+    if size > service.max_upload_bytes:
+        raise ApiError(413, f"file is larger than the limit of {service.max_upload_bytes:,} bytes "
+                            f"(--max-upload-bytes)", code="file_too_large", param="file")
+    with service.sessions() as db:
+        stored = db.scalar(select(func.coalesce(func.sum(ApiFile.bytes), 0)).where(
+            ApiFile.tenant == owner, ApiFile.deleted_at.is_(None)))
+    if stored + size > service.max_tenant_bytes:
+        raise ApiError(403, f"storing this file would take your files to {stored + size:,} bytes, over the limit "
+                            f"of {service.max_tenant_bytes:,} (--max-tenant-bytes); delete some files first",
+                       code="storage_limit_exceeded", param="file")
     file_id = f"file-{uuid.uuid4().hex}"
     store, key = open_file_store(f"{service.bucket_uri}/files/{file_id}.jsonl", service.intake.s3)
-    size = _upload(file, store, key, service.max_upload_bytes)
-    row = ApiFile(id=file_id, tenant=owner, purpose=purpose, kind=UPLOAD, bytes=size, created_at=utcnow(),
-                  filename=os.path.basename(file.filename or "input.jsonl")[:1024], uri=store.uri_of(key))
+    file.file.seek(0)
+    store.put_stream(key, file.file)
+    now = utcnow()
+    row = ApiFile(id=file_id, tenant=owner, purpose=purpose, kind=UPLOAD, bytes=size, created_at=now,
+                  filename=os.path.basename(file.filename or "input.jsonl")[:1024], uri=store.uri_of(key),
+                  expires_at=None if lifetime is None else now + timedelta(seconds=lifetime))
     with service.sessions.begin() as db:
         db.add(row)
     return file_object(row)
+
+
+def _expiry(service: ApiService, anchor: str | None, seconds: int | None) -> int | None:
+    if anchor is None and seconds is None:
+        return service.file_expiry_s or None
+    try:
+        return ExpiresAfter(anchor=anchor, seconds=seconds).seconds
+    except ValueError:
+        raise ApiError(400, f"expires_after needs anchor 'created_at' and seconds from {MIN_EXPIRY_S} to "
+                            f"{MAX_EXPIRY_S}", code="invalid_value", param="expires_after") from None
+
+
+@router.get("/files")
+def list_files(service: Service, owner: Tenant, purpose: str | None = None, after: str | None = None,
+               limit: Annotated[int, Query(ge=1, le=10_000)] = 10_000,
+               order: Literal["asc", "desc"] = "desc") -> dict[str, Any]:
+    query = select(ApiFile).where(ApiFile.tenant == owner, ApiFile.deleted_at.is_(None))
+    if purpose is not None:
+        query = query.where(ApiFile.purpose == purpose)
+    newest_first = order == "desc"
+    with service.sessions() as db:
+        if after is not None:
+            cursor = _owned_file(db, owner, after)
+            beyond = (ApiFile.created_at < cursor.created_at) if newest_first else (
+                ApiFile.created_at > cursor.created_at)
+            tie = (ApiFile.id < cursor.id) if newest_first else (ApiFile.id > cursor.id)
+            query = query.where(beyond | ((ApiFile.created_at == cursor.created_at) & tie))
+        keys = (ApiFile.created_at.desc(), ApiFile.id.desc()) if newest_first else (ApiFile.created_at, ApiFile.id)
+        rows = db.scalars(query.order_by(*keys).limit(limit + 1)).all()
+    data = [file_object(row).model_dump() for row in rows[:limit]]
+    return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None, "has_more": len(rows) > limit}
 
 
 @router.get("/files/{file_id}")
@@ -142,21 +272,18 @@ def retrieve_file(service: Service, owner: Tenant, file_id: str) -> FileObject:
 
 @router.get("/files/{file_id}/content")
 def file_content(service: Service, owner: Tenant, file_id: str) -> StreamingResponse:
-    return StreamingResponse(_content(_file(service, owner, file_id), service.intake.s3),
+    return StreamingResponse(content(_file(service, owner, file_id), service.intake.s3),
                              media_type="application/jsonl")
 
 
 @router.delete("/files/{file_id}")
-def delete_file(service: Service, owner: Tenant, file_id: str) -> Deleted:
+def remove_file(service: Service, owner: Tenant, file_id: str) -> Deleted:
     with service.sessions.begin() as db:
         row = _owned_file(db, owner, file_id)
-        readers = db.scalars(select(Job).join(ApiBatch).where(ApiBatch.input_file_id == file_id)).all()
-        if any(not is_terminal(job.status) for job in readers):
-            raise ApiError(409, f"file {file_id} is the input of a batch still running", code="file_in_use")
-        row.deleted_at = utcnow()
-        if row.kind == UPLOAD:
-            store, key = open_file_store(row.uri, service.intake.s3)
-            store.delete(key)
+        try:
+            delete_file(db, row, service.intake.s3)
+        except FileInUse as error:
+            raise ApiError(409, str(error), code="file_in_use") from None
     return Deleted(id=file_id)
 
 
@@ -165,25 +292,54 @@ def create_batch(service: Service, owner: Tenant, body: BatchCreate) -> dict[str
     if body.endpoint not in ENDPOINTS:
         raise ApiError(400, f"endpoint must be one of {', '.join(ENDPOINTS)}, got {body.endpoint!r}",
                        code="unsupported_value", param="endpoint")
+    _check_window(service, body.completion_window)
     source = _file(service, owner, body.input_file_id)
     if source.kind != UPLOAD:
         raise ApiError(400, f"file {source.id} is a batch's output, not an input", param="input_file_id")
+    with service.sessions() as db:
+        running = db.scalar(select(func.count()).select_from(ApiBatch).join(Job).where(
+            ApiBatch.tenant == owner, Job.status.not_in([status.value for status in TERMINAL])))
+    if running >= service.max_batches_in_progress:
+        raise ApiError(429, f"you have {running} batches in progress, the limit (--max-batches-in-progress); "
+                            f"wait for one to end", code="batch_limit_exceeded")
+    store, key = open_file_store(source.uri, service.intake.s3)
+    try:
+        with store.open(key) as lines:
+            checked = check_lines(lines, body.endpoint, service.served, service.max_batch_rows)
+    except TooManyRows:
+        raise ApiError(400, f"the input file has more than {service.max_batch_rows:,} requests, the limit per batch "
+                            f"(--max-batch-rows)", code="too_many_requests", param="input_file_id") from None
+    if not checked.rows:
+        raise ApiError(400, "the input file has no requests", code="empty_file", param="input_file_id")
     job_id = str(uuid.uuid4())
     try:
         request = validate_request(dict(
             input_uri=source.uri, output_uri=f"{service.bucket_uri}/results/{job_id}", model=service.model,
             served_model_names=service.served_model_names, openai_output=True, job_id=job_id,
             idempotency_key=f"api-{job_id}", completion_window=body.completion_window, shard_size=service.shard_size))
-        submission = service.intake.accept(request, source=JobSource.API.value, source_ref=source.id,
-                                           default_key=request.idempotency_key, tenant=owner,
-                                           executor=service.executor)
+        new = service.intake.prepare(request, source=JobSource.API.value, source_ref=source.id,
+                                     default_key=request.idempotency_key, tenant=owner, executor=service.executor)
+        job = (service.intake.record(new) if not checked.errors else submit(service.sessions, new, False)).job
     except SpecError as error:
         raise ApiError(400, str(error), code="invalid_value") from None
     with service.sessions.begin() as writer:
-        writer.add(ApiBatch(job_id=submission.job.id, tenant=owner, endpoint=body.endpoint, created_at=utcnow(),
+        if checked.errors:  # refused: the batch exists, failed, with its lines listed (OpenAI's way)
+            transition(writer.get(Job, job.id), JobStatus.FAILED, error=checked.summary())
+        writer.add(ApiBatch(job_id=job.id, tenant=owner, endpoint=body.endpoint, created_at=utcnow(),
                             completion_window=body.completion_window, input_file_id=source.id,
-                            metadata_=body.metadata))
-    return _batch(service, owner, submission.job.id)
+                            metadata_=body.metadata, errors=checked.errors or None,
+                            output_expires_after=body.output_expires_after and body.output_expires_after.seconds))
+    return _batch(service, owner, job.id)
+
+
+def _check_window(service: ApiService, window: str) -> None:
+    if window == DEFAULT_COMPLETION_WINDOW:
+        return
+    allowed = service.max_completion_window
+    if allowed is None or not re.fullmatch(WINDOW, window) or \
+            window_seconds(window) > window_seconds(allowed):
+        raise ApiError(400, "completion_window must be '24h'" + (f" or at most {allowed!r}" if allowed else "") +
+                       " here (--max-completion-window)", code="invalid_value", param="completion_window")
 
 
 @router.get("/batches/{batch_id}")
@@ -212,28 +368,10 @@ def cancel_batch(service: Service, owner: Tenant, batch_id: str) -> dict[str, An
         _owned_batch(db, owner, batch_id)
     try:
         service.cancel(batch_id)
-    except ValueError as error:  # already finished
-        raise ApiError(409, str(error), code="batch_not_cancellable") from None
+    except ValueError:  # already ended
+        raise ApiError(409, f"batch {batch_id} has ended and cannot be cancelled", code="batch_not_cancellable") \
+            from None
     return _batch(service, owner, batch_id)
-
-
-def _upload(file: UploadFile, store, key: str, limit: int) -> int:
-    """Copy the upload to the bucket through a local temp file, counting bytes; 413 past the limit."""
-    size = 0
-    with tempfile.NamedTemporaryFile(prefix="tokenmill-upload-") as spool:
-        while chunk := file.file.read(CHUNK):
-            size += len(chunk)
-            if size > limit:
-                raise _too_large(limit)
-            spool.write(chunk)
-        spool.flush()
-        store.put_file(key, spool.name)
-    return size
-
-
-def _too_large(limit: int) -> ApiError:
-    return ApiError(413, f"file is larger than the limit of {limit} bytes (--max-upload-bytes)",
-                    code="file_too_large", param="file")
 
 
 def _file(service: ApiService, owner: str, file_id: str) -> ApiFile:
@@ -257,46 +395,12 @@ def _owned_batch(db: Session, owner: str, batch_id: str) -> ApiBatch:
 
 
 def _batch(service: ApiService, owner: str, batch_id: str) -> dict[str, Any]:
-    """The batch object; a completed batch gets its output and error files the first time it is read."""
+    """The batch object; a batch that completed, was cancelled or expired gets its output and error files the
+    first time it is read; an ended batch's request counts are its files' lines."""
     with service.sessions() as db:
         batch = _owned_batch(db, owner, batch_id)
         job = batch.job
-    if job.status == "completed" and batch.output_file_id is None and batch.error_file_id is None:
-        batch = _add_result_files(service, batch, job)
-    return batch_object(batch, job)
-
-
-def _add_result_files(service: ApiService, batch: ApiBatch, job: Job) -> ApiBatch:
-    uri = f"{job.output_uri.rstrip('/')}/{BATCH_OUTPUT_KEY}"
-    files = {}
-    for kind, errors in OUTPUT_KINDS.items():
-        if (job.requests_failed if errors else job.requests_completed) == 0:
-            continue
-        file_id = f"file-{uuid.uuid5(uuid.NAMESPACE_URL, f'{job.id}/{kind}').hex}"
-        files[kind] = ApiFile(id=file_id, tenant=batch.tenant, purpose="batch_output", kind=kind, uri=uri,
-                              filename=f"{batch.job_id}_{'error' if errors else 'output'}.jsonl", created_at=utcnow())
-        files[kind].bytes = sum(len(chunk) for chunk in _content(files[kind], service.intake.s3))
-    try:
-        with service.sessions.begin() as db:
-            db.add_all(files.values())
-            batch = db.get(ApiBatch, batch.job_id)
-            batch.output_file_id = files["batch_output"].id if "batch_output" in files else None
-            batch.error_file_id = files["batch_error"].id if "batch_error" in files else None
-    except IntegrityError:  # another request added them first
-        with service.sessions() as db:
-            batch = db.get(ApiBatch, batch.job_id)
-    return batch
-
-
-def _content(row: ApiFile, s3: S3Options) -> Iterator[bytes]:
-    """An uploaded file's bytes; for a batch's output or error file, its lines of batch_output.jsonl."""
-    store, key = open_file_store(row.uri, s3)
-    with store.open(key) as source:
-        if row.kind == UPLOAD:
-            while chunk := source.read(CHUNK):
-                yield chunk
-            return
-        wanted = OUTPUT_KINDS[row.kind]
-        for line in source:
-            if line.strip() and (json.loads(line).get("error") is not None) == wanted:
-                yield line
+    ended = JobStatus(job.status) in ENDED
+    if (job.status == JobStatus.COMPLETED or ended) and batch.output_file_id is None and batch.error_file_id is None:
+        batch = add_result_files(service.sessions, service.intake.s3, batch, job)
+    return batch_object(batch, job, result_counts(service.sessions, batch) if ended else None)

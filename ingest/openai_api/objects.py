@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from datetime import datetime
 from typing import Any
 
@@ -54,26 +55,43 @@ def unix(moment: datetime | None) -> int | None:
 
 def file_object(row: ApiFile) -> FileObject:
     return FileObject(id=row.id, bytes=row.bytes, created_at=unix(row.created_at), filename=row.filename,
-                      purpose=row.purpose)
+                      purpose=row.purpose, expires_at=unix(row.expires_at))
 
 
-def batch_object(batch: ApiBatch, job: Job) -> dict[str, Any]:
-    """The batch as OpenAI's `Batch`: its status, the time of each status reached, counts, usage, files."""
+URI = re.compile(r"\b[a-zA-Z][a-zA-Z0-9+.-]*://\S+")
+PATH = re.compile(r"(?<![\w.:/])/(?:[\w.@+-]+/)+[\w.@+-]*")
+EXCEPTION = re.compile(r"^[A-Z]\w*(Error|Exception|Exit|Interrupt|Failure)\b")  # `ValueError: ...`: the server's
+MAX_MESSAGE = 1000
+
+
+def public_message(error: str) -> str:
+    """A job's error as a client may read it: no exception text from the workers, no URI or path."""
+    if EXCEPTION.match(error):
+        return "The server had an error while running this batch."
+    return PATH.sub("<path>", URI.sub("<uri>", error))[:MAX_MESSAGE]
+
+
+def batch_object(batch: ApiBatch, job: Job, counts: tuple[int, int] | None = None) -> dict[str, Any]:
+    """The batch as OpenAI's `Batch`: its status, the time of each status reached, counts, usage, files. Its
+    errors are the lines refused at creation, else the job's error; `counts` (completed, failed) replace the
+    job's."""
     status = BATCH_STATUS.get(JobStatus(job.status), job.status)
     times = {name: unix(getattr(job, name)) for name in TIMESTAMPS}
     if status == "in_progress" and times["in_progress_at"] is None:
         times["in_progress_at"] = unix(job.queued_at)
     errors = None
-    if job.error:
+    if batch.errors:
+        errors = {"object": "list", "data": batch.errors}
+    elif job.error:
         errors = {"object": "list", "data": [{"code": "failed" if job.status == JobStatus.FAILED else job.status,
-                                              "message": job.error, "param": None, "line": None}]}
+                                              "message": public_message(job.error), "param": None, "line": None}]}
+    completed, failed = counts or (job.requests_completed, job.requests_failed)
     return {
         "id": job.id, "object": "batch", "endpoint": batch.endpoint, "model": job.model, "errors": errors,
         "input_file_id": batch.input_file_id, "completion_window": batch.completion_window, "status": status,
         "output_file_id": batch.output_file_id, "error_file_id": batch.error_file_id,
         "created_at": unix(job.created_at), "expires_at": unix(job.expires_at), **times,
-        "request_counts": {"total": job.requests_total, "completed": job.requests_completed,
-                           "failed": job.requests_failed},
+        "request_counts": {"total": job.requests_total, "completed": completed, "failed": failed},
         "usage": {"input_tokens": job.prompt_tokens, "input_tokens_details": {"cached_tokens": job.cached_tokens},
                   "output_tokens": job.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
                   "total_tokens": job.prompt_tokens + job.completion_tokens},

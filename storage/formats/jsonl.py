@@ -86,6 +86,27 @@ class JsonlInput:
         self.file.close()
 
 
+def models_named(file: IO[bytes], max_line_bytes: int = Limits.max_line_bytes) -> dict[Any, tuple[int, int]]:
+    """The `model` each row's body names (None: none), with its row count and first line: one streaming pass, for
+    choosing a job's model before it is made. Lines that do not parse are left to the job's validation."""
+    named: dict[Any, tuple[int, int]] = {}
+    line_number = 0
+    while line := file.readline(max_line_bytes + 1):
+        line_number += 1
+        if not line.strip() or len(line) > max_line_bytes:
+            continue
+        try:
+            value = json.loads(line)
+        except ValueError:
+            continue
+        body = value.get("body") if isinstance(value, dict) else None
+        model = body.get("model") if isinstance(body, dict) else None
+        model = model if model is None or isinstance(model, str) else repr(model)
+        count, first = named.get(model, (0, line_number))
+        named[model] = (count + 1, first)
+    return named
+
+
 def _peek_custom_id(line: bytes) -> str | None:
     try:
         value = json.loads(line)

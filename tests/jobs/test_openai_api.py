@@ -3,6 +3,7 @@ process, jobs run in process (SQLite, a folder as the bucket, the session's real
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -36,12 +37,13 @@ def jsonl(lines: list[dict]) -> bytes:
     return "".join(json.dumps(line) + "\n" for line in lines).encode()
 
 
-@pytest.fixture
-def api(sessions, tmp_path, llm_engine):
-    """(base URL, tenant acme's key, tenant other's key) of a running API."""
+@contextlib.contextmanager
+def running_api(sessions, bucket: str, llm_engine, dispatch=None, **limits):
+    """(base URL, tenant acme's key, tenant other's key, the service) of an API running on a free port; its
+    batches run in process, or go to `dispatch` (job id ->) when given."""
     executor = LocalExecutor(sessions, {}, engine=llm_engine)
-    service = api_service(sessions, str(tmp_path / "bucket"), executor.dispatch, LOCAL, MODEL, [ALIAS],
-                          max_upload_bytes=MAX_UPLOAD, shard_size=2)
+    service = api_service(sessions, bucket, dispatch or executor.dispatch, LOCAL, MODEL, [ALIAS],
+                          **{"max_upload_bytes": MAX_UPLOAD, "shard_size": 2, **limits})
     port = free_port_block(1)
     server = uvicorn.Server(uvicorn.Config(create_app(service), host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
@@ -52,10 +54,19 @@ def api(sessions, tmp_path, llm_engine):
     while not server.started:
         assert time.monotonic() < deadline, "the API did not start"
         time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}/v1", *keys
-    server.should_exit = True
-    thread.join(10)
-    executor.close()
+    try:
+        yield f"http://127.0.0.1:{port}/v1", *keys, service
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        executor.close()
+
+
+@pytest.fixture
+def api(sessions, tmp_path, llm_engine):
+    """(base URL, tenant acme's key, tenant other's key) of a running API."""
+    with running_api(sessions, str(tmp_path / "bucket"), llm_engine) as (base_url, key, other_key, _):
+        yield base_url, key, other_key
 
 
 def client(base_url: str, key: str) -> openai.OpenAI:
@@ -80,7 +91,7 @@ def test_files_batches_poll_content_with_the_sdk(api) -> None:
     base_url, key, _ = api
     sdk = client(base_url, key)
     lines = [chat_line("job-model", temperature=0, max_tokens=4), chat_line("alias", ALIAS, max_tokens=4, seed=1),
-             chat_line("n-two", n=2, max_tokens=3, seed=2), chat_line("foreign", "gpt-5", max_tokens=4)]
+             chat_line("n-two", n=2, max_tokens=3, seed=2), chat_line("bad", max_tokens=4, temperature=-1)]
     upload = sdk.files.create(file=("input.jsonl", jsonl(lines)), purpose="batch")
     assert isinstance(upload, FileObject) and upload.purpose == "batch" and upload.bytes == len(jsonl(lines))
     assert sdk.files.retrieve(upload.id).filename == "input.jsonl"
@@ -98,12 +109,13 @@ def test_files_batches_poll_content_with_the_sdk(api) -> None:
 
     outputs = [json.loads(line) for line in sdk.files.content(batch.output_file_id).text.splitlines()]
     assert sorted(line["custom_id"] for line in outputs) == ["alias", "job-model", "n-two"]
+    assert sdk.files.retrieve(batch.output_file_id).expires_at is None  # no output_expires_after given
     for line in outputs:
         completion = ChatCompletion.model_validate(line["response"]["body"])
         assert completion.choices[0].message.role == "assistant" and line["error"] is None
     assert {len(ChatCompletion.model_validate(line["response"]["body"]).choices) for line in outputs} == {1, 2}
     errors = [json.loads(line) for line in sdk.files.content(batch.error_file_id).text.splitlines()]
-    assert [(e["custom_id"], e["error"]["code"]) for e in errors] == [("foreign", "model_not_found")]
+    assert [(e["custom_id"], e["error"]["code"]) for e in errors] == [("bad", "invalid_parameter")]
     assert sdk.files.retrieve(batch.error_file_id).purpose == "batch_output"
 
     with pytest.raises(openai.ConflictError):
@@ -167,17 +179,24 @@ def test_a_malformed_input_file_fails_the_batch_with_its_reason(api) -> None:
     batch = submit(sdk, [chat_line("twice", max_tokens=1), chat_line("twice", max_tokens=1)])
     batch = wait_for(sdk, batch.id, TERMINAL)
     assert batch.status == "failed" and batch.failed_at is not None
-    assert "duplicate custom_id 'twice'" in batch.errors.data[0].message
+    [error] = batch.errors.data
+    assert "duplicate custom_id 'twice'" in error.message and error.line == 2
     assert batch.output_file_id is None
 
 
 def test_cancel_during_a_run_keeps_finished_work_and_ends_cancelled(api) -> None:
     base_url, key, _ = api
     sdk = client(base_url, key)
-    lines = [chat_line(f"long-{i}", max_tokens=96, min_tokens=96, seed=i) for i in range(8)]
+    lines = [chat_line(f"long-{i}", max_tokens=256, min_tokens=256, seed=i) for i in range(8)]
     batch = wait_for(sdk, submit(sdk, lines).id, {"in_progress", *TERMINAL})
     assert batch.status == "in_progress"
     assert sdk.batches.cancel(batch.id).status in {"cancelling", "cancelled"}
     batch = wait_for(sdk, batch.id, TERMINAL)
     assert batch.status == "cancelled" and batch.cancelled_at >= batch.cancelling_at
     assert batch.request_counts.completed < batch.request_counts.total == 8
+    finished = []
+    if batch.output_file_id is not None:  # the rows finished before the cancel stay downloadable
+        finished = [json.loads(line) for line in sdk.files.content(batch.output_file_id).text.splitlines()]
+        assert all(ChatCompletion.model_validate(line["response"]["body"]).usage.completion_tokens == 256
+                   for line in finished)
+    assert len(finished) == batch.request_counts.completed and batch.request_counts.failed == 0

@@ -41,8 +41,26 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--executor", choices=("local", "celery"),
                         help="who runs the batches: this process (local) or the Celery workers (default: celery "
                              "when $TOKENMILL_BROKER_URL is set, else local)")
-    parser.add_argument("--max-upload-bytes", type=int, default=None, metavar="BYTES",
+    limits = parser.add_argument_group("limits (per tenant; a refused request names the flag)")
+    limits.add_argument("--max-upload-bytes", type=int, default=None, metavar="BYTES",
                         help="largest file a client may upload (default: 200 MiB, OpenAI's)")
+    limits.add_argument("--max-batch-rows", type=int, default=None, metavar="ROWS",
+                        help="most requests in one batch (default: 50,000, OpenAI's)")
+    limits.add_argument("--max-tenant-bytes", type=int, default=None, metavar="BYTES",
+                        help="most bytes of files a tenant may store (default: 100 GiB)")
+    limits.add_argument("--max-batches-in-progress", type=int, default=None, metavar="N",
+                        help="most batches of a tenant not yet ended (default: 100)")
+    limits.add_argument("--max-request-bytes", type=int, default=None, metavar="BYTES",
+                        help="largest body of any request but an upload, refused before its key is checked "
+                             "(default: 1 MiB)")
+    limits.add_argument("--file-expiry", type=int, default=None, metavar="SECONDS",
+                        help="lifetime of an upload that gives no expires_after; 0: never expires (default: 30 "
+                             "days, OpenAI's); expired files are deleted every minute")
+    limits.add_argument("--max-completion-window", default=None, metavar="WINDOW",
+                        help="accept completion windows other than OpenAI's 24h, up to this one (e.g. 7d; "
+                             "default: only 24h)")
+    parser.add_argument("--no-openapi", dest="openapi", action="store_false",
+                        help="do not serve /openapi.json (served behind a key by default)")
     parser.add_argument("--shard-size", type=int, default=None, metavar="ROWS",
                         help="rows per shard of a batch's job (default: 500)")
     add_served_model_name_option(parser)
@@ -152,7 +170,11 @@ def serve(args: argparse.Namespace) -> int:
         local.resume(JobSource.API.value)
         dispatch = local.dispatch
     service = api_service(sessions, args.bucket, dispatch, executor, args.model, args.served_model_name,
-                          max_upload_bytes=args.max_upload_bytes, shard_size=args.shard_size)
+                          max_upload_bytes=args.max_upload_bytes, shard_size=args.shard_size,
+                          max_batch_rows=args.max_batch_rows, max_tenant_bytes=args.max_tenant_bytes,
+                          max_batches_in_progress=args.max_batches_in_progress,
+                          max_request_bytes=args.max_request_bytes, max_completion_window=args.max_completion_window,
+                          file_expiry_s=args.file_expiry, openapi=args.openapi)
     print(f"OpenAI Batch API on http://{args.host}:{args.port}/v1 (database {db.describe(url)}, bucket "
           f"{service.bucket_uri}; batches run {'here' if executor == LOCAL else 'on the Celery workers'})",
           file=sys.stderr, flush=True)

@@ -140,7 +140,22 @@ def _register_run(commands: argparse._SubParsersAction) -> None:
                                     "once into $TOKENMILL_DATA/lora-cache); several, or the option repeated (vLLM's "
                                     "syntax; also {\"name\": ..., \"path\": ...}). Turns --enable-lora on; a row "
                                     "naming an adapter that cannot be served fails with invalid_adapter (docs/lora.md)")
+    _note_model_given(parser)
     parser.set_defaults(handler=_friendly(run))
+
+
+class _StoreModel(argparse._StoreAction):
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        setattr(namespace, self.dest, values)
+        namespace.model_given = True
+
+
+def _note_model_given(parser: argparse.ArgumentParser) -> None:
+    """`args.model_given`: whether --model was on the command line (else an input's rows may choose it)."""
+    for action in parser._actions:
+        if action.dest == "model":
+            action.__class__ = _StoreModel
+    parser.set_defaults(model_given=False)
 
 
 def _register_jobs(commands: argparse._SubParsersAction) -> None:
@@ -256,6 +271,7 @@ def run(args: argparse.Namespace) -> int:
     console = Console(soft_wrap=True)
     url = db.resolve_url(args.database_url)
     sessions = _sessions(url)
+    _choose_model(args)
     submission = submit(sessions, _new_job(args))
     job = submission.job
     console.print(f"job [bold]{job.id}[/bold] ({submission.outcome}): {_where(job.input_uri)} -> "
@@ -265,6 +281,43 @@ def run(args: argparse.Namespace) -> int:
         job = run_job(sessions, job.id, load_engine, progress)
     _print_summary(console, job, url if args.database_url else None)
     return 0 if job.status == "completed" else 1
+
+
+def _choose_model(args: argparse.Namespace) -> None:
+    """For an OpenAI JSONL input: rows that all name one bundled model run it when --model was not given; rows
+    that all name models this run does not serve are refused here, before a model loads, naming them (rows of
+    a mixed file that name another model fail alone with model_not_found)."""
+    from engine.model_loader import BUNDLED_MODELS
+    from ingest.spec import SpecError
+    from storage.formats import JSONL_SUFFIXES
+    from storage.formats.jsonl import models_named
+    from storage.objectstore import S3Options, normalize_uri, open_file_store
+
+    if not args.input:
+        return
+    try:
+        store, key = open_file_store(normalize_uri(args.input), S3Options(args.s3_endpoint_url, args.s3_region,
+                                                                          args.s3_profile))
+        with store.open(key) as source:
+            if not key.endswith(JSONL_SUFFIXES) and source.read(1) != b"{":
+                return
+            source.seek(0)
+            named = models_named(source)
+    except (OSError, ValueError):  # not there, not readable: the job's validation says so
+        return
+    aliases = {*(args.served_model_name or []), *lora_modules(args)}
+    wanted = {model for model in named if model is not None}
+    if not args.model_given and None not in named and len(wanted) == 1:
+        [model] = wanted
+        if model in BUNDLED_MODELS and model not in aliases:
+            args.model = model
+    served = {args.model, *aliases}
+    if wanted and None not in named and not wanted & served:
+        listing = ", ".join(f"{model!r} ({count} rows, first on line {line})"
+                            for model, (count, line) in sorted(named.items()))
+        raise SpecError(f"every row of {args.input} names a model this run does not serve: {listing}; it serves "
+                        f"{', '.join(map(repr, sorted(served)))}. Give --model (bundled: "
+                        f"{', '.join(BUNDLED_MODELS)}), or --served-model-name for another name of it")
 
 
 def database_option(url: str | None) -> str:

@@ -1,0 +1,161 @@
+"""A batch's output and error files, their content, their deletion and the cleanup of expired files.
+
+A completed job's files are the lines of its batch_output.jsonl without and with an error. A cancelled or
+expired job keeps its committed shards (`workers.finalize.discard_outputs`): their results and errors are merged
+here, once, into ENDED_OUTPUT_KEY beside them, which the job's own cleanup never touches."""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import json
+import logging
+import uuid
+from collections.abc import Iterator
+from datetime import datetime, timedelta
+
+from sqlalchemy import or_, select
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session, sessionmaker
+
+from storage import repository as repo
+from storage.formats import BATCH_OUTPUT_KEY, batch_output_line, read_part, write_jsonl
+from storage.models import ApiBatch, ApiFile, Job, JobStatus, ShardStatus, utcnow
+from storage.objectstore import S3Options, open_file_store, open_store
+from storage.states import is_terminal
+
+log = logging.getLogger("tokenmill.api")
+
+UPLOAD = "upload"
+CHUNK = 1 << 20
+OUTPUT_KINDS = {"batch_output": False, "batch_error": True}  # kind -> holds the lines with an error
+ENDED_OUTPUT_KEY = "ended_batch_output.jsonl"
+ENDED = (JobStatus.CANCELLED, JobStatus.EXPIRED)
+
+
+def content(row: ApiFile, s3: S3Options) -> Iterator[bytes]:
+    """An uploaded file's bytes; for a batch's output or error file, its lines of the batch output."""
+    store, key = open_file_store(row.uri, s3)
+    with store.open(key) as source:
+        if row.kind == UPLOAD:
+            while chunk := source.read(CHUNK):
+                yield chunk
+            return
+        wanted = OUTPUT_KINDS[row.kind]
+        for line in source:
+            if line.strip() and (json.loads(line).get("error") is not None) == wanted:
+                yield line
+
+
+def add_result_files(sessions: sessionmaker[Session], s3: S3Options, batch: ApiBatch, job: Job) -> ApiBatch:
+    """The output and error files of a batch whose job completed, was cancelled or expired (once: a second
+    caller finds the first one's rows)."""
+    if job.status == JobStatus.COMPLETED:
+        uri = f"{job.output_uri.rstrip('/')}/{BATCH_OUTPUT_KEY}"
+    else:
+        uri = _write_ended_output(sessions, job)
+    store, key = open_file_store(uri, s3)
+    counts = {kind: 0 for kind in OUTPUT_KINDS}
+    sizes = dict(counts)
+    if store.exists(key):
+        with store.open(key) as source:
+            for line in source:
+                if line.strip():
+                    kind = "batch_error" if json.loads(line).get("error") is not None else "batch_output"
+                    counts[kind] += 1
+                    sizes[kind] += len(line)
+    now = utcnow()
+    expires = None if batch.output_expires_after is None else batch.created_at + timedelta(
+        seconds=batch.output_expires_after)
+    files = {kind: ApiFile(id=f"file-{uuid.uuid5(uuid.NAMESPACE_URL, f'{job.id}/{kind}').hex}", tenant=batch.tenant,
+                           purpose="batch_output", kind=kind, uri=uri, bytes=sizes[kind], lines=counts[kind],
+                           filename=f"{batch.job_id}_{'error' if errors else 'output'}.jsonl", created_at=now,
+                           expires_at=expires)
+             for kind, errors in OUTPUT_KINDS.items() if counts[kind]}
+    try:
+        with sessions.begin() as db:
+            db.add_all(files.values())
+            batch = db.get(ApiBatch, batch.job_id)
+            batch.output_file_id = files["batch_output"].id if "batch_output" in files else None
+            batch.error_file_id = files["batch_error"].id if "batch_error" in files else None
+    except IntegrityError:  # another request added them first
+        with sessions() as db:
+            batch = db.get(ApiBatch, batch.job_id)
+    return batch
+
+
+def result_counts(sessions: sessionmaker[Session], batch: ApiBatch) -> tuple[int, int] | None:
+    """(completed, failed) as the lines of an ended batch's files; None for a batch without them."""
+    ids = [file_id for file_id in (batch.output_file_id, batch.error_file_id) if file_id]
+    if not ids:
+        return None
+    with sessions() as db:
+        lines = {row.kind: row.lines or 0 for row in db.scalars(select(ApiFile).where(ApiFile.id.in_(ids)))}
+    return lines.get("batch_output", 0), lines.get("batch_error", 0)
+
+
+def _write_ended_output(sessions: sessionmaker[Session], job: Job) -> str:
+    """The committed shards' results and errors, in input order, as OpenAI Batch output lines."""
+    store = open_store(job.output_uri, job.settings.s3)
+    with sessions() as db:
+        shards = sorted((s for s in repo.get_job(db, job.id).shards if s.status == ShardStatus.COMPLETED),
+                        key=lambda s: s.index)
+
+    def lines() -> Iterator[dict]:
+        for shard in shards:
+            results = read_part(store, shard.output_key).to_pylist()
+            with sessions() as db:
+                errors = [{"custom_id": e.custom_id, "row_index": e.row_index, "code": e.code, "message": e.message}
+                          for e in repo.failed_rows(db, job.id, shard.index)]
+            merged = heapq.merge(results, errors, key=lambda r: r["row_index"])
+            for _, records in itertools.groupby(merged, key=lambda r: r["row_index"]):
+                yield batch_output_line(job.id, job.model, list(records))
+
+    write_jsonl(store, ENDED_OUTPUT_KEY, lines())
+    return store.uri_of(ENDED_OUTPUT_KEY)
+
+
+class FileInUse(ValueError):
+    pass
+
+
+def delete_file(db: Session, row: ApiFile, s3: S3Options) -> None:
+    """Mark the file deleted and remove what only it used: an upload's object; with a batch's last live
+    result file, the batch's results (its output prefix). FileInUse for the input of a running batch."""
+    if row.kind == UPLOAD:
+        readers = db.scalars(select(Job).join(ApiBatch).where(ApiBatch.input_file_id == row.id)).all()
+        if any(not is_terminal(job.status) for job in readers):
+            raise FileInUse(f"file {row.id} is the input of a batch still running")
+    row.deleted_at = utcnow()
+    if row.kind == UPLOAD:
+        store, key = open_file_store(row.uri, s3)
+        store.delete(key)
+        return
+    batch = db.scalar(select(ApiBatch).where(or_(ApiBatch.output_file_id == row.id, ApiBatch.error_file_id == row.id)))
+    siblings = [db.get(ApiFile, file_id) for file_id in (batch.output_file_id, batch.error_file_id)
+                if batch is not None and file_id and file_id != row.id]
+    if batch is not None and all(sibling is None or sibling.deleted_at is not None for sibling in siblings):
+        store = open_store(batch.job.output_uri, batch.job.settings.s3)
+        for key in store.list(""):
+            store.delete(key)
+
+
+def delete_expired_files(sessions: sessionmaker[Session], s3: S3Options, now: datetime | None = None) -> int:
+    """Delete the files whose `expires_at` passed (an upload a running batch still reads waits for it to end).
+    Returns how many were deleted."""
+    with sessions() as db:
+        due = db.scalars(select(ApiFile.id).where(ApiFile.deleted_at.is_(None), ApiFile.expires_at.is_not(None),
+                                                  ApiFile.expires_at <= (now or utcnow()))).all()
+    deleted = 0
+    for file_id in due:
+        try:
+            with sessions.begin() as db:
+                row = db.get(ApiFile, file_id)
+                if row is not None and row.deleted_at is None:
+                    delete_file(db, row, s3)
+                    deleted += 1
+        except FileInUse:
+            continue
+        except Exception as error:  # the store or the database is down: the next round tries again
+            log.warning("could not delete expired file %s: %s", file_id, error)
+    return deleted
