@@ -11,6 +11,8 @@ BACKENDS = ("auto", "torch", "triton")
 DEVICES = ("auto", "cpu", "cuda")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 FLOAT32_MATMUL_PRECISIONS = ("highest", "high")  # as torch.set_float32_matmul_precision
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # auto: the model's dtype; fp8: e4m3 with per-head scales
+PREEMPTION_MODES = ("recompute", "swap")  # or None: by the victim's length (engine/swap.py)
 
 
 @dataclass
@@ -53,6 +55,15 @@ class EngineConfig:
     max_loras: int = 4
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None  # default: max_loras
+    # When KV blocks run out, a victim's KV is dropped and recomputed later ("recompute") or copied to host memory
+    # and back ("swap", while the swap space has room); None: swap victims with at least 256 computed tokens
+    # (engine/swap.py's SWAP_MIN_COMPUTED_TOKENS), recompute shorter ones. As vLLM v0's options.
+    preemption_mode: str | None = None
+    swap_space: float = 4  # GiB of host memory for swapped-out KV blocks (allocated as used)
+    # KV blocks in the model's dtype ("auto") or as FP8 e4m3 bytes with a scale per layer and KV head, calibrated at
+    # start-up on a built-in text or given by `kv_cache_scales` (a JSON file or dict): engine/kv_quant.py
+    kv_cache_dtype: str = "auto"
+    kv_cache_scales: str | dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -92,6 +103,16 @@ class EngineConfig:
              f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
         need(not (self.enable_lora and self.tensor_parallel_size > 1),
              "enable_lora does not combine with tensor_parallel_size > 1 yet")
+        need(self.preemption_mode is None or self.preemption_mode in PREEMPTION_MODES,
+             f"preemption_mode must be one of {PREEMPTION_MODES} or None, got {self.preemption_mode!r}")
+        need(isinstance(self.swap_space, int | float) and self.swap_space >= 0,
+             f"swap_space must be a number of GiB >= 0, got {self.swap_space!r}")
+        need(self.kv_cache_dtype in KV_CACHE_DTYPES,
+             f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        need(self.kv_cache_dtype != "auto" or self.kv_cache_scales is None,
+             "kv_cache_scales needs kv_cache_dtype='fp8'")
+        need(self.kv_cache_dtype == "auto" or self.tensor_parallel_size == 1,
+             "kv_cache_dtype='fp8' does not combine with tensor_parallel_size > 1 yet")
         need(0 < self.memory_utilization <= 1, f"memory_utilization must be in (0, 1], got {self.memory_utilization}")
         if not self.enable_chunked_prefill and self.max_model_len is not None:
             need(self.max_num_batched_tokens >= self.max_model_len,

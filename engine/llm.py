@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence as Seq
 from typing import Any
 
+from engine.beam_search import BeamSearchOutput, BeamSearchParams, beam_search_output
 from engine.chat import chat_token_ids
 from engine.config import DEFAULT_MODEL, EngineConfig
 from engine.embedding_engine import EmbeddingEngine, create_engine
@@ -87,6 +88,24 @@ class LLM:
         loras = per_prompt_loras(lora_request, len(prompts))
         return self._run(prompts, params, use_tqdm, priority, cache_salt, loras)
 
+    def beam_search(self, prompts: Prompt | Seq[Prompt | dict], params: BeamSearchParams, use_tqdm: bool = False,
+                    lora_request: LoRARequest | Seq[LoRARequest | None] | None = None) -> list[BeamSearchOutput]:
+        """Beam search, as vLLM's: one `BeamSearchOutput` per prompt, in input order, its `sequences` the
+        `params.beam_width` best beams, best first. Prompts are strings, token-id lists or vLLM's
+        {"prompt": ...} / {"prompt_token_ids": [...]} dicts. The beams of a prompt share KV blocks copy-on-write
+        and run in the same continuous batch as everything else (engine/beam_search.py)."""
+        if isinstance(self.engine, EmbeddingEngine):
+            raise ValueError(f"model {self.engine.config.model!r} is an embedding model: use LLM.embed")
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        if isinstance(prompts, dict) or isinstance(prompts, list) and prompts and isinstance(prompts[0], dict):
+            prompts = [p.get("prompt_token_ids", p.get("prompt")) for p in ([prompts] if isinstance(prompts, dict)
+                                                                          else prompts)]
+        prompts = normalize_prompts(prompts)
+        outputs = self._run(prompts, [params] * len(prompts), use_tqdm,
+                            loras=per_prompt_loras(lora_request, len(prompts)))
+        return [beam_search_output(output) for output in outputs]
+
     def chat(self, conversations: Conversation | Seq[Conversation],
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
              use_tqdm: bool = False, add_generation_prompt: bool = True,
@@ -100,7 +119,7 @@ class LLM:
     def apply_chat_template(self, conversation: Conversation, add_generation_prompt: bool = True) -> list[int]:
         return chat_token_ids(self.engine.tokenizer, conversation, add_generation_prompt)
 
-    def _run(self, prompts: list[Prompt], params: list[SamplingParams], use_tqdm: bool,
+    def _run(self, prompts: list[Prompt], params: list[SamplingParams] | list[BeamSearchParams], use_tqdm: bool,
              priority: list[int] | None = None, cache_salt: str | None = None,
              loras: list[LoRARequest | None] | None = None) -> list[RequestOutput]:
         engine = self.engine

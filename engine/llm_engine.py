@@ -10,6 +10,7 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+from engine.beam_search import BeamCoordinator, BeamSearchParams, beam_rejection
 from engine.block_pool import KVCacheManager
 from engine.config import EngineConfig
 from engine.distributed.group import RankFailure
@@ -26,6 +27,7 @@ from engine.sequence import FinishReason, Sequence
 from engine.spec_decode.decoder import SpecDecoder
 from engine.spec_decode.decoders import SpecDecoderCache
 from engine.structured_outputs import StructuredOutputs
+from engine.swap import SwapSpace
 
 log = logging.getLogger("tokenmill.engine")
 
@@ -70,10 +72,11 @@ class LLMEngine:
         limits = SchedulerLimits(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
                                  config.enable_chunked_prefill, config.admission_lookahead,
                                  config.scheduling_policy, config.long_prefill_token_threshold,
-                                 config.max_loras if config.enable_lora else 0)
+                                 config.max_loras if config.enable_lora else 0, config.preemption_mode)
         self._seq_ids = itertools.count()
-        self.scheduler = Scheduler(limits, kv, frozenset(eos),
-                                   next_seq_id=self._seq_ids.__next__)
+        self.scheduler = Scheduler(limits, kv, frozenset(eos), next_seq_id=self._seq_ids.__next__,
+                                   swap=SwapSpace(self.runner.transfer.num_host_blocks))
+        self.beams = BeamCoordinator(frozenset(eos), self._seq_ids.__next__)
         self.stats = EngineStats()
         self.output = OutputProcessor(self.tokenizer, self.sampler, self.stats)
         self.step_observers: list[Callable[[list[RequestOutput]], None]] = []
@@ -135,14 +138,19 @@ class LLMEngine:
             raise ValueError(f"prompt token ids must be integers in [0, {self.runner.vocab_size})")
         return list(prompt)
 
-    def add_request(self, request_id: str | None, prompt: Prompt, params: SamplingParams | None = None,
-                    priority: int = 0, cache_salt: str | None = None, lora_request: LoRARequest | None = None) -> str:
+    def add_request(self, request_id: str | None, prompt: Prompt,
+                    params: SamplingParams | BeamSearchParams | None = None, priority: int = 0,
+                    cache_salt: str | None = None, lora_request: LoRARequest | None = None) -> str:
         """Queue a request. One that can never run comes back from the next `step()` with an error.
+        With `BeamSearchParams` it is a beam search (engine/beam_search.py): its output holds the beams, best first.
         `priority` orders admission under `scheduling_policy="priority"` (lower first); requests share
         prefix-cache blocks only with requests of the same `cache_salt` (None: the shared, unsalted cache).
         `lora_request`: the LoRA adapter it runs with (needs `enable_lora`); ValueError when the adapter cannot be
         served, saying why."""
         params = params or SamplingParams()
+        beam = params if isinstance(params, BeamSearchParams) else None
+        if beam is not None:
+            params = beam.sampling_params(len(self.beams.eos_token_ids))
         request_id = str(next(self._request_ids)) if request_id is None else request_id
         if request_id in self.output.requests:
             raise ValueError(f"request id {request_id!r} is already in the engine")
@@ -155,8 +163,15 @@ class LLMEngine:
         adapter = self._adapter(lora_request)
         seq = Sequence(next(self._seq_ids), request_id, self.encode(prompt), params, priority=priority,
                        cache_salt=cache_salt, lora=adapter)
-        accepted = self.scheduler.add(seq)  # False: it can never run, and fails at the next step
+        kv = self.kv_manager
+        too_big = beam and beam_rejection(seq.num_prompt_tokens, beam, kv.block_size, kv.usable_blocks,
+                                          kv.enable_caching, kv.watermark_blocks)
+        if too_big:
+            seq.finish(FinishReason.ERROR, too_big)
+        accepted = not too_big and self.scheduler.add(seq)  # False: it can never run, and fails at the next step
         self.output.add_request(request_id, prompt if isinstance(prompt, str) else None, seq, accepted)
+        if beam is not None and accepted:
+            self.beams.add(request_id, seq, beam)
         return request_id
 
     def _adapter(self, lora_request: LoRARequest | None):
@@ -172,6 +187,7 @@ class LLMEngine:
     def abort(self, request_id: str) -> bool:
         """Stop a request now; it is dropped without an output. False when it is unknown or done."""
         request = self.output.drop(request_id)
+        self.beams.drop(request_id)
         if request is None:
             return False
         for seq in request.seqs:
@@ -199,11 +215,14 @@ class LLMEngine:
         done = self.output.finish_rejected()
         plan = self.scheduler.schedule(self.spec.lookahead(self.scheduler.running) if self.spec else 0)
         done += self.output.finish_failed(plan.failed)
+        if plan.failed:
+            self.beams.settle_lost(self.output)
         if plan.is_empty:  # everything was preempted or failed: the next step admits again
             return done
         self.output.add_forks(plan)
         num_decode_tokens = sum(1 for s in plan.scheduled
                                 if s.num_new_tokens == 1 and s.seq.num_computed_tokens >= s.seq.num_prompt_tokens)
+        undrafted = self.beams.skip_drafts(plan) if self.spec else []
         if self.spec:
             plan.spec_token_ids, plan.spec_draft_probs = self.spec.propose(plan)
         ran = time.perf_counter()
@@ -214,10 +233,17 @@ class LLMEngine:
             raise
         if self.spec:
             self._record_spec(*self.spec.observe(plan, output, time.perf_counter() - ran))
+        if self.beams.groups:
+            self.beams.select(plan, output)  # picks the beams' tokens and forks by their top logprobs
         stops = self.output.stop_strings(plan, output, self.scheduler.kept_tokens)  # {seq_id: stop string}
         finished = self.scheduler.update(plan, output, stops)
+        for seq in undrafted:
+            if not seq.is_finished:
+                self.kv_manager.trim(seq)
         self.output.keep_logprobs(plan, output)
         self._record(plan, plan.num_batched_tokens - num_decode_tokens, output.num_tokens, started)
+        if self.beams.groups:
+            done += self.beams.settle(plan, self.scheduler, self.output, self.tokenizer)
         return done + self.output.finish(finished)
 
     def _record(self, plan, num_prefill_tokens: int, num_sampled: int, started: float) -> None:
@@ -246,6 +272,9 @@ class LLMEngine:
         stats.num_waiting = len(self.scheduler.waiting)
         stats.kv_cache_usage = kv.pool.usage
         stats.num_preemptions = self.scheduler.num_preemptions
+        stats.num_swapped = len(self.scheduler.swapped)
+        stats.kv_blocks_swapped_out = self.scheduler.swap.stats.blocks_swapped_out
+        stats.kv_blocks_swapped_in = self.scheduler.swap.stats.blocks_swapped_in
         stats.prefix_cache_queries = kv.stats.queries
         stats.prefix_cache_hits = kv.stats.hits
         return stats

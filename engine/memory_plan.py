@@ -1,6 +1,8 @@
 """The memory plan, made once at start-up: how many KV blocks fit beside the weights, the activation peak of
 the largest step, the CUDA graphs' pool and the draft proposer (its weights and its KV pool over the same block
-ids). Reads the runner it plans for (its model, shapes and attention factory); builds nothing it keeps."""
+ids). Reads the runner it plans for (its model, shapes and attention factory); builds nothing it keeps. With an
+FP8 KV cache (engine/kv_quant.py) it also fixes the pool's scales (calibrated or given) and counts one byte per
+element."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import torch
 
 from engine.attention.base import allocate_kv_pool, zero_blocks
 from engine.batch import BatchItem, build_step_batch
+from engine.kv_quant import KVScales, kv_scales_for
 from engine.models.llama import head_dim_of
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
@@ -34,6 +37,8 @@ class KVPlan:
     draft_weights_bytes: int = 0
     graph_pool_bytes: int = 0  # CUDA graphs' private memory pool
     other_bytes: int = 0  # CUDA: device memory already used besides the weights (context, other processes)
+    kv_scales: KVScales | None = None  # FP8 pool: its per-layer, per-head scales; None: the model's dtype
+    model_dtype_bytes_per_block: int = 0  # FP8 pool: a block's bytes in the model's dtype, for the log
 
     @property
     def kv_bytes(self) -> int:
@@ -55,7 +60,15 @@ class KVPlan:
                 f"max concurrency at {max_model_len} tokens/request: {tokens / max_model_len:.1f}x; "
                 f"weights {self.weights_bytes / mib:.0f} MiB, "
                 f"activation peak {self.activation_bytes / mib:.0f} MiB{graphs}{draft}; "
-                f"total {self.total_bytes / mib:.0f} MiB of a {self.budget_bytes / mib:.0f} MiB budget")
+                f"total {self.total_bytes / mib:.0f} MiB of a {self.budget_bytes / mib:.0f} MiB budget"
+                + self.describe_fp8())
+
+    def describe_fp8(self) -> str:
+        if self.kv_scales is None:
+            return ""
+        ratio = self.model_dtype_bytes_per_block / self.bytes_per_block
+        return (f"; FP8 (e4m3) blocks of {self.bytes_per_block / 2**10:.0f} KiB instead of "
+                f"{self.model_dtype_bytes_per_block / 2**10:.0f} KiB: {ratio:.2f}x the blocks in the same memory")
 
 
 def available_host_memory() -> int:
@@ -99,12 +112,12 @@ def draft_memory(settings: dict[str, Any] | None, runner) -> tuple[int, int]:
                                        runner.block_size, head_dim_of(hf_config), element)
 
 
-def activation_peak(runner) -> int:
+def activation_peak(runner, kv_scales: KVScales | None = None) -> int:
     """Peak activation memory of the largest step: measured with a profiling forward on CUDA, estimated on CPU."""
     config, model = runner.config, runner.model
     tokens = config.max_num_batched_tokens
     if runner.device.type == "cuda":
-        return profile_forward_peak(runner, tokens, config.max_num_seqs)
+        return profile_forward_peak(runner, tokens, config.max_num_seqs, kv_scales)
     element = runner.dtype.itemsize
     per_token = (4 * model.config.hidden_size + 3 * model.config.intermediate_size
                  + (runner.num_heads + 2 * runner.num_kv_heads) * runner.head_dim * 2) * element
@@ -113,7 +126,7 @@ def activation_peak(runner) -> int:
     return tokens * per_token + attention + logits
 
 
-def graph_pool_peak(runner) -> int:
+def graph_pool_peak(runner, kv_scales: KVScales | None = None) -> int:
     """The CUDA graphs' private pool: graphs keep the intermediate tensors of a decode forward at the largest
     captured batch, beside whatever an eager step allocates. Estimated by the peak of an eager forward of that
     many tokens (the graphs share one pool, largest captured first)."""
@@ -121,11 +134,11 @@ def graph_pool_peak(runner) -> int:
         return 0
     from engine.cuda_graphs import capture_sizes
 
-    return profile_forward_peak(runner, capture_sizes(runner.config.max_num_seqs)[-1], 0)
+    return profile_forward_peak(runner, capture_sizes(runner.config.max_num_seqs)[-1], 0, kv_scales)
 
 
 @torch.inference_mode()
-def profile_forward_peak(runner, num_tokens: int, num_logit_rows: int) -> int:
+def profile_forward_peak(runner, num_tokens: int, num_logit_rows: int, kv_scales: KVScales | None = None) -> int:
     """Bytes a forward of `num_tokens` prompt tokens (sequences of at most max_model_len) and the sampling of
     `num_logit_rows` rows allocate at their peak, beyond what was allocated before; run over a scratch KV pool
     just big enough, whose own size is left out. CUDA only."""
@@ -135,7 +148,7 @@ def profile_forward_peak(runner, num_tokens: int, num_logit_rows: int) -> int:
     torch.cuda.synchronize(device)
     before = torch.cuda.memory_allocated(device)
     k, v = allocate_kv_pool(runner.num_layers, runner.num_kv_heads, num_blocks, bs, runner.head_dim, runner.dtype,
-                            device)
+                            device, kv_scales)
     zero_blocks(k + v, 0, num_blocks)
     scratch = torch.cuda.memory_allocated(device) - before
     attention = runner.make_backend(k, v)
@@ -167,12 +180,14 @@ def plan_kv_cache(runner) -> KVPlan:
     `memory_utilization` of the device for all of it; CPU: at most `cpu_kv_cache_space` for the pools, within
     80% of the host's available memory."""
     config = runner.config
-    per_block = kv_bytes_per_block(runner.num_layers, runner.num_kv_heads, runner.block_size, runner.head_dim,
-                                   runner.dtype.itemsize)
+    kv_scales = kv_scales_for(runner)  # FP8: one byte per element
+    model_dtype_per_block = kv_bytes_per_block(runner.num_layers, runner.num_kv_heads, runner.block_size,
+                                               runner.head_dim, runner.dtype.itemsize)
+    per_block = model_dtype_per_block if kv_scales is None else model_dtype_per_block // runner.dtype.itemsize
     draft_weights, draft_per_block = draft_memory(config.speculative_config, runner)
     weights = sum(p.numel() * p.element_size() for p in runner.model.parameters())
-    activation = activation_peak(runner)
-    graph_pool = graph_pool_peak(runner)
+    activation = activation_peak(runner, kv_scales)
+    graph_pool = graph_pool_peak(runner, kv_scales)
     needed_blocks = config.max_num_seqs * -(-runner.max_model_len // runner.block_size) + 1
     other = 0
     fixed = weights + activation + graph_pool + draft_weights
@@ -200,6 +215,6 @@ def plan_kv_cache(runner) -> KVPlan:
                                f"CUDA graphs {graph_pool / 2**20:.0f} MiB, draft model "
                                f"{draft_weights / 2**20:.0f} MiB, other {other / 2**20:.0f} MiB)")
     plan = KVPlan(int(num_blocks), per_block, weights, activation, int(budget), draft_per_block,
-                  draft_weights, graph_pool, other)
+                  draft_weights, graph_pool, other, kv_scales, model_dtype_per_block)
     log.info(plan.describe(runner.block_size, runner.max_model_len))
     return plan

@@ -11,7 +11,10 @@ class EngineStats:
     num_running: int = 0
     num_waiting: int = 0
     kv_cache_usage: float = 0.0  # 0..1 share of blocks held by running sequences
-    num_preemptions: int = 0
+    num_swapped: int = 0  # requests preempted with their KV in host blocks (engine/swap.py)
+    num_preemptions: int = 0  # recomputed and swapped preemptions
+    kv_blocks_swapped_out: int = 0  # KV blocks copied to host memory by swap preemption
+    kv_blocks_swapped_in: int = 0  # and back
     prompt_tokens: int = 0  # prompt tokens of requests that produced their first token
     generation_tokens: int = 0
     computed_prefill_tokens: int = 0  # prompt/recompute tokens actually run through the model

@@ -15,6 +15,7 @@ from engine import heap
 from engine.attention.base import AttentionBackend, StepBatch, allocate_kv_pool
 from engine.batch import BatchItem, PoolZeroing, build_step_batch
 from engine.config import EngineConfig
+from engine.kv_transfer import KVTransfer
 from engine.lora.manager import LoRAManager
 from engine.memory_plan import plan_kv_cache
 from engine.model_loader import load_model, pick_device, pick_dtype
@@ -61,9 +62,12 @@ class ModelRunner:
         if tp is not None:  # every rank's pool has as many blocks as the smallest plan allows
             self.kv_plan.num_blocks = tp.min_int(self.kv_plan.num_blocks)
         k, v = allocate_kv_pool(self.num_layers, self.num_kv_heads, self.kv_plan.num_blocks, self.block_size,
-                                self.head_dim, self.dtype, self.device)
+                                self.head_dim, self.dtype, self.device, self.kv_plan.kv_scales)
         self.attention = self.make_backend(k, v)
         self.zeroing = PoolZeroing(k + v)
+        # copy-on-write and swap copies of the pool's blocks (swap bookkeeping: engine/swap.py)
+        self.transfer = KVTransfer(self.attention.k_caches + self.attention.v_caches, self.zeroing, self.tensor,
+                                   config.swap_space)
         self.sampler = sampler or Sampler(config.seed)
         self.graphs = None  # decode steps as CUDA graphs (engine/cuda_graphs.py): CUDA and the Triton backend only
         if self.uses_cuda_graphs():
@@ -128,14 +132,6 @@ class ModelRunner:
             return torch.tensor(values, dtype=torch.long, pin_memory=True).to(self.device, non_blocking=True)
         return torch.tensor(values, dtype=torch.long, device=self.device)
 
-    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        """Copy-on-write: duplicate whole blocks (all layers, K and V) before they are written."""
-        src = self.tensor([s for s, _ in copies])
-        dst = self.tensor([d for _, d in copies])
-        self.zeroing.ensure(1 + max(d for _, d in copies))  # before the copy, or zeroing would undo it
-        for cache in self.attention.k_caches + self.attention.v_caches:
-            cache[:, dst] = cache[:, src]
-
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step; returns each sampled sequence's new tokens by id: one sampled token, or the accepted
@@ -148,7 +144,8 @@ class ModelRunner:
             items.append(BatchItem(seq, start, seq.token_ids[start:start + num_new]
                                    + plan.spec_token_ids.get(seq.seq_id, [])))
         batch, rows = self.prepare(items)
-        step = StepInput(plan.block_copies, items, layout.batch_rows(rows))
+        step = StepInput(plan.block_copies, items, layout.batch_rows(rows), plan.blocks_to_swap_out,
+                         plan.blocks_to_swap_in)
         if self.tp is None:
             logits = self.run(step, batch)
         else:
@@ -164,10 +161,9 @@ class ModelRunner:
             self.run(step)
 
     def run(self, step: StepInput, batch: StepBatch | None = None) -> torch.Tensor | None:
-        """Copy blocks, run the model over the step's items (`batch`: their flat batch, when built already);
-        the logits of its sample rows (None without any, and on ranks other than 0)."""
-        if step.block_copies:
-            self.copy_blocks(step.block_copies)
+        """Copy and swap blocks, run the model over the step's items (`batch`: their flat batch, when built
+        already); the logits of its sample rows (None without any, and on ranks other than 0)."""
+        self.transfer.apply(step)
         if batch is None:
             batch, _ = self.prepare(step.items)
         batch.sample_indices = self.tensor(step.sample_rows)

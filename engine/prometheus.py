@@ -115,6 +115,7 @@ class EngineMetrics:
     def _define_gauges(self) -> None:
         self.running = self._metric(Gauge, "num_requests_running", "Requests in the running batch.")
         self.waiting = self._metric(Gauge, "num_requests_waiting", "Requests waiting to be admitted.")
+        self.swapped = self._metric(Gauge, "num_requests_swapped", "Requests preempted with their KV in host memory.")
         self.kv_usage = self._metric(Gauge, "kv_cache_usage_perc",
                                      "Share of KV-cache blocks held by running requests (1 = 100%).")
         self.running_tokens = self._metric(Gauge, "num_tokens_running",
@@ -130,7 +131,9 @@ class EngineMetrics:
         counters = {
             "prompt_tokens": "Prompt tokens of requests that produced their first token.",
             "generation_tokens": "Generated tokens.",
-            "num_preemptions": "Preemptions (a running request dropped its KV to be recomputed later).",
+            "num_preemptions": "Preemptions (a running request's KV dropped to be recomputed, or swapped to host).",
+            "kv_blocks_swapped_out": "KV blocks copied to host memory by swap preemption.",
+            "kv_blocks_swapped_in": "KV blocks copied back from host memory by swap preemption.",
             "prefix_cache_queries": "Prompt tokens looked up in the prefix cache.",
             "prefix_cache_hits": "Prompt tokens found in the prefix cache.",
             "spec_decode_num_draft_tokens": "Speculative draft tokens verified.",
@@ -193,6 +196,8 @@ class EngineMetrics:
             "prompt_tokens": stats.prompt_tokens,
             "generation_tokens": stats.generation_tokens,
             "num_preemptions": stats.num_preemptions,
+            "kv_blocks_swapped_out": stats.kv_blocks_swapped_out,
+            "kv_blocks_swapped_in": stats.kv_blocks_swapped_in,
             "prefix_cache_queries": stats.prefix_cache_queries,
             "prefix_cache_hits": stats.prefix_cache_hits,
             "spec_decode_num_draft_tokens": stats.spec_draft_tokens,
@@ -240,6 +245,7 @@ class EngineMetrics:
         stats, running = self.engine.get_stats(), self.engine.scheduler.running
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
+        self.swapped.set(stats.num_swapped)
         self.kv_usage.set(stats.kv_cache_usage)
         self.running_tokens.set(sum(seq.num_tokens for seq in running))
         self._gauges_at = time.monotonic() if now is None else now

@@ -1,6 +1,7 @@
 """Iteration-level scheduling under a token budget: decoding sequences first (forked samples included),
-then the chunks of running prefills, then (chunked) prefills of waiting ones; recompute preemption when
-blocks run out, of the most recently admitted sequence (fcfs) or the lowest-priority, latest-arrived one.
+then the chunks of running prefills, then swapped-out sequences back in, then (chunked) prefills of waiting ones.
+When blocks run out the most recently admitted sequence (fcfs) or the lowest-priority, latest-arrived one is
+preempted: recomputed later, or swapped out to host blocks and back (engine/swap.py; `preemption_mode`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from engine.block_pool import KVCacheManager
 from engine.sampling_params import context_length_error
 from engine.sequence import FinishReason, Sequence, SequenceStatus
 from engine.step_types import ModelRunnerOutput, ScheduledSeq, SchedulerOutput
+from engine.swap import SWAP_MIN_COMPUTED_TOKENS, SwapSpace
 
 __all__ = ["Scheduler", "SchedulerLimits", "ScheduledSeq", "SchedulerOutput"]
 
@@ -29,15 +31,19 @@ class SchedulerLimits:
     policy: str = "fcfs"  # "fcfs", or "priority": lowest `priority` value first, then arrival
     long_prefill_token_threshold: int = 0  # cap on one prompt's chunk per step (0: only the budget caps it)
     max_loras: int = 0  # distinct LoRA adapters running at once (0: no adapters served)
+    preemption_mode: str | None = None  # "recompute", "swap", or None: by the victim's computed tokens
 
 
 class Scheduler:
-    """Owns the waiting queue and the running list; mutates sequences' block tables and counters."""
+    """Owns the waiting queue, the running list and the swapped queue; mutates sequences' block tables and
+    counters. `swap`: the host block pool swapped-out sequences go to (none: every preemption recomputes)."""
 
     def __init__(self, limits: SchedulerLimits, kv: KVCacheManager, eos_token_ids: frozenset[int] = frozenset(),
-                 next_seq_id: Callable[[], int] | None = None):
+                 next_seq_id: Callable[[], int] | None = None, swap: SwapSpace | None = None):
         self.limits = limits
         self.kv = kv
+        self.swap = swap or SwapSpace(0)
+        self.swapped: deque[Sequence] = deque()  # preempted with their KV in host blocks, served before waiting
         self.eos_token_ids = eos_token_ids
         self.next_seq_id = next_seq_id or itertools.count(1 << 40).__next__
         self.waiting: deque[Sequence] = deque()
@@ -46,7 +52,7 @@ class Scheduler:
 
     @property
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.swapped)
 
     def rejection_reason(self, seq: Sequence) -> str | None:
         """Why seq can never run here, or None when it can."""
@@ -75,23 +81,28 @@ class Scheduler:
         self._enqueue(seq)
         return True
 
-    def _enqueue(self, seq: Sequence, front: bool = False) -> None:
-        """fcfs: the back of the queue (the front for a preempted sequence); priority: by (priority, arrival)."""
+    def _enqueue(self, seq: Sequence, front: bool = False, queue: deque[Sequence] | None = None) -> None:
+        """fcfs: the back of the queue (the front for a preempted sequence); priority: by (priority, arrival).
+        `queue`: the waiting queue unless given."""
+        queue = self.waiting if queue is None else queue
         if self.limits.policy == "priority":
-            self.waiting.insert(bisect.bisect_right(self.waiting, _priority_key(seq), key=_priority_key), seq)
+            queue.insert(bisect.bisect_right(queue, _priority_key(seq), key=_priority_key), seq)
         elif front:
-            self.waiting.appendleft(seq)
+            queue.appendleft(seq)
         else:
-            self.waiting.append(seq)
+            queue.append(seq)
 
     def schedule(self, num_spec_tokens: int = 0) -> SchedulerOutput:
         """Plan one step. With `num_spec_tokens`, decoding sequences also get KV slots (and budget) for up
         to that many draft tokens, recorded in `spec_lookahead`; drafts are dropped before anything is
         preempted for them. A waiting sequence that cannot be scheduled even with nothing running is
-        finished with an error (in `failed`), so no request can stall the others."""
+        finished with an error (in `failed`), so no request can stall the others. Swapped-out sequences come back
+        before any waiting one is admitted (as vLLM v0), and none in a step that preempts."""
         out = SchedulerOutput()
         budget = self._schedule_running(out, num_spec_tokens)
-        blocked = None if out.preempted else self._schedule_waiting(out, budget)
+        if not out.preempted:
+            budget = self._schedule_swapped(out, budget)
+        blocked = None if out.preempted or self.swapped else self._schedule_waiting(out, budget)
         if blocked is not None and not out.scheduled and not self.running:
             seq, why = blocked
             self.finish(seq, FinishReason.ERROR)
@@ -101,6 +112,8 @@ class Scheduler:
             if sample and seq.fork_pending:
                 out.forks[seq.seq_id] = [seq.fork(self.next_seq_id(), i) for i in range(1, seq.params.n)]
         out.block_copies = self.kv.take_copies()
+        if out.scheduled:  # a step runs: the swap-outs planned so far are copied first (else they wait for one)
+            out.blocks_to_swap_out = self.swap.take_swap_outs()
         return out
 
     def _schedule_running(self, out: SchedulerOutput, num_spec_tokens: int) -> int:
@@ -160,6 +173,26 @@ class Scheduler:
             out.scheduled.append(self._scheduled(seq, num_new))
             budget -= num_new
         return None
+
+    def _schedule_swapped(self, out: SchedulerOutput, budget: int) -> int:
+        """Swap sequences back in, in queue order, while their blocks and next tokens fit; returns the budget left."""
+        while self.swapped and budget > 0:
+            seq = self.swapped[0]
+            if (not self._adapter_fits(seq)
+                    or len(self.running) + (seq.params.n if seq.fork_pending else 1) > self.limits.max_num_seqs):
+                break
+            num_new = self._chunk(seq.num_uncomputed_tokens, budget)
+            if not self.swap.can_swap_in(seq, self.kv, num_new, keep_watermark=bool(self.running)):
+                break
+            self.swapped.popleft()
+            out.blocks_to_swap_in += self.swap.swap_in(seq, self.kv)
+            if not self.kv.allocate_slots(seq, num_new):
+                raise RuntimeError("swap-in check and allocation disagree")
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append(self._scheduled(seq, num_new))
+            budget -= num_new
+        return budget
 
     def _adapter_fits(self, seq: Sequence) -> bool:
         """Can seq run beside the running sequences without more than `max_loras` distinct adapters?"""
@@ -236,15 +269,33 @@ class Scheduler:
         return ScheduledSeq(seq, num_new, seq.num_computed_tokens + num_new == seq.num_tokens)
 
     def _preempt(self, seq: Sequence) -> None:
-        """Recompute preemption: drop seq's KV and send it back to the waiting queue (fcfs: its front)."""
+        """Swap seq out to host blocks and queue it among the swapped (fcfs: at the front), when the preemption mode
+        picks swapping and the swap space has room; else drop its KV and send it back to the waiting queue to be
+        recomputed (fcfs: its front). A draft model's KV is recomputed either way (its pool is not swapped)."""
         self.running.remove(seq)
-        self.kv.free(seq)
-        seq.num_computed_tokens = 0
         seq.draft_computed_tokens = 0
-        seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
+        if self._swaps(seq) and self.swap.swap_out(seq, self.kv):
+            seq.status = SequenceStatus.SWAPPED
+            self._enqueue(seq, front=True, queue=self.swapped)
+            return
+        self.kv.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
         self._enqueue(seq, front=True)
+
+    def preempt(self, seq: Sequence) -> None:
+        """Preempt a running sequence between steps (a beam whose sibling was preempted: beams run together)."""
+        if seq.status is SequenceStatus.RUNNING:
+            self._preempt(seq)
+
+    def _swaps(self, seq: Sequence) -> bool:
+        """Is seq swapped rather than recomputed (when the swap space has room)?"""
+        mode = self.limits.preemption_mode
+        if mode is None:
+            return seq.num_computed_tokens >= SWAP_MIN_COMPUTED_TOKENS
+        return mode == "swap"
 
     def update(self, out: SchedulerOutput, output: ModelRunnerOutput,
                stopped: dict[int, str] | None = None) -> list[Sequence]:
@@ -302,11 +353,14 @@ class Scheduler:
         return True
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
-        """Finish a waiting or running sequence and release its blocks."""
+        """Finish a waiting, running or swapped sequence and release its blocks (host blocks too)."""
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
+        elif seq.status is SequenceStatus.SWAPPED:
+            self.swapped.remove(seq)
+            self.swap.free(seq)
         self.kv.free(seq)
         seq.finish(reason)
 

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    SWAPPED = "swapped"  # preempted with its KV in host blocks (engine/swap.py); resumes without recomputing
     FINISHED = "finished"
 
 
@@ -44,6 +45,7 @@ class Sequence:
     token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
+    host_block_table: list[int] = field(default_factory=list)  # its KV blocks in the swap space while SWAPPED
     priority: int = 0  # lower runs first under the "priority" scheduling policy
     cache_salt: str | None = None  # prefix-cache blocks are shared only between requests with the same salt
     lora: LoRAAdapter | None = None  # the adapter it runs with (engine/lora/); None: the base model

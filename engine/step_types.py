@@ -31,6 +31,8 @@ class SchedulerOutput:
     spec_token_ids: dict[int, list[int]] = field(default_factory=dict)  # seq_id -> drafts verified this step
     spec_draft_probs: dict[int, torch.Tensor] = field(default_factory=dict)  # seq_id -> [drafts, vocab], draft models
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst) blocks
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host) blocks, copied first
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device), before the forward
     failed: list[Sequence] = field(default_factory=list)  # waiting sequences that could never be scheduled
 
     def sample_groups(self) -> list[tuple[Sequence, list[Sequence]]]:
@@ -108,11 +110,14 @@ class SeqBlocks(NamedTuple):
 
 class StepInput(NamedTuple):
     """What the model runs in one step: copy-on-write block copies, each sequence's tokens this step
-    (`batch.BatchItem`s) and the flat-batch rows whose logits are sampled."""
+    (`batch.BatchItem`s), the flat-batch rows whose logits are sampled, and the blocks swapped out to and in from
+    the host (`SchedulerOutput`'s pairs)."""
 
     block_copies: list[tuple[int, int]]
     items: list
     sample_rows: list[int]
+    blocks_to_swap_out: list[tuple[int, int]] = []
+    blocks_to_swap_in: list[tuple[int, int]] = []
 
     def for_ranks(self) -> StepInput:
         """This step as plain data, the sequences reduced to their ids and block tables."""

@@ -10,7 +10,15 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from engine.config import BACKENDS, DEFAULT_MODEL, DTYPES, FLOAT32_MATMUL_PRECISIONS, SCHEDULING_POLICIES
+from engine.config import (
+    BACKENDS,
+    DEFAULT_MODEL,
+    DTYPES,
+    FLOAT32_MATMUL_PRECISIONS,
+    KV_CACHE_DTYPES,
+    PREEMPTION_MODES,
+    SCHEDULING_POLICIES,
+)
 
 INVARIANT_CHOICES = {"auto": "auto", "on": True, "off": False}
 DATABASE_HELP = ("SQLAlchemy database URL, e.g. postgresql+psycopg://user@host/db (default: $TOKENMILL_DATABASE_URL, "
@@ -46,6 +54,13 @@ def add_engine_options(parser: argparse.ArgumentParser, lora: str | None = None)
     group.add_argument("--num-kv-blocks", type=int, help="KV pool size in blocks (default: from the memory budget)")
     group.add_argument("--kv-cache-memory", type=float, metavar="GIB",
                        help="KV pool size in GiB (default: up to 4 GiB on CPU, 90%% of free memory on CUDA)")
+    group.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                       help="KV blocks in the model's dtype (auto), or fp8 (= fp8_e4m3): one byte per element with a "
+                            "scale per layer and KV head, calibrated at start-up, so about twice the blocks of "
+                            "bfloat16 in the same memory (docs/kv-cache-fp8.md) (default: auto)")
+    group.add_argument("--kv-cache-scales", metavar="JSON",
+                       help="FP8 KV cache: the scales from this JSON file ({\"k\": [[per head] per layer], "
+                            "\"v\": ...}) instead of calibrating (default: calibrate)")
     group.add_argument("--no-prefix-caching", action="store_true", help="turn automatic prefix caching off")
     group.add_argument("--admission-lookahead", type=int, default=32, metavar="N",
                        help="waiting requests searched for the longest cached prefix when admitting (1: strict "
@@ -56,6 +71,13 @@ def add_engine_options(parser: argparse.ArgumentParser, lora: str | None = None)
     group.add_argument("--long-prefill-token-threshold", type=int, default=0, metavar="TOKENS",
                        help="cap on one prompt's prefill chunk per step, so long prompts share steps with other "
                             "prefills and decodes (default: 0, off, as vLLM with one partial prefill)")
+    group.add_argument("--preemption-mode", choices=PREEMPTION_MODES,
+                       help="when KV blocks run out, a preempted request's KV is dropped and recomputed later "
+                            "(recompute) or copied to host memory and back (swap, while --swap-space has room) "
+                            "(default: swap requests with at least 256 computed tokens, recompute shorter ones; "
+                            "docs/swap.md)")
+    group.add_argument("--swap-space", type=float, metavar="GIB",
+                       help="host memory for swapped-out KV blocks, taken as used (default: 4)")
     group.add_argument("--attention-backend", choices=BACKENDS, default="auto",
                        help="paged attention implementation (auto: triton on CUDA, torch on CPU)")
     group.add_argument("--threads", type=int, help="CPU threads for torch, per rank (default: torch's choice; with "
@@ -111,6 +133,14 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     )
     if args.kv_cache_memory is not None:
         kwargs["kv_cache_memory"] = int(args.kv_cache_memory * 2**30)
+    if args.preemption_mode is not None:  # only when set: an engine's settings as without the options
+        kwargs["preemption_mode"] = args.preemption_mode
+    if args.swap_space is not None:
+        kwargs["swap_space"] = args.swap_space
+    if args.kv_cache_dtype != "auto":  # only when set: an engine's settings as without the option
+        kwargs["kv_cache_dtype"] = args.kv_cache_dtype
+    if args.kv_cache_scales:
+        kwargs["kv_cache_scales"] = args.kv_cache_scales
     kwargs.update(lora_engine_kwargs(args))
     if args.speculative_method:
         kwargs["speculative_config"] = {"method": args.speculative_method,

@@ -2,6 +2,8 @@
 
 KV pool layout, per layer, for K and for V: [num_kv_heads, num_blocks, block_size, head_dim].
 Head-major, so the blocks of one head gathered for a batch are already [batch, length, head_dim].
+An FP8 pool (engine/kv_quant.py) holds e4m3 bytes; its lists carry each layer's per-head scales, and attention
+dequantises what it reads into the model's dtype.
 """
 
 from __future__ import annotations
@@ -9,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from engine.kv_quant import FP8_DTYPE, KVScales
 
 
 @dataclass
@@ -65,6 +69,9 @@ class AttentionBackend:
         self.k_caches = k_caches
         self.v_caches = v_caches
         self.num_kv_heads, self.num_blocks, self.block_size, self.head_dim = k_caches[0].shape
+        self.dtype = getattr(k_caches, "compute_dtype", k_caches[0].dtype)  # what attention computes in
+        self.k_scales = getattr(k_caches, "scales", None)  # FP8 pools: [layers, Hkv] float32 on the pools' device
+        self.v_scales = getattr(v_caches, "scales", None)
         self.num_q_heads = num_q_heads
         self.group = num_q_heads // self.num_kv_heads
 
@@ -94,13 +101,28 @@ def per_token_tables(batch: StepBatch) -> torch.Tensor:
     return tables.repeat_interleave(torch.tensor(query_lens, device=tables.device), dim=0)
 
 
+class KVPools(list):
+    """One layer's pool per entry, K's or V's; `scales` [layers, Hkv] (float32) where they hold FP8 bytes, and the
+    model's dtype, which attention computes in."""
+
+    def __init__(self, pools: list[torch.Tensor], compute_dtype: torch.dtype, scales: torch.Tensor | None) -> None:
+        super().__init__(pools)
+        self.compute_dtype = compute_dtype
+        self.scales = scales
+
+
 def allocate_kv_pool(num_layers: int, num_kv_heads: int, num_blocks: int, block_size: int, head_dim: int,
-                     dtype: torch.dtype, device: torch.device) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Uninitialised K and V pools; see `zero_blocks`, which the runner applies before first use."""
+                     dtype: torch.dtype, device: torch.device, scales: KVScales | None = None
+                     ) -> tuple[KVPools, KVPools]:
+    """Uninitialised K and V pools; see `zero_blocks`, which the runner applies before first use. With `scales`,
+    FP8 pools (e4m3, one byte per element) read by a model of `dtype`."""
     shape = (num_kv_heads, num_blocks, block_size, head_dim)
-    k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-    v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-    return k, v
+    element = FP8_DTYPE if scales is not None else dtype
+    k = [torch.empty(shape, dtype=element, device=device) for _ in range(num_layers)]
+    v = [torch.empty(shape, dtype=element, device=device) for _ in range(num_layers)]
+    k_scales = scales.k.to(device=device, dtype=torch.float32).contiguous() if scales is not None else None
+    v_scales = scales.v.to(device=device, dtype=torch.float32).contiguous() if scales is not None else None
+    return KVPools(k, dtype, k_scales), KVPools(v, dtype, v_scales)
 
 
 def zero_blocks(caches: list[torch.Tensor], start: int, end: int) -> None:

@@ -2,7 +2,8 @@
 (keyed by the sources' hash and the CPU's flags), loaded with ctypes, called on tensors' memory:
 
 - paged decode attention (paged_decode.c) reads keys and values straight from the block pool, where the torch
-  path first gathers every sequence's blocks into a padded copy (`TOKENMILL_CPU_ATTENTION_KERNEL=0`: torch);
+  path first gathers every sequence's blocks into a padded copy (`TOKENMILL_CPU_ATTENTION_KERNEL=0`: torch); from
+  FP8 pools too (engine/kv_quant.py), dequantising as it reads, and `write_kv` quantises into them;
 - a decoder layer's elementwise steps fused (layer_ops.c): RMSNorm with its residual add, RoPE in place,
   SiLU(gate) * up, one pass each instead of several torch ops (`TOKENMILL_CPU_LAYER_OPS=0`: torch);
 - an encoder layer's attention over packed rows of any lengths, with no padding, and its residual add +
@@ -29,6 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from engine.kv_quant import FP8_DTYPE
 
 log = logging.getLogger("tokenmill.attention")
 
@@ -67,8 +70,9 @@ def _library() -> ctypes.CDLL | None:
     log.info("CPU kernels: %s", target)
     library = ctypes.CDLL(str(target))
     i64, ptr, f32, threads = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
-    signatures = {"paged_decode": [ptr, i64, ptr, ptr, ptr, i64, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64,
-                                   f32, threads],
+    decode = [ptr, i64, ptr, ptr, ptr, i64, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, f32, ptr, ptr, threads]
+    signatures = {"paged_decode": decode, "paged_decode_fp8": decode,
+                  "write_kv_fp8": [ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, ptr, ptr, threads],
                   "write_kv": [ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, threads],
                   "rms_norm": [ptr, ptr, ptr, ptr, i64, i64, f32, threads],
                   "rope": [ptr, i64, ptr, ptr, ptr, i64, i64, i64, threads],
@@ -121,12 +125,14 @@ def available(dtype: torch.dtype = torch.float32) -> bool:
 
 
 def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,
-                 context_lens: torch.Tensor, first_block: int = 0, with_lse: bool = False
+                 context_lens: torch.Tensor, first_block: int = 0, with_lse: bool = False,
+                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """q [S, Hq * D] float32 or bfloat16 (the pools' dtype), each row contiguous, rows at any stride (e.g. the
-    query columns of the QKV projection); pools [Hkv, NB, BS, D]; tables [S, B] int32 contiguous (blocks from
-    `first_block` on are attended); context_lens [S] int32, tokens from that block on. Returns the attention
-    output [S, Hkv, G, D] and, with `with_lse`, each row's log-sum-exp [S, Hkv, G]."""
+    """q [S, Hq * D] float32 or bfloat16, each row contiguous, rows at any stride (e.g. the query columns of the
+    QKV projection); pools [Hkv, NB, BS, D] of q's dtype, or float8_e4m3fn with their heads' scales `k_scale`,
+    `v_scale` [Hkv] (float32, contiguous); tables [S, B] int32 contiguous (blocks from `first_block` on are
+    attended); context_lens [S] int32, tokens from that block on. Returns the attention output [S, Hkv, G, D] and,
+    with `with_lse`, each row's log-sum-exp [S, Hkv, G]."""
     library = _library()
     num_kv_heads, num_blocks, block_size, head_dim = k_pool.shape
     num_seqs = q.shape[0]
@@ -135,24 +141,30 @@ def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, ta
     group = q.shape[1] // (num_kv_heads * head_dim)
     out = torch.empty((num_seqs, num_kv_heads, group, head_dim), dtype=q.dtype)
     lse = torch.empty(out.shape[:3], dtype=torch.float32) if with_lse else None
-    function = getattr(library, f"paged_decode_{SUFFIXES[q.dtype]}")
+    fp8 = k_pool.dtype == FP8_DTYPE
+    function = getattr(library, f"paged_decode_{'fp8_' if fp8 else ''}{SUFFIXES[q.dtype]}")
     function(q.data_ptr(), q.stride(0), k_pool.data_ptr(), v_pool.data_ptr(), tables.data_ptr(), tables.stride(0),
              first_block, context_lens.data_ptr(), out.data_ptr(), lse.data_ptr() if lse is not None else None,
              num_seqs, num_kv_heads, group, head_dim, num_blocks, block_size, head_dim ** -0.5,
-             torch.get_num_threads())
+             k_scale.data_ptr() if fp8 else None, v_scale.data_ptr() if fp8 else None, torch.get_num_threads())
     return out, lse
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-             slots: torch.Tensor) -> None:
+             slots: torch.Tensor, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
     """Store token i's keys and values (k, v [T, Hkv * D], each row contiguous, rows at a common stride) at slot
-    slots[i] (int64) of every head of the pools [Hkv, NB, BS, D]."""
+    slots[i] (int64) of every head of the pools [Hkv, NB, BS, D]; into float8_e4m3fn pools quantised by their
+    heads' scales `k_scale`, `v_scale` [Hkv] (as kv_quant.quantize: saturated, rounded to nearest even)."""
     num_kv_heads, num_blocks, block_size, head_dim = k_pool.shape
     if k.stride(1) != 1 or v.stride(1) != 1 or k.stride(0) != v.stride(0):
         k, v = k.contiguous(), v.contiguous()
-    function = getattr(_library(), f"write_kv_{SUFFIXES[k.dtype]}")
-    function(k.data_ptr(), v.data_ptr(), k.stride(0), k_pool.data_ptr(), v_pool.data_ptr(), slots.data_ptr(),
-             k.shape[0], num_kv_heads, head_dim, num_blocks * block_size, torch.get_num_threads())
+    args = [k.data_ptr(), v.data_ptr(), k.stride(0), k_pool.data_ptr(), v_pool.data_ptr(), slots.data_ptr(),
+            k.shape[0], num_kv_heads, head_dim, num_blocks * block_size]
+    if k_pool.dtype == FP8_DTYPE:
+        getattr(_library(), f"write_kv_fp8_{SUFFIXES[k.dtype]}")(*args, k_scale.data_ptr(), v_scale.data_ptr(),
+                                                                  torch.get_num_threads())
+    else:
+        getattr(_library(), f"write_kv_{SUFFIXES[k.dtype]}")(*args, torch.get_num_threads())
 
 
 def lora(x: torch.Tensor, out: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
@@ -355,7 +367,8 @@ class _DecodeStep(ctypes.Structure):  # decode_step in decode_layers.c
                                                     "num_blocks", "block_size", "table_stride")] \
         + [(name, ctypes.c_void_p) for name in ("positions", "slots", "tables", "context_lens", "cos_table",
                                                 "sin_table", "k_pools", "v_pools", "lora_slots")] \
-        + [("lora_num_slots", ctypes.c_int64)] + [(name, ctypes.c_void_p) for name in ("lora_a", "lora_b", "lora_rank")]
+        + [("lora_num_slots", ctypes.c_int64)] \
+        + [(name, ctypes.c_void_p) for name in ("lora_a", "lora_b", "lora_rank", "k_scales", "v_scales")]
 
 
 @dataclass
@@ -402,7 +415,7 @@ class DecodeLayers:
             w.qkv.data_ptr(), w.o.data_ptr(), w.gate_up.data_ptr(), w.down.data_ptr(),
             *(b.data_ptr() if b is not None else None for b in w.biases), w.input_norm.data_ptr(),
             w.post_norm.data_ptr(), w.input_eps, w.post_eps) for w in layers))
-        self._pools: tuple | None = None  # (k_pools, v_pools, their pointer arrays) of the last call
+        self._pools: tuple | None = None  # (k_pools, v_pools, their pointer arrays, FP8 scales' or None) of last call
         self.seconds = (ctypes.c_double * 3)()
 
     def run(self, residual: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
@@ -410,18 +423,24 @@ class DecodeLayers:
             v_pools: list[torch.Tensor], num_layers: int | None = None, lora: DecodeLoRA | None = None) -> torch.Tensor:
         """residual [tokens, hidden] (the embeddings; updated in place) -> the last layer's output through the
         final norm, after `num_layers` layers (default all). positions, slots: int64 per token; tables [tokens,
-        blocks] and context_lens, int32: the decode kernel's; k_pools, v_pools: each layer's [Hkv, NB, BS, D]."""
+        blocks] and context_lens, int32: the decode kernel's; k_pools, v_pools: each layer's [Hkv, NB, BS, D], of the
+        model's dtype or FP8 (base.KVPools, with their scales)."""
         heads, kv_heads, head_dim, inter = self.shape
         tokens, hidden = residual.shape
         if self._pools is None or self._pools[0] is not k_pools or self._pools[1] is not v_pools:
             pointers = ctypes.c_void_p * len(k_pools)
+            k_scales, v_scales = getattr(k_pools, "scales", None), getattr(v_pools, "scales", None)
+            scales = None if k_scales is None else (pointers(*(row.data_ptr() for row in k_scales)),
+                                                    pointers(*(row.data_ptr() for row in v_scales)))
             self._pools = (k_pools, v_pools, pointers(*(t.data_ptr() for t in k_pools)),
-                           pointers(*(t.data_ptr() for t in v_pools)))
+                           pointers(*(t.data_ptr() for t in v_pools)), scales)
         num_blocks, block_size = k_pools[0].shape[1:3]
         step = _DecodeStep(tokens, hidden, heads, kv_heads, head_dim, inter, num_blocks, block_size, tables.stride(0),
                            positions.data_ptr(), slots.data_ptr(), tables.data_ptr(), context_lens.data_ptr(),
                            rope[0].data_ptr(), rope[1].data_ptr(), ctypes.addressof(self._pools[2]),
                            ctypes.addressof(self._pools[3]))
+        if self._pools[4] is not None:
+            step.k_scales, step.v_scales = ctypes.addressof(self._pools[4][0]), ctypes.addressof(self._pools[4][1])
         if lora is not None:
             step.lora_slots, step.lora_num_slots = lora.slots.data_ptr(), lora.num_slots
             step.lora_a, step.lora_b = ctypes.addressof(lora.lora_a), ctypes.addressof(lora.lora_b)

@@ -8,6 +8,9 @@ through the log-sum-exp of both parts.
 
 Batch-invariant mode sends every token, decode or prefill, through the CPU decode kernel as one query over its own
 sequence's blocks up to its position: blocks in table order, the same arithmetic whatever else is in the step.
+
+FP8 pools (engine/kv_quant.py): writes quantise with the head's scale; the decode kernel dequantises as it reads;
+the gathering paths dequantise the rows they gathered (never the whole pool).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import torch.nn.functional as F
 
 from engine.attention import cpu_kernel
 from engine.attention.base import AttentionBackend, PrefillGroup, StepBatch, per_token_tables, shared_prefix_blocks
+from engine.kv_quant import dequantize, quantize
 
 MIN_SHARED_BLOCKS = 4  # below this, reading the shared prefix per sequence costs less than a second pass
 
@@ -111,7 +115,6 @@ class TorchAttention(AttentionBackend):
     name = "torch"
 
     def begin_step(self, batch: StepBatch) -> None:
-        self.dtype = self.k_caches[0].dtype
         device = batch.slot_mapping.device
         heads = torch.arange(self.num_kv_heads, device=device)
         use_kernel = self._use_kernel(device)
@@ -150,7 +153,7 @@ class TorchAttention(AttentionBackend):
 
     def set_batch_invariant(self, on: bool) -> None:
         pool = self.k_caches[0]
-        if on and not (pool.device.type == "cpu" and cpu_kernel.available(pool.dtype)):
+        if on and not (pool.device.type == "cpu" and cpu_kernel.available(self.dtype)):
             raise RuntimeError("batch_invariant with the torch backend needs the CPU attention kernel: a CPU pool, a "
                                "C compiler (cc), float32 or bfloat16, and TOKENMILL_CPU_ATTENTION_KERNEL unset; on "
                                "CUDA use attention_backend='triton'")
@@ -230,20 +233,18 @@ class TorchAttention(AttentionBackend):
         num_tokens = q.shape[0]
         hkv, d, g = self.num_kv_heads, self.head_dim, self.group
         k_pool, v_pool = self.k_caches[layer], self.v_caches[layer]
+        k_scale, v_scale = self._scales(layer)
         if self.kernel_slots is not None:
-            cpu_kernel.write_kv(k, v, k_pool, v_pool, self.kernel_slots)
+            cpu_kernel.write_kv(k, v, k_pool, v_pool, self.kernel_slots, k_scale, v_scale)
         else:
-            k_pool.view(-1, d).index_copy_(0, self.write_index,
-                                           k.view(num_tokens, hkv, d).transpose(0, 1).reshape(-1, d))
-            v_pool.view(-1, d).index_copy_(0, self.write_index,
-                                           v.view(num_tokens, hkv, d).transpose(0, 1).reshape(-1, d))
-        k_rows = k_pool.view(hkv * self.num_blocks, self.block_size * d)
-        v_rows = v_pool.view(hkv * self.num_blocks, self.block_size * d)
+            self._store(k_pool, k.view(num_tokens, hkv, d), k_scale)
+            self._store(v_pool, v.view(num_tokens, hkv, d), v_scale)
+        k_rows, v_rows = self._pool_rows(layer)
         out = torch.empty_like(q)
         for grp in self.groups:
             q_grp = q[grp.start:grp.start + grp.num_tokens]
             if grp.kernel_tables is not None:
-                out[grp.start:grp.start + grp.num_tokens] = self._kernel_decode(q_grp, grp, layer, k_rows, v_rows)
+                out[grp.start:grp.start + grp.num_tokens] = self._kernel_decode(q_grp, grp, layer)
                 continue
             lq = grp.max_query_len
             if lq == 1:  # decode: one query row per sequence
@@ -252,12 +253,12 @@ class TorchAttention(AttentionBackend):
                 padded = q_grp if grp.pad_index is None else q_grp.index_select(0, grp.pad_index)
                 queries = padded.view(grp.num_seqs, lq, hkv, g, d).permute(2, 0, 3, 1, 4).reshape(hkv, grp.num_seqs,
                                                                                                   g * lq, d)
-            keys = k_rows.index_select(0, grp.gather_index).view(hkv, grp.num_seqs, grp.suffix_len, d)
-            values = v_rows.index_select(0, grp.gather_index).view(hkv, grp.num_seqs, grp.suffix_len, d)
+            keys = self._read(k_rows, grp.gather_index, k_scale).view(hkv, grp.num_seqs, grp.suffix_len, d)
+            values = self._read(v_rows, grp.gather_index, v_scale).view(hkv, grp.num_seqs, grp.suffix_len, d)
             if grp.prefix_index is None:
                 attn = F.scaled_dot_product_attention(queries, keys, values, attn_mask=grp.mask)
             else:
-                attn = self._cascade(queries, keys, values, grp, k_rows, v_rows).to(q.dtype)
+                attn = self._cascade(queries, keys, values, grp, layer).to(q.dtype)
             if lq == 1:
                 out[grp.start:grp.start + grp.num_tokens] = attn.transpose(0, 1).reshape(grp.num_tokens, -1)
             else:
@@ -266,14 +267,42 @@ class TorchAttention(AttentionBackend):
                 out[grp.start:grp.start + grp.num_tokens] = rows
         return out
 
-    def _kernel_decode(self, q_grp: torch.Tensor, grp: _Group, layer: int, k_rows, v_rows) -> torch.Tensor:
+    def _scales(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The layer's per-head K and V scales [Hkv] of an FP8 pool; (None, None) for a pool of the model's dtype."""
+        if self.k_scales is None:
+            return None, None
+        return self.k_scales[layer], self.v_scales[layer]
+
+    def _store(self, pool: torch.Tensor, x: torch.Tensor, scale: torch.Tensor | None) -> None:
+        """x [T, Hkv, D] into the pool at the step's slots, quantised with `scale` into an FP8 pool."""
+        d = self.head_dim
+        if scale is not None:  # index_copy_ has no float8 kernel on CPU: copy the bytes
+            pool, x = pool.view(torch.uint8), quantize(x, scale).view(torch.uint8)
+        pool.view(-1, d).index_copy_(0, self.write_index, x.transpose(0, 1).reshape(-1, d))
+
+    def _read(self, rows: torch.Tensor, index: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+        """Rows `index` (head-major) of a pool's [Hkv * NB, BS * D] view, in the model's dtype: FP8 rows are
+        dequantised after the gather, only those."""
+        gathered = rows.index_select(0, index)
+        if scale is None:
+            return gathered
+        return dequantize(gathered.view(self.num_kv_heads, -1), scale, self.dtype).view(gathered.shape)
+
+    def _pool_rows(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        shape = (self.num_kv_heads * self.num_blocks, self.block_size * self.head_dim)
+        return self.k_caches[layer].view(shape), self.v_caches[layer].view(shape)
+
+    def _kernel_decode(self, q_grp: torch.Tensor, grp: _Group, layer: int) -> torch.Tensor:
         hkv, g, d = self.num_kv_heads, self.group, self.head_dim
+        k_scale, v_scale = self._scales(layer)
         out, lse = cpu_kernel.paged_decode(q_grp, self.k_caches[layer], self.v_caches[layer], grp.kernel_tables,
-                                           grp.kernel_context_lens, with_lse=grp.prefix_index is not None)
+                                           grp.kernel_context_lens, with_lse=grp.prefix_index is not None,
+                                           k_scale=k_scale, v_scale=v_scale)
         if grp.prefix_index is not None:  # merge with the shared prefix, attended once for all (as in _cascade)
             queries = q_grp.reshape(grp.num_seqs, hkv, g, d)
-            prefix_k = k_rows.index_select(0, grp.prefix_index).view(hkv, 1, grp.prefix_len, d)
-            prefix_v = v_rows.index_select(0, grp.prefix_index).view(hkv, 1, grp.prefix_len, d)
+            k_rows, v_rows = self._pool_rows(layer)
+            prefix_k = self._read(k_rows, grp.prefix_index, k_scale).view(hkv, 1, grp.prefix_len, d)
+            prefix_v = self._read(v_rows, grp.prefix_index, v_scale).view(hkv, 1, grp.prefix_len, d)
             flat_q = queries.transpose(0, 1).reshape(hkv, 1, -1, d)
             out_prefix, lse_prefix = attend_with_lse(flat_q, prefix_k, prefix_v, None)
             out_prefix = out_prefix.view(hkv, grp.num_seqs, g, d).transpose(0, 1)
@@ -283,11 +312,13 @@ class TorchAttention(AttentionBackend):
             out = out_prefix * torch.exp(lse_prefix - total) + out * torch.exp(lse_suffix - total)
         return out.reshape(grp.num_seqs, -1)
 
-    def _cascade(self, queries, keys, values, grp: _Group, k_rows, v_rows) -> torch.Tensor:
+    def _cascade(self, queries, keys, values, grp: _Group, layer: int) -> torch.Tensor:
         """Shared prefix once for all queries of the group, each suffix on its own, merged by log-sum-exp."""
         hkv, d = self.num_kv_heads, self.head_dim
-        prefix_k = k_rows.index_select(0, grp.prefix_index).view(hkv, grp.prefix_len, d)
-        prefix_v = v_rows.index_select(0, grp.prefix_index).view(hkv, grp.prefix_len, d)
+        k_rows, v_rows = self._pool_rows(layer)
+        k_scale, v_scale = self._scales(layer)
+        prefix_k = self._read(k_rows, grp.prefix_index, k_scale).view(hkv, grp.prefix_len, d)
+        prefix_v = self._read(v_rows, grp.prefix_index, v_scale).view(hkv, grp.prefix_len, d)
         flat_q = queries.reshape(hkv, 1, -1, d)
         out_prefix, lse_prefix = attend_with_lse(flat_q, prefix_k[:, None], prefix_v[:, None], None)
         out_prefix, lse_prefix = out_prefix.view(queries.shape), lse_prefix.view(*queries.shape[:-1], 1)

@@ -60,13 +60,14 @@ class TritonAttention(AttentionBackend):
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         k_pool, v_pool = self.k_caches[layer], self.v_caches[layer]
-        kernels.write_kv(k, v, k_pool, v_pool, self.slot_mapping)
+        scales = (self.k_scales[layer], self.v_scales[layer]) if self.k_scales is not None else (None, None)
+        kernels.write_kv(k, v, k_pool, v_pool, self.slot_mapping, *scales)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         nd = self.num_decodes
         if nd:
             kernels.paged_decode_attention(q[:nd], k_pool, v_pool, out[:nd], self.decode_tables,
-                                           self.decode_context_lens)
+                                           self.decode_context_lens, *scales)
         if self.prefill is not None:
             kernels.paged_prefill_attention(q[nd:], k_pool, v_pool, out[nd:], self.prefill.block_tables,
-                                            self.query_starts, self.prefill_context_lens, self.max_query_len)
+                                            self.query_starts, self.prefill_context_lens, self.max_query_len, *scales)
         return out

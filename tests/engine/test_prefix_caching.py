@@ -107,7 +107,7 @@ def test_each_of_n_samples_matches_a_standalone_request_with_its_seed_stream(mod
     llm = LLM(str(model_dir), dtype="float32", num_threads=2, num_kv_blocks=9)
     prompt = tokenizer.encode(PASSAGE)[:40]  # 2 full blocks of 16 and a partial one of 8 tokens
     params = dict(max_tokens=16, temperature=1.0, ignore_eos=True)
-    runner, copies = llm.engine.runner, []
+    runner, copies = llm.engine.runner.transfer, []
     copy_blocks = runner.copy_blocks
     monkeypatch.setattr(runner, "copy_blocks", lambda pairs: (copies.extend(pairs), copy_blocks(pairs)))
     (fanned,) = llm.generate([prompt], SamplingParams(n=4, seed=11, **params))

@@ -9,15 +9,18 @@ from tokenmill.bench import (
     capacity_cli,
     embed_cli,
     jobs_cli,
+    kv_fp8_cli,
     latency_cli,
     lora_cli,
     peak_cli,
     prefix_cli,
     spec_cli,
+    swap_cli,
     throughput_cli,
 )
 
-BENCHMARKS = (throughput_cli, prefix_cli, spec_cli, peak_cli, capacity_cli, latency_cli, embed_cli, jobs_cli, lora_cli)
+BENCHMARKS = (throughput_cli, prefix_cli, spec_cli, peak_cli, capacity_cli, latency_cli, embed_cli, jobs_cli, lora_cli,
+              swap_cli, kv_fp8_cli)
 
 
 def register(commands: argparse._SubParsersAction) -> None:

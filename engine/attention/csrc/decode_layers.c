@@ -27,6 +27,8 @@ typedef struct {
     int64_t lora_num_slots;
     const float *const *lora_a, *const *lora_b;
     const int64_t *lora_rank;
+    /* FP8 pools (e4m3 bytes, paged_decode.c), or k_scales NULL: per layer its KV heads' scales [Hkv] */
+    const float *const *k_scales, *const *v_scales;
 } decode_step;
 
 #define PROTOTYPES(SUFFIX, T)                                                                                     \
@@ -40,7 +42,14 @@ void write_kv_##SUFFIX(const T *k_src, const T *v_src, int64_t src_stride, T *k,
 void paged_decode_##SUFFIX(const T *q, int64_t q_stride, const T *k, const T *v, const int32_t *tables,           \
                            int64_t table_stride, int64_t first_block, const int32_t *ctx, T *out, float *lse,     \
                            int64_t S, int64_t Hkv, int64_t G, int64_t D, int64_t NB, int64_t BS, float scale,     \
-                           int threads);                                                                          \
+                           const float *k_scale, const float *v_scale, int threads);                               \
+void write_kv_fp8_##SUFFIX(const T *k_src, const T *v_src, int64_t src_stride, uint8_t *k, uint8_t *v,             \
+                           const int64_t *slots, int64_t tokens, int64_t Hkv, int64_t D, int64_t pool_slots,      \
+                           const float *k_scale, const float *v_scale, int threads);                              \
+void paged_decode_fp8_##SUFFIX(const T *q, int64_t q_stride, const uint8_t *k, const uint8_t *v,                  \
+                               const int32_t *tables, int64_t table_stride, int64_t first_block, const int32_t *ctx,\
+                               T *out, float *lse, int64_t S, int64_t Hkv, int64_t G, int64_t D, int64_t NB,       \
+                               int64_t BS, float scale, const float *k_scale, const float *v_scale, int threads); \
 void avx512_linear_##SUFFIX(const T *x, const T *packed, const float *bias, T *y, int64_t m, int64_t n, int64_t k, \
                             int threads);
 PROTOTYPES(f32, float)
@@ -82,7 +91,8 @@ void decode_layers_##SUFFIX(const decoder_layer *layers, int64_t num_layers, con
     spent[ELEMENTWISE_SECONDS] += omp_get_wtime() - mark;                                                         \
     for (int64_t l = 0; l < num_layers; l++) {                                                                    \
         const decoder_layer *layer = layers + l;                                                                  \
-        T *k_pool = step->k_pools[l], *v_pool = step->v_pools[l];                                                       \
+        void *k_pool = step->k_pools[l], *v_pool = step->v_pools[l];                                              \
+        const float *k_scale = step->k_scales ? step->k_scales[l] : 0, *v_scale = step->k_scales ? step->v_scales[l] : 0; \
         mark = omp_get_wtime();                                                                                   \
         LINEAR(normed, layer->qkv, layer->qkv_bias, qkv, S, width, H);                                            \
         LORA_ADD(SUFFIX, LORA_QKV, normed, qkv, H, width);                                                        \
@@ -92,11 +102,20 @@ void decode_layers_##SUFFIX(const decoder_layer *layers, int64_t num_layers, con
                       threads);                                                                                   \
         now = omp_get_wtime();                                                                                    \
         spent[ELEMENTWISE_SECONDS] += now - mark, mark = now;                                                     \
-        write_kv_##SUFFIX(qkv + q_size, qkv + q_size + kv_size, width, k_pool, v_pool, step->slots, S, Hkv, D,    \
-                          step->num_blocks * step->block_size, threads);                                         \
-        paged_decode_##SUFFIX(qkv, width, k_pool, v_pool, step->tables, step->table_stride, 0, step->context_lens, \
-                              attn, 0, S, Hkv, step->heads / Hkv, D, step->num_blocks, step->block_size,          \
-                              1.0f / __builtin_sqrtf((float)D), threads);                                         \
+        if (k_scale) {                                                                                            \
+            write_kv_fp8_##SUFFIX(qkv + q_size, qkv + q_size + kv_size, width, k_pool, v_pool, step->slots, S, Hkv, \
+                                  D, step->num_blocks * step->block_size, k_scale, v_scale, threads);            \
+            paged_decode_fp8_##SUFFIX(qkv, width, k_pool, v_pool, step->tables, step->table_stride, 0,            \
+                                      step->context_lens, attn, 0, S, Hkv, step->heads / Hkv, D, step->num_blocks, \
+                                      step->block_size, 1.0f / __builtin_sqrtf((float)D), k_scale, v_scale,       \
+                                      threads);                                                                   \
+        } else {                                                                                                  \
+            write_kv_##SUFFIX(qkv + q_size, qkv + q_size + kv_size, width, k_pool, v_pool, step->slots, S, Hkv, D,\
+                              step->num_blocks * step->block_size, threads);                                     \
+            paged_decode_##SUFFIX(qkv, width, k_pool, v_pool, step->tables, step->table_stride, 0,                \
+                                  step->context_lens, attn, 0, S, Hkv, step->heads / Hkv, D, step->num_blocks,    \
+                                  step->block_size, 1.0f / __builtin_sqrtf((float)D), 0, 0, threads);             \
+        }                                                                                                         \
         now = omp_get_wtime();                                                                                    \
         spent[ATTENTION_SECONDS] += now - mark, mark = now;                                                       \
         LINEAR(attn, layer->o, layer->o_bias, projected, S, H, q_size);                                           \

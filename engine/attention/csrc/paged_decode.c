@@ -9,8 +9,15 @@
  * out    [S, Hkv, G, D]        softmax(q k^T * scale) v
  * lse    [S, Hkv, G] or NULL   log-sum-exp of each row's scores (to merge with a prefix part)
  *
+ * k_scale, v_scale [Hkv] or NULL   FP8 pools: each KV head's scales (a stored byte times its scale is the value)
+ *
  * write_kv stores a step's new keys and values into the pools: token i's [Hkv, D] rows (src_stride elements
  * apart per token) at slot slots[i] of every head.
+ *
+ * FP8 pools (the *_fp8_* variants) hold e4m3 bytes (torch.float8_e4m3fn): write_kv_fp8 divides by the head's scale,
+ * saturates at +-448 and rounds to nearest even, as torch's conversion does; the decode kernels widen each byte to
+ * float32 exactly as they read it (a few integer ops per vector, no table) and fold the scales into the scores
+ * (K) and the output (V), so a head's values are never materialised in the model's dtype.
  *
  * head_dim a multiple of 16 (64 and 128 in practice) takes the vector kernel: LANES keys (16; 8 on AVX2) scored
  * at once per query head (their dot products summed across lanes in one transpose tree), keys and values two
@@ -22,7 +29,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -52,6 +59,35 @@ static inline vfloat load_f32(const float *p) { return *(const vfloat *)p; }
 static inline vfloat load_bf16(const uint16_t *p) {
     return (vfloat)(__builtin_convertvector(*(const vhalf *)p, vint) << 16);
 }
+
+typedef uint8_t vbyte __attribute__((vector_size(LANES), aligned(1)));
+
+#if defined(__F16C__) || defined(__AVX512F__)
+/* LANES e4m3 bytes as float32 values 2^-8 times theirs (FP8_LOAD_FACTOR undoes it, folded into the scales): each
+ * byte's exponent and mantissa shifted into a float16's fields (its bias is 8 more), the sign moved to bit 15, then
+ * the hardware's exact float16 conversion, which widens subnormals itself (the kernels read float32 subnormals as
+ * zero; its float16 inputs are not). The NaN byte (0x7f) reads as 480: write_kv_fp8 never stores it. */
+#define FP8_LOAD_FACTOR 256.0f
+static inline vfloat load_fp8(const uint8_t *p) {
+    vhalf bits = __builtin_convertvector(*(const vbyte *)p, vhalf) << 7;
+    bits += bits & 0x4000;  /* the sign, now at bit 14, to bit 15 */
+#if LANES == 16
+    return (vfloat)_mm512_cvtph_ps((__m256i)bits);
+#else
+    return (vfloat)_mm256_cvtph_ps((__m128i)bits);
+#endif
+}
+#else
+/* LANES e4m3 bytes as float32, exactly: a normal byte's exponent and mantissa moved into float32's fields with the
+ * bias corrected (+120), a subnormal one (exponent 0) as mantissa x 2^-9, without float32 subnormals. */
+#define FP8_LOAD_FACTOR 1.0f
+static inline vfloat load_fp8(const uint8_t *p) {
+    const vint b = __builtin_convertvector(*(const vbyte *)p, vint);
+    const vint mag = b & 0x7f, subnormal = mag < 8;
+    const vint tiny = (vint)(__builtin_convertvector(mag, vfloat) * (1.0f / 512.0f));
+    return (vfloat)((((mag << 20) + (120 << 23)) & ~subnormal) | (tiny & subnormal) | ((b & 0x80) << 24));
+}
+#endif
 
 #if LANES == 8
 /* r[i] = the sum of v[i]'s lanes, for 8 vectors at once: three levels of pairing halves. */
@@ -114,12 +150,13 @@ static inline void prefetch(const void *p, int64_t bytes) {
  * A task is one sequence's KV heads [h0, h0 + hc): with many sequences all of them (hc = Hkv), walked block by
  * block together, so their scattered blocks stream from memory side by side; with few, one head each, so every
  * thread has work. A head's arithmetic is the same either way. */
-#define PAGED_DECODE_VEC(NAME, T, DV, LOAD, DOT, QDECL, QLOAD, STORE)                                            \
-static void NAME(const T *q, int64_t q_stride, const T *k, const T *v, const int32_t *tables,                    \
+#define PAGED_DECODE_VEC(NAME, T, TK, DV, LOAD, KLOAD, KFACTOR, DOT, QDECL, QLOAD, STORE)                       \
+static void NAME(const T *q, int64_t q_stride, const TK *k, const TK *v, const int32_t *tables,                  \
                  int64_t table_stride, int64_t first_block, const int32_t *ctx, T *out, float *lse, int64_t S,    \
-                 int64_t Hkv, int64_t G, int64_t NB, int64_t BS, float scale, int threads) {                      \
+                 int64_t Hkv, int64_t G, int64_t NB, int64_t BS, float scale, const float *k_scale,               \
+                 const float *v_scale, int threads) {                                                             \
     const int dv = DV;                                                                                            \
-    const int64_t D = DV * LANES, row_bytes = D * (int64_t)sizeof(T);                                             \
+    const int64_t D = DV * LANES, row_bytes = D * (int64_t)sizeof(TK);                                            \
     const int64_t hc = S >= HEADS_TOGETHER_MIN * threads ? Hkv : 1, tasks = S * (Hkv / hc);                      \
     _Pragma("omp parallel num_threads(threads)")                                                                  \
     {                                                                                                             \
@@ -148,19 +185,20 @@ static void NAME(const T *q, int64_t q_stride, const T *k, const T *v, const int
                 const int64_t tokens = n - b * BS < BS ? n - b * BS : BS;                                         \
                 const int64_t next = b + PREFETCH_DISTANCE < blocks ? b + PREFETCH_DISTANCE : b;                  \
                 for (int64_t h = h0; h < h0 + hc; h++) {                                                          \
-                    const T *kb = k + (h * NB + table[b]) * BS * D, *vb = v + (h * NB + table[b]) * BS * D;       \
-                    const T *kn = k + (h * NB + table[next]) * BS * D, *vn = v + (h * NB + table[next]) * BS * D; \
+                    const TK *kb = k + (h * NB + table[b]) * BS * D, *vb = v + (h * NB + table[b]) * BS * D;      \
+                    const TK *kn = k + (h * NB + table[next]) * BS * D, *vn = v + (h * NB + table[next]) * BS * D;\
+                    const float head_scale = k_scale ? scale * (k_scale[h] * KFACTOR) : scale;                    \
                     for (int64_t t0 = 0; t0 < tokens; t0 += LANES) {                                              \
                         const int64_t count = tokens - t0 < LANES ? tokens - t0 : LANES;                          \
                         for (int64_t j = (h - h0) * G; j < (h - h0 + 1) * G; j++) {                               \
                             vfloat parts[LANES];                                                                  \
                             for (int64_t t = 0; t < LANES; t++) {                                                 \
                                 if (t >= count) { parts[t] = (vfloat){0}; continue; }                             \
-                                const T *krow = kb + (t0 + t) * D;                                                \
+                                const TK *krow = kb + (t0 + t) * D;                                               \
                                 DOT                                                                               \
                                 parts[t] = part;                                                                  \
                             }                                                                                     \
-                            const vfloat scores = lane_sums(parts) * scale;                                       \
+                            const vfloat scores = lane_sums(parts) * head_scale;                                  \
                             float top = m[j], sum = 0.0f, *pj = p[j];                                             \
                             for (int64_t t = 0; t < count; t++) top = scores[t] > top ? scores[t] : top;          \
                             for (int64_t t = 0; t < LANES; t++) {                                                 \
@@ -173,13 +211,13 @@ static void NAME(const T *q, int64_t q_stride, const T *k, const T *v, const int
                             for (int c = 0; c < DV; c++) acc[j][c] *= keep;                                       \
                         }                                                                                         \
                         for (int64_t t = 0; t < count; t++) {                                                     \
-                            const T *vrow = vb + (t0 + t) * D;                                                    \
+                            const TK *vrow = vb + (t0 + t) * D;                                                   \
                             if (next != b) {  /* one key and one value row per row used: no burst to stall on */  \
                                 prefetch(kn + (t0 + t) * D, row_bytes);                                           \
                                 prefetch(vn + (t0 + t) * D, row_bytes);                                           \
                             }                                                                                     \
                             vfloat row[DV];                                                                       \
-                            for (int c = 0; c < DV; c++) row[c] = LOAD(vrow + c * LANES);                         \
+                            for (int c = 0; c < DV; c++) row[c] = KLOAD(vrow + c * LANES);                        \
                             for (int64_t j = (h - h0) * G; j < (h - h0 + 1) * G; j++)                             \
                                 for (int c = 0; c < DV; c++) acc[j][c] += p[j][t] * row[c];                       \
                         }                                                                                         \
@@ -188,7 +226,8 @@ static void NAME(const T *q, int64_t q_stride, const T *k, const T *v, const int
             }                                                                                                     \
             for (int64_t j = 0; j < HG; j++) {                                                                    \
                 T *o = out + s * Hkv * G * D + (h0 * G + j) * D;                                                  \
-                const float inv = l[j] > 0.0f ? 1.0f / l[j] : 0.0f;                                               \
+                float inv = l[j] > 0.0f ? 1.0f / l[j] : 0.0f;                                                     \
+                if (v_scale) inv *= v_scale[h0 + j / G] * KFACTOR;                                                \
                 for (int c = 0; c < DV; c++)                                                                      \
                     for (int i = 0; i < LANES; i++) STORE(o + c * LANES + i, acc[j][c][i] * inv);                 \
                 if (lse) lse[s * Hkv * G + h0 * G + j] = l[j] > 0.0f ? m[j] + logf(l[j]) : -INFINITY;             \
@@ -202,21 +241,30 @@ static void NAME(const T *q, int64_t q_stride, const T *k, const T *v, const int
 #define NO_QLOAD(src, j)
 #define DOT_F32 DOT_WIDE(load_f32)
 #define DOT_BF16_WIDE DOT_WIDE(load_bf16)
+#define DOT_FP8 DOT_WIDE(load_fp8)
 
-PAGED_DECODE_VEC(decode_f32_d16, float, 16 / LANES, load_f32, DOT_F32, NO_QDECL, NO_QLOAD, f32_put)
-PAGED_DECODE_VEC(decode_f32_d32, float, 32 / LANES, load_f32, DOT_F32, NO_QDECL, NO_QLOAD, f32_put)
-PAGED_DECODE_VEC(decode_f32_d64, float, 64 / LANES, load_f32, DOT_F32, NO_QDECL, NO_QLOAD, f32_put)
-PAGED_DECODE_VEC(decode_f32_d128, float, 128 / LANES, load_f32, DOT_F32, NO_QDECL, NO_QLOAD, f32_put)
-PAGED_DECODE_VEC(decode_bf16_d16, uint16_t, 16 / LANES, load_bf16, DOT_BF16_WIDE, NO_QDECL, NO_QLOAD, bf16_put)
+PAGED_DECODE_VEC(decode_f32_d16, float, float, 16 / LANES, load_f32, load_f32, 1.0f, DOT_F32, NO_QDECL, NO_QLOAD, f32_put)
+PAGED_DECODE_VEC(decode_f32_d32, float, float, 32 / LANES, load_f32, load_f32, 1.0f, DOT_F32, NO_QDECL, NO_QLOAD, f32_put)
+PAGED_DECODE_VEC(decode_f32_d64, float, float, 64 / LANES, load_f32, load_f32, 1.0f, DOT_F32, NO_QDECL, NO_QLOAD, f32_put)
+PAGED_DECODE_VEC(decode_f32_d128, float, float, 128 / LANES, load_f32, load_f32, 1.0f, DOT_F32, NO_QDECL, NO_QLOAD, f32_put)
+PAGED_DECODE_VEC(decode_bf16_d16, uint16_t, uint16_t, 16 / LANES, load_bf16, load_bf16, 1.0f, DOT_BF16_WIDE, NO_QDECL, NO_QLOAD, bf16_put)
 #if defined(__AVX512BF16__)
-PAGED_DECODE_VEC(decode_bf16_d32, uint16_t, 2, load_bf16, DOT_BF16_NATIVE, QBF_DECL, QBF_LOAD, bf16_put)
-PAGED_DECODE_VEC(decode_bf16_d64, uint16_t, 4, load_bf16, DOT_BF16_NATIVE, QBF_DECL, QBF_LOAD, bf16_put)
-PAGED_DECODE_VEC(decode_bf16_d128, uint16_t, 8, load_bf16, DOT_BF16_NATIVE, QBF_DECL, QBF_LOAD, bf16_put)
+PAGED_DECODE_VEC(decode_bf16_d32, uint16_t, uint16_t, 2, load_bf16, load_bf16, 1.0f, DOT_BF16_NATIVE, QBF_DECL, QBF_LOAD, bf16_put)
+PAGED_DECODE_VEC(decode_bf16_d64, uint16_t, uint16_t, 4, load_bf16, load_bf16, 1.0f, DOT_BF16_NATIVE, QBF_DECL, QBF_LOAD, bf16_put)
+PAGED_DECODE_VEC(decode_bf16_d128, uint16_t, uint16_t, 8, load_bf16, load_bf16, 1.0f, DOT_BF16_NATIVE, QBF_DECL, QBF_LOAD, bf16_put)
 #else
-PAGED_DECODE_VEC(decode_bf16_d32, uint16_t, 32 / LANES, load_bf16, DOT_BF16_WIDE, NO_QDECL, NO_QLOAD, bf16_put)
-PAGED_DECODE_VEC(decode_bf16_d64, uint16_t, 64 / LANES, load_bf16, DOT_BF16_WIDE, NO_QDECL, NO_QLOAD, bf16_put)
-PAGED_DECODE_VEC(decode_bf16_d128, uint16_t, 128 / LANES, load_bf16, DOT_BF16_WIDE, NO_QDECL, NO_QLOAD, bf16_put)
+PAGED_DECODE_VEC(decode_bf16_d32, uint16_t, uint16_t, 32 / LANES, load_bf16, load_bf16, 1.0f, DOT_BF16_WIDE, NO_QDECL, NO_QLOAD, bf16_put)
+PAGED_DECODE_VEC(decode_bf16_d64, uint16_t, uint16_t, 64 / LANES, load_bf16, load_bf16, 1.0f, DOT_BF16_WIDE, NO_QDECL, NO_QLOAD, bf16_put)
+PAGED_DECODE_VEC(decode_bf16_d128, uint16_t, uint16_t, 128 / LANES, load_bf16, load_bf16, 1.0f, DOT_BF16_WIDE, NO_QDECL, NO_QLOAD, bf16_put)
 #endif
+PAGED_DECODE_VEC(decode_fp8_f32_d16, float, uint8_t, 16 / LANES, load_f32, load_fp8, FP8_LOAD_FACTOR, DOT_FP8, NO_QDECL, NO_QLOAD, f32_put)
+PAGED_DECODE_VEC(decode_fp8_f32_d32, float, uint8_t, 32 / LANES, load_f32, load_fp8, FP8_LOAD_FACTOR, DOT_FP8, NO_QDECL, NO_QLOAD, f32_put)
+PAGED_DECODE_VEC(decode_fp8_f32_d64, float, uint8_t, 64 / LANES, load_f32, load_fp8, FP8_LOAD_FACTOR, DOT_FP8, NO_QDECL, NO_QLOAD, f32_put)
+PAGED_DECODE_VEC(decode_fp8_f32_d128, float, uint8_t, 128 / LANES, load_f32, load_fp8, FP8_LOAD_FACTOR, DOT_FP8, NO_QDECL, NO_QLOAD, f32_put)
+PAGED_DECODE_VEC(decode_fp8_bf16_d16, uint16_t, uint8_t, 16 / LANES, load_bf16, load_fp8, FP8_LOAD_FACTOR, DOT_FP8, NO_QDECL, NO_QLOAD, bf16_put)
+PAGED_DECODE_VEC(decode_fp8_bf16_d32, uint16_t, uint8_t, 32 / LANES, load_bf16, load_fp8, FP8_LOAD_FACTOR, DOT_FP8, NO_QDECL, NO_QLOAD, bf16_put)
+PAGED_DECODE_VEC(decode_fp8_bf16_d64, uint16_t, uint8_t, 64 / LANES, load_bf16, load_fp8, FP8_LOAD_FACTOR, DOT_FP8, NO_QDECL, NO_QLOAD, bf16_put)
+PAGED_DECODE_VEC(decode_fp8_bf16_d128, uint16_t, uint8_t, 128 / LANES, load_bf16, load_fp8, FP8_LOAD_FACTOR, DOT_FP8, NO_QDECL, NO_QLOAD, bf16_put)
 
 /* A row of D values as float32: float32 rows are read in place, bfloat16 rows are widened into `tmp`. */
 static inline const float *f32_row(const float *src, float *tmp, int64_t D) { (void)tmp; (void)D; return src; }
@@ -226,13 +274,26 @@ static inline const float *bf16_row(const uint16_t *src, float *tmp, int64_t D) 
     return tmp;
 }
 
+static inline float fp8_get(const uint8_t *p) {  /* one e4m3 byte, as load_fp8 */
+    const uint32_t mag = *p & 0x7fu;
+    union { uint32_t u; float f; } normal = { .u = (mag << 20) + (120u << 23) };
+    const float value = mag < 8 ? (float)mag * (1.0f / 512.0f) : normal.f;
+    return *p & 0x80u ? -value : value;
+}
+
+static inline const float *fp8_row(const uint8_t *src, float *tmp, int64_t D) {
+    for (int64_t i = 0; i < D; i++) tmp[i] = fp8_get(src + i);
+    return tmp;
+}
+
 /* The scalar kernel, for any head_dim. Per (sequence, KV head): each key and value row is read (and widened)
  * once for the G query heads that share it; scores of a block first, then one online-softmax rescale per block
  * and query head. */
-#define PAGED_DECODE_ANY(NAME, T, ROW, STORE)                                                                     \
-static void NAME(const T *q, int64_t q_stride, const T *k, const T *v, const int32_t *tables,                    \
+#define PAGED_DECODE_ANY(NAME, T, TK, ROW, KROW, STORE)                                                           \
+static void NAME(const T *q, int64_t q_stride, const TK *k, const TK *v, const int32_t *tables,                  \
                  int64_t table_stride, int64_t first_block, const int32_t *ctx, T *out, float *lse, int64_t S,    \
-                 int64_t Hkv, int64_t G, int64_t D, int64_t NB, int64_t BS, float scale, int threads) {           \
+                 int64_t Hkv, int64_t G, int64_t D, int64_t NB, int64_t BS, float scale, const float *k_scale,    \
+                 const float *v_scale, int threads) {                                                             \
     _Pragma("omp parallel num_threads(threads)")                                                                  \
     {                                                                                                             \
         KERNEL_BEGIN;                                                                                             \
@@ -242,17 +303,18 @@ static void NAME(const T *q, int64_t q_stride, const T *k, const T *v, const int
                 float m[G], l[G], acc[G * D], qf[G * D], row[D], scores[G * BS];                                  \
                 for (int64_t j = 0; j < G; j++) { m[j] = -INFINITY; l[j] = 0.0f; }                                \
                 memset(acc, 0, sizeof(float) * G * D);                                                            \
+                const float head_scale = k_scale ? scale * k_scale[h] : scale;                                    \
                 for (int64_t j = 0; j < G; j++) {                                                                 \
                     const float *qj = ROW(q + s * q_stride + (h * G + j) * D, row, D);                            \
-                    for (int64_t i = 0; i < D; i++) qf[j * D + i] = qj[i] * scale;                                \
+                    for (int64_t i = 0; i < D; i++) qf[j * D + i] = qj[i] * head_scale;                           \
                 }                                                                                                 \
                 const int64_t n = ctx[s];                                                                         \
                 for (int64_t b = 0; b * BS < n; b++) {                                                            \
                     const int64_t block = tables[s * table_stride + first_block + b];                             \
-                    const T *kb = k + (h * NB + block) * BS * D, *vb = v + (h * NB + block) * BS * D;             \
+                    const TK *kb = k + (h * NB + block) * BS * D, *vb = v + (h * NB + block) * BS * D;            \
                     const int64_t tokens = n - b * BS < BS ? n - b * BS : BS;                                     \
                     for (int64_t t = 0; t < tokens; t++) {                                                        \
-                        const float *kt = ROW(kb + t * D, row, D);                                                \
+                        const float *kt = KROW(kb + t * D, row, D);                                               \
                         for (int64_t j = 0; j < G; j++) {                                                         \
                             const float *qj = qf + j * D;                                                         \
                             float dot = 0.0f;                                                                     \
@@ -271,7 +333,7 @@ static void NAME(const T *q, int64_t q_stride, const T *k, const T *v, const int
                         if (keep != 1.0f) for (int64_t i = 0; i < D; i++) acc[j * D + i] *= keep;                 \
                     }                                                                                             \
                     for (int64_t t = 0; t < tokens; t++) {                                                        \
-                        const float *vt = ROW(vb + t * D, row, D);                                                \
+                        const float *vt = KROW(vb + t * D, row, D);                                               \
                         for (int64_t j = 0; j < G; j++) {                                                         \
                             const float p = scores[j * BS + t];                                                   \
                             float *aj = acc + j * D;                                                              \
@@ -281,7 +343,8 @@ static void NAME(const T *q, int64_t q_stride, const T *k, const T *v, const int
                 }                                                                                                 \
                 for (int64_t j = 0; j < G; j++) {                                                                 \
                     T *o = out + ((s * Hkv + h) * G + j) * D;                                                     \
-                    const float inv = l[j] > 0.0f ? 1.0f / l[j] : 0.0f;                                           \
+                    float inv = l[j] > 0.0f ? 1.0f / l[j] : 0.0f;                                                 \
+                    if (v_scale) inv *= v_scale[h];                                                               \
                     for (int64_t i = 0; i < D; i++) STORE(o + i, acc[j * D + i] * inv);                           \
                     if (lse) lse[(s * Hkv + h) * G + j] = l[j] > 0.0f ? m[j] + logf(l[j]) : -INFINITY;            \
                 }                                                                                                 \
@@ -291,27 +354,32 @@ static void NAME(const T *q, int64_t q_stride, const T *k, const T *v, const int
     }                                                                                                             \
 }
 
-PAGED_DECODE_ANY(decode_f32_any, float, f32_row, f32_put)
-PAGED_DECODE_ANY(decode_bf16_any, uint16_t, bf16_row, bf16_put)
+PAGED_DECODE_ANY(decode_f32_any, float, float, f32_row, f32_row, f32_put)
+PAGED_DECODE_ANY(decode_bf16_any, uint16_t, uint16_t, bf16_row, bf16_row, bf16_put)
+PAGED_DECODE_ANY(decode_fp8_f32_any, float, uint8_t, f32_row, fp8_row, f32_put)
+PAGED_DECODE_ANY(decode_fp8_bf16_any, uint16_t, uint8_t, bf16_row, fp8_row, bf16_put)
 
-#define PAGED_DECODE(NAME, T, SUFFIX)                                                                             \
-void NAME(const T *q, int64_t q_stride, const T *k, const T *v, const int32_t *tables, int64_t table_stride,      \
+#define PAGED_DECODE(NAME, T, TK, SUFFIX)                                                                         \
+void NAME(const T *q, int64_t q_stride, const TK *k, const TK *v, const int32_t *tables, int64_t table_stride,    \
           int64_t first_block, const int32_t *ctx, T *out, float *lse, int64_t S, int64_t Hkv, int64_t G, int64_t D, \
-          int64_t NB, int64_t BS, float scale, int threads) {                                                     \
-    void (*vector)(const T *, int64_t, const T *, const T *, const int32_t *, int64_t, int64_t, const int32_t *,  \
-                   T *, float *, int64_t, int64_t, int64_t, int64_t, int64_t, float, int) =                        \
+          int64_t NB, int64_t BS, float scale, const float *k_scale, const float *v_scale, int threads) {         \
+    void (*vector)(const T *, int64_t, const TK *, const TK *, const int32_t *, int64_t, int64_t, const int32_t *,\
+                   T *, float *, int64_t, int64_t, int64_t, int64_t, int64_t, float, const float *, const float *, \
+                   int) =                                                                                         \
         D == 16 ? decode_##SUFFIX##_d16 : D == 32 ? decode_##SUFFIX##_d32 : D == 64 ? decode_##SUFFIX##_d64        \
         : D == 128 ? decode_##SUFFIX##_d128 : NULL;                                                               \
     if (vector)                                                                                                   \
         vector(q, q_stride, k, v, tables, table_stride, first_block, ctx, out, lse, S, Hkv, G, NB, BS, scale,     \
-               threads);                                                                                          \
+               k_scale, v_scale, threads);                                                                        \
     else                                                                                                          \
         decode_##SUFFIX##_any(q, q_stride, k, v, tables, table_stride, first_block, ctx, out, lse, S, Hkv, G, D,  \
-                              NB, BS, scale, threads);                                                            \
+                              NB, BS, scale, k_scale, v_scale, threads);                                          \
 }
 
-PAGED_DECODE(paged_decode_f32, float, f32)
-PAGED_DECODE(paged_decode_bf16, uint16_t, bf16)
+PAGED_DECODE(paged_decode_f32, float, float, f32)
+PAGED_DECODE(paged_decode_bf16, uint16_t, uint16_t, bf16)
+PAGED_DECODE(paged_decode_fp8_f32, float, uint8_t, fp8_f32)
+PAGED_DECODE(paged_decode_fp8_bf16, uint16_t, uint8_t, fp8_bf16)
 
 #define WRITE_KV(NAME, T)                                                                                         \
 void NAME(const T *k_src, const T *v_src, int64_t src_stride, T *k, T *v, const int64_t *slots, int64_t tokens,  \
@@ -327,3 +395,36 @@ void NAME(const T *k_src, const T *v_src, int64_t src_stride, T *k, T *v, const 
 
 WRITE_KV(write_kv_f32, float)
 WRITE_KV(write_kv_bf16, uint16_t)
+
+/* x (already divided by its scale) as an e4m3 byte: saturated at +-448, rounded to nearest even (torch's
+ * `.clamp(-448, 448).to(torch.float8_e4m3fn)`); NaN stays NaN. */
+static inline uint8_t fp8_put(float x) {
+    union { float f; uint32_t u; } v = { .f = x };
+    const uint8_t sign = (uint8_t)((v.u >> 24) & 0x80u);
+    const float a = fabsf(x);
+    if (!(a <= 448.0f)) return a > 448.0f ? sign | 0x7e : 0x7f;
+    if (a < 0.015625f) return sign | (uint8_t)rintf(a * 512.0f);  /* subnormal: m x 2^-9 (8 is the smallest normal) */
+    v.f = a;
+    v.u += 0x7ffffu + ((v.u >> 20) & 1u);  /* round the mantissa to 3 bits, to nearest even */
+    return sign | (uint8_t)((v.u >> 20) - (120u << 3));
+}
+
+#define WRITE_KV_FP8(NAME, T, GET)                                                                                \
+void NAME(const T *k_src, const T *v_src, int64_t src_stride, uint8_t *k, uint8_t *v, const int64_t *slots,      \
+          int64_t tokens, int64_t Hkv, int64_t D, int64_t pool_slots, const float *k_scale, const float *v_scale, \
+          int threads) {                                                                                          \
+    _Pragma("omp parallel for num_threads(threads) if(tokens >= 64)")                                             \
+    for (int64_t i = 0; i < tokens; i++) {                                                                        \
+        for (int64_t h = 0; h < Hkv; h++) {                                                                       \
+            const T *ks = k_src + i * src_stride + h * D, *vs = v_src + i * src_stride + h * D;                   \
+            uint8_t *kd = k + (h * pool_slots + slots[i]) * D, *vd = v + (h * pool_slots + slots[i]) * D;         \
+            for (int64_t d = 0; d < D; d++) {                                                                     \
+                kd[d] = fp8_put(GET(ks + d) / k_scale[h]);                                                        \
+                vd[d] = fp8_put(GET(vs + d) / v_scale[h]);                                                        \
+            }                                                                                                     \
+        }                                                                                                         \
+    }                                                                                                             \
+}
+
+WRITE_KV_FP8(write_kv_fp8_f32, float, f32_get)
+WRITE_KV_FP8(write_kv_fp8_bf16, uint16_t, bf16_get)
