@@ -6,9 +6,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from engine.beam_search import BeamSearchParams
     from engine.sampling_params import SamplingParams
 
-INTEGER_PARAMS = ("max_tokens", "top_k", "seed", "n", "logprobs", "top_logprobs", "min_tokens")
+INTEGER_PARAMS = ("max_tokens", "top_k", "seed", "n", "logprobs", "top_logprobs", "min_tokens", "beam_width")
+ALLOW_BEAM_SEARCH = "allow_beam_search"  # a job default: OpenAI rows may set beam_width (not an OpenAI field)
+# what a beam row may set besides beam_width, n and max_tokens: sampling knobs a deterministic search ignores
+BEAM_IGNORED = {"temperature": 0, "top_p": 1.0, "top_k": 0, "seed": None, "stop": []}
 MAX_TOP_K = 1 << 20  # beyond any vocabulary; the row's check against the model's own is `check_for_model`
 MAX_STOP = 16  # stop strings per request
 MAX_STOP_CHARS = 1024
@@ -21,11 +25,16 @@ class ResponseFormatError(ValueError):
     """A row's `response_format` is malformed, or its schema invalid (the row fails, not the job)."""
 
 
-def sampling_params(defaults: dict[str, Any], overrides: dict[str, Any]) -> SamplingParams:
-    """The job defaults with a row's overrides; ValueError/TypeError name the bad parameter."""
+def sampling_params(defaults: dict[str, Any], overrides: dict[str, Any]) -> SamplingParams | BeamSearchParams:
+    """The job defaults with a row's overrides; ValueError/TypeError name the bad parameter. With a `beam_width`
+    (the row's or the job's), the row is a beam search: `beam_search_params`."""
     from engine.sampling_params import SamplingParams
 
     merged = {**defaults, **{name: _integral(name, value) for name, value in overrides.items()}}
+    merged.pop(ALLOW_BEAM_SEARCH, None)
+    if merged.get("beam_width") is not None:
+        return beam_search_params(merged, overrides)
+    merged.pop("beam_width", None)
     if (bias := merged.get("logit_bias")) is not None:
         merged["logit_bias"] = logit_bias_of(bias)
     merged["logprobs"] = logprobs_of(merged.pop("logprobs", None), merged.pop("top_logprobs", None))
@@ -33,6 +42,33 @@ def sampling_params(defaults: dict[str, Any], overrides: dict[str, Any]) -> Samp
         merged["structured_outputs"] = structured_outputs(response_format)
     _check_bounds(merged)
     return SamplingParams(**merged)
+
+
+def beam_search_params(merged: dict[str, Any], overrides: dict[str, Any]) -> BeamSearchParams:
+    """A beam row's search: `beam_width` beams for `max_tokens`, its best `n` (default 1) kept. The job's sampling
+    defaults (temperature, top_p, top_k, seed) do not apply to a deterministic search; a row that sets one, or any
+    other field (stop, logprobs, penalties, response_format...), is refused."""
+    from engine.beam_search import BeamSearchParams
+
+    merged = dict(merged)
+    width, n = merged.pop("beam_width"), merged.pop("n", None) or 1
+    max_tokens, ignore_eos = merged.pop("max_tokens", 16), bool(merged.pop("ignore_eos", False))
+    clashing = sorted(name for name, value in merged.items()
+                      if value not in (None, [], {}, BEAM_IGNORED.get(name, ...))
+                      and (name in overrides or name not in BEAM_IGNORED))
+    if clashing:
+        raise ValueError(f"beam_width does not combine with {', '.join(clashing)}: a beam search is deterministic")
+    params = BeamSearchParams(beam_width=width, max_tokens=max_tokens, ignore_eos=ignore_eos)
+    if not isinstance(n, int) or not 1 <= n <= width:
+        raise ValueError(f"n must be an integer in [1, beam_width={width}] with beam search, got {n!r}")
+    return params
+
+
+def kept_beams(params: Any, request_params: dict[str, Any], defaults: dict[str, Any]) -> int | None:
+    """How many of a beam row's beams its output keeps (its `n`, else the job's, else 1); None for a sampled row."""
+    if getattr(params, "beam_width", None) is None:
+        return None
+    return request_params.get("n") or defaults.get("n") or 1
 
 
 def logit_bias_of(bias: Any) -> dict[int, float]:

@@ -216,6 +216,12 @@ def add_sampling_options(parser: argparse.ArgumentParser, max_tokens: int = 128,
                        help="stop when this text appears (repeatable)")
     group.add_argument("--json-schema", metavar="FILE",
                        help="constrain every output to this JSON schema (a row's own response_format wins)")
+    group.add_argument("--beam-width", type=int, metavar="W",
+                       help="run every row as a beam search of W beams (deterministic; a row's own beam_width wins); a "
+                            "row's text is its best beam, or its n best as n choices (default: off, rows sample)")
+    group.add_argument("--allow-beam-search", action="store_true",
+                       help="let OpenAI Batch rows set beam_width, which OpenAI does not have (default: such a row "
+                            "fails with unsupported_parameter; Parquet rows may always set it)")
 
 
 def add_task_options(parser: argparse.ArgumentParser) -> None:
@@ -233,6 +239,10 @@ def sampling_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     kwargs = dict(max_tokens=args.max_tokens, top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=list(args.stop))
     if args.temperature is not None:
         kwargs["temperature"] = args.temperature
+    if getattr(args, "beam_width", None) is not None:
+        kwargs["beam_width"] = args.beam_width
+    if getattr(args, "allow_beam_search", False):
+        kwargs["allow_beam_search"] = True
     if getattr(args, "json_schema", None):
         schema = json.loads(Path(args.json_schema).read_text())
         kwargs["response_format"] = {"type": "json_schema",

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ingest.sampling import kept_beams
 from storage.formats import Request, RowError
 from workers.shards import EmbeddingRow, ShardOutcome, collect_row, prepare_embedding_row, prepare_row
 
@@ -94,8 +95,11 @@ class TextRow:
     ticket: Ticket
     row: Request
     top_k: int | None  # the row's logprobs top-k
+    beams: int | None = None  # a beam search row: how many of its beams, best first, are its choices
 
     def collect(self, output: RequestOutput) -> None:
+        if self.beams is not None:
+            output.outputs = output.outputs[:self.beams]
         collect_row(self.ticket.outcome, self.row, output, self.top_k)
         self.ticket.rows_done += 1
         self.ticket.tokens += _tokens(output)
@@ -264,7 +268,8 @@ class EngineLoop:
                 raise
             ticket.bad_adapters[name] = str(problem)
             return RowError(item.row, item.custom_id, "invalid_adapter", str(problem))
-        self.pending[request_id] = TextRow(ticket, item, params.logprobs)
+        beams = kept_beams(params, item.params, settings.defaults)
+        self.pending[request_id] = TextRow(ticket, item, None if beams else params.logprobs, beams)
         ticket.request_ids.add(request_id)
         return None
 

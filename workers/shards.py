@@ -10,7 +10,7 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ingest.sampling import ResponseFormatError, check_for_model, sampling_params
+from ingest.sampling import ALLOW_BEAM_SEARCH, ResponseFormatError, check_for_model, sampling_params
 from storage.formats import CHAT, EMBEDDINGS, Request, RowError
 
 if TYPE_CHECKING:
@@ -65,14 +65,18 @@ def prepare_row(engine: LLMEngine, defaults: dict[str, Any], request: Request, m
                      if is_embedding_engine(engine) else
                      f"model {engine.config.model!r} generates text and has no embeddings: /v1/embeddings "
                      f"needs an embedding model (e.g. all-minilm-l6-v2)")
+    if request.openai and "beam_width" in request.params and not defaults.get(ALLOW_BEAM_SEARCH):
+        return error("unsupported_parameter", "beam_width is not an OpenAI Batch field: the job must allow beam "
+                                              "search (tokenmill run/submit --allow-beam-search)")
     try:
         params = sampling_params(defaults, request.params)
-        check_for_model(params, engine.runner.vocab_size)
+        if getattr(params, "beam_width", None) is None:
+            check_for_model(params, engine.runner.vocab_size)
     except ResponseFormatError as problem:
         return error("invalid_response_format", str(problem))
     except (ValueError, TypeError) as problem:
         return error("invalid_parameter", str(problem))
-    if params.structured_outputs is not None:
+    if getattr(params, "structured_outputs", None) is not None:
         try:
             engine.structured.compile(params.structured_outputs)  # cached per schema
         except ValueError as problem:

@@ -141,7 +141,7 @@ def parse_line(row: int, line: bytes) -> Request | RowError:
     if url == CHAT:
         messages = parse_messages(row, custom_id, body.get("messages"))
         return messages if isinstance(messages, RowError) else Request(row, custom_id, url, messages=messages,
-                                                                        params=params, model=model)
+                                                                        params=params, model=model, openai=True)
     prompt = parse_prompt(row, custom_id, body.get("prompt"))
     return prompt if isinstance(prompt, RowError) else Request(row, custom_id, url, prompt=prompt, params=params,
-                                                               model=model)
+                                                               model=model, openai=True)

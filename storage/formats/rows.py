@@ -15,7 +15,7 @@ ENCODING_FORMATS = ("float", "base64")
 MAX_EMBEDDING_INPUTS = 2048  # inputs in one embeddings row, as OpenAI
 PARAM_NAMES = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n", "response_format", "logprobs",
                "top_logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
-               "min_tokens")
+               "min_tokens", "beam_width")
 # OpenAI body fields tokenmill does not honour: a row that sets one fails with `unsupported_parameter`, so
 # nothing is silently dropped (a no-op value such as false, 0, [] or null is accepted)
 UNSUPPORTED_PARAMS = ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "audio",
@@ -77,6 +77,7 @@ class Request:
     params: dict[str, Any] = field(default_factory=dict)  # per-row overrides of the job's sampling defaults
     inputs: list[str | list[int]] | None = None  # EMBEDDINGS: the texts (or token ids) to embed, one vector each
     model: str | None = None  # the row's `model` (OpenAI body, Parquet column): the job's model, an alias or an adapter
+    openai: bool = False  # an OpenAI Batch line (JSONL): fields beyond OpenAI's (beam_width) need the job's consent
 
 
 @dataclass(slots=True)
