@@ -149,7 +149,7 @@ def test_cancel_aborts_the_shards_in_flight_keeps_finished_ones_and_a_rerun_fini
         sessions, engine_provider, llm_engine, tmp_path: Path) -> None:
     """Shard 0's rows are short, so it completes while shards 1 and 2 (all in the engine at once) decode their
     long rows; the cancel then aborts those rows in the engine and ends both shards cancelled."""
-    columns = {**prompt_rows(9), "max_tokens": [2] * 3 + [48] * 6}
+    columns = {**prompt_rows(9), "max_tokens": [2] * 3 + [400] * 6}  # long enough to outlast a poll interval
     path = write_parquet(tmp_path / "in.parquet", columns)
     spec = new_job(str(path), str(tmp_path / "out"), "smollm2-135m", sampling={"temperature": 0.0,
                                                                                "ignore_eos": True}, shard_size=3)
@@ -158,7 +158,7 @@ def test_cancel_aborts_the_shards_in_flight_keeps_finished_ones_and_a_rerun_fini
     job = run_job(sessions, job.id, engine_provider, CancelAfterRows(sessions, job.id, 3))
     assert job.status == "cancelled" and job.cancelling_at <= job.cancelled_at
     assert not llm_engine.has_unfinished_requests(), "the cancelled shards' rows must be aborted in the engine"
-    assert llm_engine.stats.generation_tokens - generated < 3 * 2 + 6 * 48, "the long rows ran to their end"
+    assert llm_engine.stats.generation_tokens - generated < 3 * 2 + 6 * 400, "the long rows ran to their end"
     with sessions() as session:
         before = {s.index: (s.status, s.attempts, s.finished_at) for s in repo.shards(session, job.id)}
     assert before[0][:2] == ("completed", 1)
