@@ -1,13 +1,10 @@
 """Token sampling for one step: logits processors and grammar masks, greedy, temperature, top-k, top-p,
 draft verification and logprobs; per-request seeded streams.
 
-Sampling inverts each row's CDF at one uniform draw u (the first token whose cumulative probability passes
-u x total), which draws exactly from p at the cost of one cumulative sum: no noise over the vocabulary. A request
-with a seed takes its u for its n-th output token from a hash of (seed, n) (`position_uniform`), so its text depends
-neither on the batch nor on the mode, and verifying drafts samples each position exactly as decoding without them
-would (see `sample_positions`). Rows without a seed draw u from the engine's stream. (Until 2026-12 sampling was an
-exponential race with per-request generators: the same seeds now give other, equally distributed, texts.)
-Speculative decoding's rejection sampler keeps its uniform and exponential draws (`uniform`, `exponential`).
+Sampling uses the exponential race (argmax of p / E with E ~ Exp(1)), which draws exactly from p;
+a request with a seed draws its E from its own generator, so its text does not depend on the batch.
+In batch-invariant mode a seeded request's E for its n-th output token comes from a stream seeded by (seed, n), so
+verifying drafts samples each position exactly as decoding without them would (see `sample_positions`).
 """
 
 from __future__ import annotations
@@ -98,27 +95,17 @@ class Sampler:
         if all(p.temperature == 0 for p in params):
             return logits.max(dim=-1).indices.tolist()  # first maximum, like argmax, and faster on CPU
         logits = logits.float()
-        sampled = inverse_cdf(self.probabilities(logits, params), self.draws(seqs))
-        if all(p.temperature > 0 for p in params):
-            return sampled.tolist()
+        greedy_tokens = logits.argmax(dim=-1)
+        probs = self.probabilities(logits, params)
+        sampled = (probs / self.exponential(seqs, probs.shape[-1])).argmax(dim=-1)
         is_greedy = torch.tensor([p.temperature == 0 for p in params])
-        return torch.where(is_greedy, logits.argmax(dim=-1), sampled).tolist()
-
-    def draws(self, seqs: list[Sequence]) -> torch.Tensor:
-        """One U[0, 1) per sequence: a seeded one's keyed by its seed and output position, else the engine's."""
-        if all(seq.sample_seed is not None for seq in seqs):
-            return torch.tensor([position_uniform(seq.sample_seed, seq.num_output_tokens) for seq in seqs])
-        shared = torch.rand(len(seqs), generator=self.generator).tolist()
-        return torch.tensor([u if seq.sample_seed is None else position_uniform(seq.sample_seed, seq.num_output_tokens)
-                             for u, seq in zip(shared, seqs, strict=True)])
+        return torch.where(is_greedy, greedy_tokens, sampled).tolist()
 
     @staticmethod
     def probabilities(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         """Each row's sampling distribution after temperature, top-k and top-p (greedy rows: T = 1)."""
-        temperatures = [p.temperature if p.temperature > 0 else 1.0 for p in params]
-        scaled = logits.float()
-        if any(t != 1.0 for t in temperatures):
-            scaled = scaled / torch.tensor(temperatures)[:, None]
+        temperature = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params])
+        scaled = logits.float() / temperature[:, None]
         if any(p.top_k > 0 for p in params):
             scaled = apply_top_k(scaled, torch.tensor([max(p.top_k, 0) for p in params]))
         if any(p.top_p < 1 for p in params):
@@ -137,17 +124,19 @@ class Sampler:
         """Exp(1) noise, one row per sequence, each from that sequence's stream."""
         noise = torch.empty(len(seqs), width).exponential_(generator=self.generator)
         for row, seq in enumerate(seqs):
-            if seq.sample_seed is not None:
+            if seq.sample_seed is not None and self.batch_invariant:
+                noise[row] = position_noise(seq.sample_seed, seq.num_output_tokens, width)
+            elif seq.sample_seed is not None:
                 noise[row].exponential_(generator=self.generator_of(seq))
         return noise
 
     def sample_positions(self, logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
         """Batch-invariant mode, a seeded sequence: logits [m, vocab] of its next m positions -> the token it samples
         at each, as it would one step at a time."""
-        probs = self.probabilities(logits.float(), [seq.params] * logits.shape[0])
-        draws = torch.tensor([position_uniform(seq.sample_seed, seq.num_output_tokens + i)
-                              for i in range(logits.shape[0])])
-        return inverse_cdf(probs, draws)
+        probs = self.probabilities(logits, [seq.params] * logits.shape[0])
+        noise = torch.stack([position_noise(seq.sample_seed, seq.num_output_tokens + i, logits.shape[-1])
+                             for i in range(logits.shape[0])])
+        return (probs / noise).argmax(dim=-1)
 
     def uniform(self, seqs: list[Sequence], width: int) -> torch.Tensor:
         """U(0, 1) draws, one row per sequence, each from that sequence's stream."""
@@ -158,40 +147,10 @@ class Sampler:
         return draws
 
 
-MASK64 = (1 << 64) - 1
-
-
-def position_uniform(seed: int, index: int) -> float:
-    """U[0, 1) on a 2^-24 grid for output token `index` of a request seeded `seed` (splitmix64 of the pair): the same
-    however the tokens are batched."""
-    z = (seed * 0x9E3779B97F4A7C15 + (index + 1) * 0xD1B54A32D192ED03) & MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
-    return ((z ^ (z >> 31)) >> 40) / (1 << 24)
-
-
-CDF_BLOCK = 256  # inverse_cdf sums blocks of this many tokens first, then scans one block
-
-
-def inverse_cdf(probs: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:
-    """probs [B, V] (rows need not sum to 1), draws [B] in [0, 1) -> per row the first token whose cumulative
-    probability exceeds draw x the row's total: the block of CDF_BLOCK tokens where the cumulative block sums pass
-    it, then the token within that block. A zero-probability token is never taken; where rounding would reach past
-    a block's last token (a chance near 2^-24), the row's most likely token is taken."""
-    num_rows, vocab = probs.shape
-    pad = -vocab % CDF_BLOCK
-    blocks = (torch.nn.functional.pad(probs, (0, pad)) if pad else probs).view(num_rows, -1, CDF_BLOCK)
-    block_cdf = blocks.sum(dim=-1).cumsum(dim=-1)
-    targets = draws.to(block_cdf.dtype) * block_cdf[:, -1]
-    block = torch.searchsorted(block_cdf, targets[:, None], right=True).squeeze(1).clamp_(max=blocks.shape[1] - 1)
-    before = torch.where(block > 0, block_cdf.gather(1, (block - 1).clamp(min=0)[:, None]).squeeze(1), 0.0)
-    within = blocks[torch.arange(num_rows), block].cumsum(dim=-1)
-    offset = torch.searchsorted(within, (targets - before)[:, None], right=True).squeeze(1).clamp_(max=CDF_BLOCK - 1)
-    tokens = (block * CDF_BLOCK + offset).clamp_(max=vocab - 1)
-    missed = probs.gather(1, tokens[:, None]).squeeze(1) <= 0
-    if bool(missed.any()):
-        tokens = torch.where(missed, probs.argmax(dim=-1), tokens)
-    return tokens
+def position_noise(seed: int, index: int, width: int) -> torch.Tensor:
+    """Exp(1) noise for output token `index` of a request seeded `seed`: the same however the tokens are batched."""
+    generator = torch.Generator().manual_seed((seed * 0x9E3779B97F4A7C15 + index) % (1 << 63))
+    return torch.empty(width).exponential_(generator=generator)
 
 
 def record_logprobs(logprobs: torch.Tensor, layout: SampleLayout,

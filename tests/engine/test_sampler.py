@@ -75,32 +75,3 @@ def test_temperature_scales_before_softmax():
     logits = torch.tensor([[0.0, math.log(3.0)]]).repeat(3000, 1)  # p = 1/4, 3/4 at T=1
     tokens = torch.tensor(Sampler(3)(logits, [seq(i, temperature=1e6) for i in range(3000)]))
     assert abs(tokens.float().mean().item() - 0.5) < 0.05  # near uniform at a huge temperature
-
-
-def test_inverse_cdf_draws_the_distribution_across_blocks_and_never_a_masked_token():
-    from engine.sampler import CDF_BLOCK, inverse_cdf
-
-    vocab = 3 * CDF_BLOCK + 37  # a partial last block
-    probs = torch.zeros(vocab)
-    probs[[0, CDF_BLOCK - 1, CDF_BLOCK, 2 * CDF_BLOCK + 5, vocab - 1]] = torch.tensor([0.1, 0.2, 0.3, 0.15, 0.25])
-    draws = (torch.arange(20000, dtype=torch.float64) + 0.5) / 20000  # an even grid over [0, 1)
-    tokens = inverse_cdf(probs.repeat(20000, 1), draws.float())
-    freq = torch.bincount(tokens, minlength=vocab).float() / 20000
-    assert set(tokens.unique().tolist()) == {0, CDF_BLOCK - 1, CDF_BLOCK, 2 * CDF_BLOCK + 5, vocab - 1}
-    assert torch.allclose(freq, probs, atol=1e-3)
-    edges = inverse_cdf(probs.repeat(2, 1) * 3.0, torch.tensor([0.0, 1.0 - 2**-24]))  # unnormalised rows, extremes
-    assert edges.tolist() == [0, vocab - 1]
-
-
-def test_a_seeded_request_samples_by_position_the_same_in_both_modes():
-    torch.manual_seed(1)
-    logits = torch.randn(4, 300)
-    plain, invariant = Sampler(0), Sampler(5)
-    invariant.batch_invariant = True
-    seqs = [seq(i, seed=11 + i, temperature=0.8, top_p=0.9) for i in range(4)]
-    together = plain(logits, seqs)
-    assert together == invariant(logits, seqs) == invariant(logits[:2], seqs[:2]) + invariant(logits[2:], seqs[2:])
-    positions = invariant.sample_positions(logits[:1].repeat(3, 1), seqs[0])  # positions 0, 1, 2 of request 0
-    assert positions[0].item() == plain(logits[:1], seqs[:1])[0]
-    seqs[0].append_token(1)  # the next position draws anew
-    assert positions[1].item() == plain(logits[:1], seqs[:1])[0]
