@@ -21,12 +21,11 @@ def verify_drafts(logits: list[torch.Tensor], seqs: list[Sequence], drafts: list
                   draft_probs: list[torch.Tensor | None], sampler) -> list[list[int]]:
     """logits[i]: [1 + len(drafts[i]), vocab] for seqs[i]; draft_probs[i]: the draft model's distributions at
     each draft (None: a deterministic proposer); sampler: the engine's `Sampler` (its streams). Greedy
-    sequences accept exactly the target's argmax; seeded ones sample each position with its position-keyed draw, as
-    decoding without drafts would, and keep the drafts up to the first miss; unseeded ones go through exact rejection
-    sampling. Returns
+    sequences accept exactly the target's argmax; sampled ones go through exact rejection sampling. Returns
     each sequence's new tokens."""
     out: dict[int, list[int]] = {}
-    by_position = [i for i, s in enumerate(seqs) if s.params.temperature > 0 and s.sample_seed is not None]
+    by_position = [i for i, s in enumerate(seqs)
+                   if s.params.temperature > 0 and s.sample_seed is not None and sampler.batch_invariant]
     greedy = [i for i, s in enumerate(seqs) if s.params.temperature == 0]
     sampled = [i for i, s in enumerate(seqs) if s.params.temperature > 0 and i not in by_position]
     if greedy:

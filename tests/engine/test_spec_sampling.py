@@ -12,7 +12,7 @@ import engine.spec_decode.verifier as verifier
 from engine import LLM, SamplingParams
 
 PROMPT = "Once upon a time, in a small village, there"
-SAMPLES = 160  # the n samples of one request
+SAMPLES = 160  # the n samples of one request, each with its own seeded stream
 SPEC = {"method": "self", "num_speculative_tokens": 2, "draft_layers": 26}
 
 
@@ -26,9 +26,7 @@ def sample_tokens(llm, seed, speculative):
     llm.engine.set_speculative_config(SPEC if speculative else None)
     if speculative:  # verify 2 drafts every step, whatever the adaptive control would pick for this batch
         llm.engine.spec.control.lookahead = lambda num_decoding: 2
-    # speculated samples are unseeded: seeded ones keep drafts by their position-keyed draws, not the rejection sampler
-    params = SamplingParams(n=SAMPLES, max_tokens=4, temperature=1.0, seed=None if speculative else seed,
-                            ignore_eos=True)
+    params = SamplingParams(n=SAMPLES, max_tokens=4, temperature=1.0, seed=seed, ignore_eos=True)
     (out,) = llm.generate([PROMPT], params)
     llm.engine.set_speculative_config(None)
     return torch.tensor([o.token_ids for o in out.outputs])
