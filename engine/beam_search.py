@@ -23,6 +23,7 @@ from engine.sampling_params import SamplingParams
 from engine.sequence import FinishReason, Sequence
 
 if TYPE_CHECKING:
+    from engine.block_pool import KVCacheManager
     from engine.output_processor import OutputProcessor
     from engine.scheduler import Scheduler
     from engine.step_types import ModelRunnerOutput, SchedulerOutput
@@ -331,20 +332,19 @@ def beam_search_output(request: RequestOutput) -> BeamSearchOutput:
                              for c in request.outputs])
 
 
-def beam_rejection(prompt_len: int, params: BeamSearchParams, block_size: int, usable_blocks: int,
-                   prefix_caching: bool, watermark_blocks: int) -> str | None:
+def beam_rejection(prompt_len: int, params: BeamSearchParams, kv: KVCacheManager) -> str | None:
     """Why a beam group can never run in the KV pool: all of its beams must fit at once. They share the prompt's
     blocks, and after a recompute preemption find them again in the prefix cache; without the cache each beam
     recomputes its whole sequence into blocks of its own."""
-    width, blocks_of = params.beam_width, lambda tokens: -(-tokens // block_size)
-    if prefix_caching:
+    width, blocks_of = params.beam_width, kv.blocks_needed
+    if kv.enable_caching:
         blocks = blocks_of(prompt_len) + width * (blocks_of(params.max_tokens) + 1)
     else:
         blocks = width * blocks_of(prompt_len + params.max_tokens)
-    blocks += watermark_blocks
-    if blocks > usable_blocks:
+    blocks += kv.watermark_blocks
+    if blocks > kv.usable_blocks:
         return (f"beam search of width {params.beam_width} needs up to {blocks} KV blocks but the pool has "
-                f"{usable_blocks}")
+                f"{kv.usable_blocks}")
     return None
 
 

@@ -21,7 +21,6 @@ import torch
 
 log = logging.getLogger("tokenmill.engine")
 
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite e4m3 value
 HEADROOM = 2.0  # calibrated scales leave room for values twice the calibration text's largest

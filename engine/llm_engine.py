@@ -163,9 +163,7 @@ class LLMEngine:
         adapter = self._adapter(lora_request)
         seq = Sequence(next(self._seq_ids), request_id, self.encode(prompt), params, priority=priority,
                        cache_salt=cache_salt, lora=adapter)
-        kv = self.kv_manager
-        too_big = beam and beam_rejection(seq.num_prompt_tokens, beam, kv.block_size, kv.usable_blocks,
-                                          kv.enable_caching, kv.watermark_blocks)
+        too_big = beam and beam_rejection(seq.num_prompt_tokens, beam, self.kv_manager)
         if too_big:
             seq.finish(FinishReason.ERROR, too_big)
         accepted = not too_big and self.scheduler.add(seq)  # False: it can never run, and fails at the next step

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import IO, Any
 
 from storage.formats import Limits, RowError
-from storage.formats.jsonl import parse_line
+from storage.formats.jsonl import parse_line, parse_value
 
 MAX_LISTED = 100  # lines listed in errors.data; the message gives the total
 
@@ -52,11 +52,15 @@ def check_lines(source: IO[bytes], endpoint: str, served: Collection[str], max_r
         checked.rows += 1
         if checked.rows > max_rows:
             raise TooManyRows(max_rows)
-        url = _peek_url(line)
+        try:
+            value = json.loads(line)
+        except ValueError:
+            value = None
+        url = value.get("url") if isinstance(value, dict) else None
         if isinstance(url, str) and url != endpoint:  # before the body, which is read as the url says
             checked.refuse(line_number, "invalid_url", f"url {url!r} is not the batch's endpoint {endpoint!r}", "url")
             continue
-        request = parse_line(checked.rows - 1, line)
+        request = parse_line(checked.rows - 1, line) if value is None else parse_value(checked.rows - 1, value)
         if isinstance(request, RowError):
             checked.refuse(line_number, request.code, request.message)
             continue
@@ -68,11 +72,3 @@ def check_lines(source: IO[bytes], endpoint: str, served: Collection[str], max_r
                            f"model {request.model!r} is not served here (served: "
                            f"{', '.join(repr(name) for name in sorted(served))})", "body.model")
     return checked
-
-
-def _peek_url(line: bytes) -> Any:
-    try:
-        value = json.loads(line)
-    except ValueError:
-        return None
-    return value.get("url") if isinstance(value, dict) else None

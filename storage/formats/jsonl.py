@@ -121,6 +121,11 @@ def parse_line(row: int, line: bytes) -> Request | RowError:
         value: Any = json.loads(line)
     except ValueError as error:
         return RowError(row, None, "invalid_json", f"line is not valid JSON: {error}")
+    return parse_value(row, value)
+
+
+def parse_value(row: int, value: Any) -> Request | RowError:
+    """A line's decoded JSON as a request, or the row's error."""
     if not isinstance(value, dict):
         return RowError(row, None, "invalid_json", f"line must be a JSON object, got {type(value).__name__}")
     custom_id = value.get("custom_id")
