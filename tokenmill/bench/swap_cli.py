@@ -24,8 +24,8 @@ def register(benches: argparse._SubParsersAction) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=512,
                         help="step token budget: prompts are admitted by 512-token chunks, so several prefill at "
                              "once and outgrow the pool (default: 512)")
-    parser.add_argument("--resident", type=float, default=3.0,
-                        help="requests the KV pool holds at full length (default: 3)")
+    parser.add_argument("--resident", type=float, default=2.0,
+                        help="requests the KV pool holds at full length (default: 2)")
     parser.add_argument("--num-kv-blocks", type=int, help="KV pool size in blocks (overrides --resident)")
     parser.add_argument("--modes", default="recompute,swap",
                         help="comma-separated subset of recompute,swap,auto (default: recompute,swap)")
