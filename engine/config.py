@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from engine.kv_connector.config import KVTransferConfig
+
 DEFAULT_MODEL = "smollm2-135m"
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 BACKENDS = ("auto", "torch", "triton")
@@ -46,6 +48,8 @@ class EngineConfig:
     # on where it costs nothing, i.e. our own GEMM kernels run the model's dtype (engine/models/cpu_gemm.py)
     batch_invariant: bool | str = False
     tensor_parallel_size: int = 1  # processes the model is sharded over (engine/distributed/)
+    pipeline_parallel_size: int = 1  # processes the model's layers are split over, in stages (distributed/pipeline.py)
+    pipeline_micro_batches: int | None = None  # a step's sequences in up to this many micro-batches (default: stages)
     # float32 encoders: "high" runs their GEMMs as 3 bfloat16 products on AMX tiles (about 16 bits of precision,
     # what PyTorch's "high" allows), where the CPU has AMX; "highest": float32 arithmetic
     float32_matmul_precision: str = "highest"
@@ -64,8 +68,12 @@ class EngineConfig:
     # start-up on a built-in text or given by `kv_cache_scales` (a JSON file or dict): engine/kv_quant.py
     kv_cache_dtype: str = "auto"
     kv_cache_scales: str | dict[str, Any] | None = None
+    # Share computed KV blocks with other engines through a store (engine/kv_connector/, docs/kv-connector.md): a
+    # KVTransferConfig or a dict of its fields, as vLLM's
+    kv_transfer_config: KVTransferConfig | dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
+        self.kv_transfer_config = KVTransferConfig.of(self.kv_transfer_config)
         self.validate()
 
     def validate(self) -> None:
@@ -97,6 +105,7 @@ class EngineConfig:
              f"float32_matmul_precision must be one of {FLOAT32_MATMUL_PRECISIONS}, "
              f"got {self.float32_matmul_precision!r}")
         need(self.tensor_parallel_size >= 1, f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        self.validate_pipeline(need)
         need(self.max_loras >= 1, f"max_loras must be >= 1, got {self.max_loras}")
         need(self.max_lora_rank >= 1, f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
         need(self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras,
@@ -113,11 +122,28 @@ class EngineConfig:
              "kv_cache_scales needs kv_cache_dtype='fp8'")
         need(self.kv_cache_dtype == "auto" or self.tensor_parallel_size == 1,
              "kv_cache_dtype='fp8' does not combine with tensor_parallel_size > 1 yet")
+        need(self.kv_transfer_config is None or self.tensor_parallel_size == 1,
+             "kv_transfer_config does not combine with tensor_parallel_size > 1 yet (each rank holds a shard of "
+             "every block)")
         need(0 < self.memory_utilization <= 1, f"memory_utilization must be in (0, 1], got {self.memory_utilization}")
         if not self.enable_chunked_prefill and self.max_model_len is not None:
             need(self.max_num_batched_tokens >= self.max_model_len,
                  "without chunked prefill, max_num_batched_tokens must be >= max_model_len "
                  f"({self.max_num_batched_tokens} < {self.max_model_len})")
+
+    def validate_pipeline(self, need) -> None:
+        stages = self.pipeline_parallel_size
+        need(isinstance(stages, int) and stages >= 1, f"pipeline_parallel_size must be >= 1, got {stages!r}")
+        need(self.pipeline_micro_batches is None or self.pipeline_micro_batches >= 1,
+             f"pipeline_micro_batches must be >= 1, got {self.pipeline_micro_batches}")
+        if stages == 1:
+            return
+        spec = self.speculative_config or {}
+        unsupported = {"enable_lora": self.enable_lora, "kv_cache_dtype='fp8'": self.kv_cache_dtype != "auto",
+                       "kv_transfer_config": getattr(self, "kv_transfer_config", None) is not None,
+                       "speculative_config method 'self'": isinstance(spec, dict) and spec.get("method") == "self"}
+        for name, used in unsupported.items():
+            need(not used, f"{name} does not combine with pipeline_parallel_size > 1 yet")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:

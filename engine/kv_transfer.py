@@ -1,6 +1,7 @@
 """Whole-block copies of the runner's KV pool: copy-on-write within it, and swap preemption's copies out to and back
 from a host pool (engine/swap.py plans them). One indexed copy per pool tensor (each layer's K and V), never a
-loop over blocks. The copies go through byte views, so they hold for any pool dtype (FP8 included)."""
+loop over blocks. The copies go through byte views, so they hold for any pool dtype (FP8 included). The KV
+connector's blocks (engine/kv_connector/) are read and written here too, as bytes."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from collections.abc import Callable
 import torch
 
 from engine.batch import PoolZeroing
-from engine.step_types import StepInput
+from engine.step_types import KVLoad, StepInput
 
 MIN_HOST_BLOCKS = 64  # the host tensors' first size; they double as higher host block ids are used
 
@@ -40,6 +41,8 @@ class KVTransfer:
             self.copy_blocks(step.block_copies)
         if step.blocks_to_swap_in:
             self.swap_in(step.blocks_to_swap_in)
+        if step.kv_loads:
+            self.start_load_kv([load for loads in step.kv_loads.values() for load in loads])
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: duplicate whole blocks (all layers, K and V) before they are written."""
@@ -67,6 +70,30 @@ class KVTransfer:
             if self.pin:  # an async copy from pinned memory; the caching host allocator keeps it until done
                 staged = staged.pin_memory()
             cache.index_copy_(1, dst, staged.to(cache.device, non_blocking=True))
+
+    def read_blocks(self, block_ids: list[int]) -> list[bytes]:
+        """Each block's bytes as the KV connector stores them: every pool tensor's rows of it (each layer's K, then
+        each layer's V), in the pool's own dtype (FP8 bytes included)."""
+        if not block_ids:
+            return []
+        src = self.to_tensor(block_ids)
+        parts = [cache.index_select(1, src).transpose(0, 1).reshape(len(block_ids), -1).cpu()
+                 for cache in self.byte_caches]
+        return [row.tobytes() for row in torch.cat(parts, dim=1).numpy()]
+
+    def start_load_kv(self, loads: list[KVLoad]) -> None:
+        """Write blocks the KV connector loaded (`read_blocks`' layout) into their fresh pool blocks."""
+        dst = self.to_tensor([load.block_id for load in loads])
+        self.zeroing.ensure(1 + max(load.block_id for load in loads))
+        data = torch.frombuffer(bytearray(b"".join(load.payload for load in loads)), dtype=torch.uint8)
+        data = data.view(len(loads), self.bytes_per_block)
+        offset = 0
+        for cache in self.byte_caches:
+            heads, _, block_size, width = cache.shape
+            size = heads * block_size * width
+            rows = data[:, offset:offset + size].reshape(len(loads), heads, block_size, width).transpose(0, 1)
+            cache.index_copy_(1, dst, rows.to(cache.device))
+            offset += size
 
     def _grow_host(self, end: int) -> None:
         if end <= self.host_capacity:

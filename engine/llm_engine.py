@@ -14,6 +14,7 @@ from engine.beam_search import BeamCoordinator, BeamSearchParams, beam_rejection
 from engine.block_pool import KVCacheManager
 from engine.config import EngineConfig
 from engine.distributed.group import RankFailure
+from engine.kv_connector.factory import create_kv_connector
 from engine.lora.request import LoRARequest
 from engine.metrics import EngineStats
 from engine.model_loader import resolve_model
@@ -53,17 +54,21 @@ class LLMEngine:
         eos = eos_token_ids(self.model_dir, self.tokenizer)
         self.structured = StructuredOutputs(self.tokenizer, hf_config.vocab_size, eos)
         self.sampler = Sampler(config.seed, frozenset(eos), self.structured)
-        self.ranks = None  # the other tensor-parallel ranks' processes (engine/distributed/)
-        if config.tensor_parallel_size > 1:
+        self.ranks = None  # the other tensor-parallel ranks' or pipeline stages' processes (engine/distributed/)
+        runner_class = ModelRunner
+        if config.tensor_parallel_size > 1 or config.pipeline_parallel_size > 1:
+            from engine.distributed.pipeline import check_stages, rank_classes
             from engine.distributed.ranks import Ranks
             from engine.distributed.sharding import check_divisible
 
             check_divisible(hf_config, config.tensor_parallel_size)
+            check_stages(hf_config.num_hidden_layers, config.pipeline_parallel_size)
+            runner_class = rank_classes(config)[1]
             self.ranks = Ranks.start(config, self.model_dir, self.max_model_len)
             weakref.finalize(self, self.ranks.stop)
         try:
-            self.runner = ModelRunner(config, self.model_dir, hf_config, self.max_model_len, self.sampler,
-                                      self.ranks.group if self.ranks else None)
+            self.runner = runner_class(config, self.model_dir, hf_config, self.max_model_len, self.sampler,
+                                       self.ranks.group if self.ranks else None)
         except BaseException:
             self.shutdown()
             raise
@@ -74,8 +79,10 @@ class LLMEngine:
                                  config.scheduling_policy, config.long_prefill_token_threshold,
                                  config.max_loras if config.enable_lora else 0, config.preemption_mode)
         self._seq_ids = itertools.count()
+        self.kv_connector = create_kv_connector(config.kv_transfer_config, config.model, self.model_dir, self.runner,
+                                                kv)  # None without kv_transfer_config
         self.scheduler = Scheduler(limits, kv, frozenset(eos), next_seq_id=self._seq_ids.__next__,
-                                   swap=SwapSpace(self.runner.transfer.num_host_blocks))
+                                   swap=SwapSpace(self.runner.transfer.num_host_blocks), connector=self.kv_connector)
         self.beams = BeamCoordinator(frozenset(eos), self._seq_ids.__next__)
         self.stats = EngineStats()
         self.output = OutputProcessor(self.tokenizer, self.sampler, self.stats)
@@ -226,9 +233,11 @@ class LLMEngine:
         ran = time.perf_counter()
         try:
             output = self.runner.execute(plan)
-        except RankFailure:  # a tensor-parallel rank is gone: the engine is down, the other ranks stop too
+        except RankFailure:  # a tensor-parallel rank or stage is gone: the engine is down, the other ranks stop too
             self.shutdown()
             raise
+        if self.kv_connector is not None:  # the full blocks this step computed, while the plan still holds them
+            self.kv_connector.wait_for_save(plan)
         if self.spec:
             self._record_spec(*self.spec.observe(plan, output, time.perf_counter() - ran))
         if self.beams.groups:

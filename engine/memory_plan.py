@@ -162,8 +162,11 @@ def profile_forward_peak(runner, num_tokens: int, num_logit_rows: int, kv_scales
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     attention.begin_step(batch)
-    hidden = runner.model(batch.input_ids, batch.positions, attention.forward)
-    if num_logit_rows:
+    stage_input = None  # a pipeline stage after the first starts from hidden states
+    if runner.model.embed_tokens is None:
+        stage_input = torch.zeros(num_tokens, runner.model.config.hidden_size, dtype=runner.dtype, device=device)
+    hidden = runner.model(batch.input_ids, batch.positions, attention.forward, hidden=stage_input)
+    if num_logit_rows and runner.model.embed_tokens is not None:  # the first stage alone computes logits
         rows = torch.arange(num_logit_rows, device=device) % hidden.shape[0]
         logits = runner.model.compute_logits(hidden.index_select(0, rows))
         torch.softmax(logits.float(), dim=-1).cumsum(dim=-1)  # the sampler's float32 copies
@@ -205,7 +208,7 @@ def plan_kv_cache(runner) -> KVPlan:
             budget = int(total * config.memory_utilization)
             kv_budget = budget - other - fixed
         else:
-            ranks = runner.tp.world_size if getattr(runner, "tp", None) else 1  # tensor-parallel ranks share the host
+            ranks = runner.tp.world_size if getattr(runner, "tp", None) else 1  # TP ranks or stages share the host
             budget = weights + int(available_host_memory() * 0.8 / ranks)  # the weights are loaded already
             kv_budget = min(config.cpu_kv_cache_space, budget - fixed)
         num_blocks = min(kv_budget // (per_block + draft_per_block), needed_blocks)

@@ -45,15 +45,10 @@ class ModelRunner:
             heap.keep_freed_memory()
         self.block_size = config.block_size
         self.max_model_len = max_model_len
-        if tp is None:
-            self.model = load_model(model_dir, hf_config, max_model_len, self.dtype, self.device)
-        else:
-            from engine.distributed.sharding import load_shard
-
-            self.model = load_shard(model_dir, hf_config, max_model_len, self.dtype, self.device, tp)
+        self.model = self.load(model_dir, hf_config)
         self.lora = LoRAManager.for_model(self.model, config, hf_config, self.device)  # None without enable_lora
         shard = self.model.config  # this rank's heads and KV heads
-        self.num_layers = hf_config.num_hidden_layers
+        self.num_layers = len(self.model.layers)  # a pipeline stage's own
         self.num_kv_heads = shard.num_key_value_heads
         self.num_heads = shard.num_attention_heads
         self.head_dim = head_dim_of(shard)
@@ -85,6 +80,14 @@ class ModelRunner:
                      "our GEMM kernels for this dtype are invariant as they are" if config.batch_invariant
                      else "it would need GEMMs in fixed row tiles here, a cost")
         self.set_batch_invariant(config.batch_invariant)  # after the graphs: they replay only with it off
+
+    def load(self, model_dir: Path, hf_config):
+        """The model; a tensor-parallel rank's shard of it (a pipeline stage's runner loads its layers)."""
+        if self.tp is None:
+            return load_model(model_dir, hf_config, self.max_model_len, self.dtype, self.device)
+        from engine.distributed.sharding import load_shard
+
+        return load_shard(model_dir, hf_config, self.max_model_len, self.dtype, self.device, self.tp)
 
     def set_batch_invariant(self, on: bool) -> None:
         """Fixed-shape GEMMs and one attention path (see engine/models/cpu_gemm.py, engine/attention/), on or off.
@@ -145,7 +148,7 @@ class ModelRunner:
                                    + plan.spec_token_ids.get(seq.seq_id, [])))
         batch, rows = self.prepare(items)
         step = StepInput(plan.block_copies, items, layout.batch_rows(rows), plan.blocks_to_swap_out,
-                         plan.blocks_to_swap_in)
+                         plan.blocks_to_swap_in, plan.kv_loads)
         if self.tp is None:
             logits = self.run(step, batch)
         else:

@@ -11,12 +11,16 @@ import itertools
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from engine.block_pool import KVCacheManager
 from engine.sampling_params import context_length_error
 from engine.sequence import FinishReason, Sequence, SequenceStatus
 from engine.step_types import ModelRunnerOutput, ScheduledSeq, SchedulerOutput
 from engine.swap import SWAP_MIN_COMPUTED_TOKENS, SwapSpace
+
+if TYPE_CHECKING:
+    from engine.kv_connector.base import KVConnector
 
 __all__ = ["Scheduler", "SchedulerLimits", "ScheduledSeq", "SchedulerOutput"]
 
@@ -36,12 +40,15 @@ class SchedulerLimits:
 
 class Scheduler:
     """Owns the waiting queue, the running list and the swapped queue; mutates sequences' block tables and
-    counters. `swap`: the host block pool swapped-out sequences go to (none: every preemption recomputes)."""
+    counters. `swap`: the host block pool swapped-out sequences go to (none: every preemption recomputes).
+    `connector`: the KV connector asked, at admission, for blocks past the local prefix cache (engine/kv_connector/)."""
 
     def __init__(self, limits: SchedulerLimits, kv: KVCacheManager, eos_token_ids: frozenset[int] = frozenset(),
-                 next_seq_id: Callable[[], int] | None = None, swap: SwapSpace | None = None):
+                 next_seq_id: Callable[[], int] | None = None, swap: SwapSpace | None = None,
+                 connector: KVConnector | None = None):
         self.limits = limits
         self.kv = kv
+        self.connector = connector
         self.swap = swap or SwapSpace(0)
         self.swapped: deque[Sequence] = deque()  # preempted with their KV in host blocks, served before waiting
         self.eos_token_ids = eos_token_ids
@@ -156,16 +163,21 @@ class Scheduler:
                 cached = self.kv.find_cached_prefix(seq)
             if len(self.running) + (seq.params.n if seq.fork_pending else 1) > limits.max_num_seqs:
                 return seq, f"max_num_seqs ({limits.max_num_seqs}) is reached"
-            num_new = seq.num_tokens - len(cached) * self.kv.block_size
+            num_external = 0 if self.connector is None else self.connector.get_num_new_matched_tokens(
+                seq, len(cached) * self.kv.block_size)  # tokens the KV connector loads instead of computing
+            num_new = seq.num_tokens - len(cached) * self.kv.block_size - num_external
             if num_new > budget and not limits.enable_chunked_prefill:
                 return seq, f"{num_new} tokens to prefill exceed the token budget and chunked prefill is off"
             num_new = self._chunk(num_new, budget)
-            if not self.kv.can_admit(seq, cached, num_new, keep_watermark=bool(self.running)):
+            if not self.kv.can_admit(seq, cached, num_external + num_new, keep_watermark=bool(self.running)):
                 return seq, f"its first {num_new} tokens do not fit in the free KV blocks"
             self._take_waiting(seq)
             self.kv.admit(seq, cached)
-            if not self.kv.allocate_slots(seq, num_new):
+            if not self.kv.allocate_slots(seq, num_external + num_new):
                 raise RuntimeError("admission check and allocation disagree")
+            if num_external:  # loaded before the forward, so computed as prefix-cache hits are
+                out.kv_loads[seq.seq_id] = self.connector.update_state_after_alloc(seq, num_external)
+                seq.num_computed_tokens += num_external
             if seq.num_cached_tokens < 0:
                 seq.num_cached_tokens = seq.num_computed_tokens
             seq.status = SequenceStatus.RUNNING
@@ -362,6 +374,8 @@ class Scheduler:
             self.swapped.remove(seq)
             self.swap.free(seq)
         self.kv.free(seq)
+        if self.connector is not None:
+            self.connector.request_finished(seq)
         seq.finish(reason)
 
 

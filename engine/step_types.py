@@ -14,6 +14,15 @@ if TYPE_CHECKING:
     from engine.sequence import Sequence
 
 
+class KVLoad(NamedTuple):
+    """A block the KV connector loads before the forward: the pool block, its chain hash and its checked bytes (every
+    layer's K rows, then every layer's V rows, as the pool holds them)."""
+
+    block_id: int
+    block_hash: bytes
+    payload: bytes
+
+
 class ScheduledSeq(NamedTuple):
     seq: Sequence
     num_new_tokens: int
@@ -34,6 +43,7 @@ class SchedulerOutput:
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host) blocks, copied first
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device), before the forward
     failed: list[Sequence] = field(default_factory=list)  # waiting sequences that could never be scheduled
+    kv_loads: dict[int, list[KVLoad]] = field(default_factory=dict)  # seq_id -> blocks the KV connector loads
 
     def sample_groups(self) -> list[tuple[Sequence, list[Sequence]]]:
         """Each sampled row with the sequences that draw from it (a forking parent feeds n)."""
@@ -111,13 +121,14 @@ class SeqBlocks(NamedTuple):
 class StepInput(NamedTuple):
     """What the model runs in one step: copy-on-write block copies, each sequence's tokens this step
     (`batch.BatchItem`s), the flat-batch rows whose logits are sampled, and the blocks swapped out to and in from
-    the host (`SchedulerOutput`'s pairs)."""
+    the host (`SchedulerOutput`'s pairs), and the KV connector's loads."""
 
     block_copies: list[tuple[int, int]]
     items: list
     sample_rows: list[int]
     blocks_to_swap_out: list[tuple[int, int]] = []
     blocks_to_swap_in: list[tuple[int, int]] = []
+    kv_loads: dict[int, list[KVLoad]] = {}  # seq_id -> blocks loaded by the KV connector, after the swaps
 
     def for_ranks(self) -> StepInput:
         """This step as plain data, the sequences reduced to their ids and block tables."""

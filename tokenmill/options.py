@@ -27,7 +27,7 @@ DATABASE_HELP = ("SQLAlchemy database URL, e.g. postgresql+psycopg://user@host/d
 
 def add_engine_options(parser: argparse.ArgumentParser, lora: str | None = None) -> None:
     """The engine's settings; `lora` adds the LoRA knobs, with --enable-lora's default: "adapters" (on when
-    --lora-modules names some: `run`), "single-rank" (on unless -tp > 1: `worker`)."""
+    --lora-modules names some: `run`), "single-rank" (on unless -tp or -pp > 1: `worker`)."""
     group = parser.add_argument_group(
         "engine", "On CPUs, C kernels (built once into ~/.cache/tokenmill/kernels) run decode attention and the "
                   "layers' norms, RoPE and SiLU, and the GEMMs (bfloat16 on CPUs with AMX or avx512_bf16, "
@@ -61,6 +61,11 @@ def add_engine_options(parser: argparse.ArgumentParser, lora: str | None = None)
     group.add_argument("--kv-cache-scales", metavar="JSON",
                        help="FP8 KV cache: the scales from this JSON file ({\"k\": [[per head] per layer], "
                             "\"v\": ...}) instead of calibrating (default: calibrate)")
+    group.add_argument("--kv-transfer-config", type=json_object, metavar="JSON",
+                       help="share KV blocks with other engines, as vLLM's: e.g. '{\"kv_connector\": "
+                            "\"SharedStorageConnector\", \"kv_role\": \"kv_both\", \"kv_connector_extra_config\": "
+                            "{\"shared_storage_path\": \"/mnt/kv\"}}' or RedisConnector with \"redis_url\" "
+                            "(docs/kv-connector.md) (default: off)")
     group.add_argument("--no-prefix-caching", action="store_true", help="turn automatic prefix caching off")
     group.add_argument("--admission-lookahead", type=int, default=32, metavar="N",
                        help="waiting requests searched for the longest cached prefix when admitting (1: strict "
@@ -85,6 +90,10 @@ def add_engine_options(parser: argparse.ArgumentParser, lora: str | None = None)
     group.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
                        help="shard the model over N processes (GPUs on CUDA; on CPU this costs time, it does not "
                             "save any) (default: 1)")
+    group.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, metavar="N",
+                       help="split the model's layers into N stages, one process (GPU on CUDA) each, or -tp of "
+                            "them, a step's sequences in micro-batches that overlap (docs/pipeline-parallel.md) "
+                            "(default: 1)")
     group.add_argument("--batch-invariant", choices=INVARIANT_CHOICES, nargs="?", const="on", default="auto",
                        help="a request's output bit-identical however it is batched or sharded (GEMMs that sum in "
                             "one order at any batch size, one attention path). auto (the default): on where our own "
@@ -100,8 +109,8 @@ def add_engine_options(parser: argparse.ArgumentParser, lora: str | None = None)
         _add_lora_knobs(group, lora)
 
 
-LORA_DEFAULT_HELP = {"adapters": "on when --lora-modules names adapters", "single-rank": "on unless -tp > 1, so a "
-                     "job may bring adapters of its own"}
+LORA_DEFAULT_HELP = {"adapters": "on when --lora-modules names adapters", "single-rank": "on unless -tp or -pp > 1, so "
+                     "a job may bring adapters of its own"}
 MAX_LORAS_DEFAULT = 4  # device slots without --lora-modules
 MAX_LORAS_CAP = 8  # slots sized from the --lora-modules count go no higher
 
@@ -141,6 +150,10 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         kwargs["kv_cache_dtype"] = args.kv_cache_dtype
     if args.kv_cache_scales:
         kwargs["kv_cache_scales"] = args.kv_cache_scales
+    if args.pipeline_parallel_size != 1:  # only when set: an engine's settings as without the option
+        kwargs["pipeline_parallel_size"] = args.pipeline_parallel_size
+    if args.kv_transfer_config:
+        kwargs["kv_transfer_config"] = args.kv_transfer_config
     kwargs.update(lora_engine_kwargs(args))
     if args.speculative_method:
         kwargs["speculative_config"] = {"method": args.speculative_method,
@@ -150,6 +163,16 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return kwargs
 
 
+def json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as problem:
+        raise argparse.ArgumentTypeError(f"not JSON: {problem}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object")
+    return value
+
+
 def lora_engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The engine's LoRA settings: none when LoRA is off (an engine, and a job's settings, as without it)."""
     if getattr(args, "lora_default", None) is None:
@@ -157,7 +180,8 @@ def lora_engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     count = len(lora_modules(args))
     enabled = args.enable_lora
     if enabled is None:
-        enabled = bool(count) if args.lora_default == "adapters" else args.tensor_parallel_size == 1
+        enabled = bool(count) if args.lora_default == "adapters" else (
+            args.tensor_parallel_size == 1 and getattr(args, "pipeline_parallel_size", 1) == 1)
     if not enabled:
         if count:
             raise ValueError("--lora-modules needs LoRA: drop --no-enable-lora")

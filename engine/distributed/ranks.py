@@ -34,7 +34,12 @@ def ranks_device(setting: str, rank: int) -> torch.device:
 
 def cpu_threads_per_rank(config: EngineConfig) -> int:
     """`num_threads`, or else the host's cores shared out over the ranks."""
-    return config.num_threads or max(1, (os.cpu_count() or 1) // config.tensor_parallel_size)
+    return config.num_threads or max(1, (os.cpu_count() or 1) // world_size_of(config))
+
+
+def world_size_of(config: EngineConfig) -> int:
+    """The engine's ranks: tensor-parallel ranks times pipeline stages."""
+    return config.tensor_parallel_size * config.pipeline_parallel_size
 
 
 class Ranks:
@@ -42,13 +47,16 @@ class Ranks:
 
     group: TensorParallelGroup
 
-    def __init__(self, processes: list[subprocess.Popen]) -> None:
+    def __init__(self, processes: list[subprocess.Popen], kind: str = "tensor-parallel") -> None:
         self.processes = processes
         self.stopped = False
+        self.kind = kind  # "tensor-parallel" or "pipeline-parallel", for messages
 
     @classmethod
     def start(cls, config: EngineConfig, model_dir: Path, max_model_len: int) -> Ranks:
-        world_size = config.tensor_parallel_size
+        from engine.distributed.pipeline import rank_classes
+
+        world_size = world_size_of(config)
         device = ranks_device(config.device, 0)
         if device.type == "cpu":
             torch.set_num_threads(cpu_threads_per_rank(config))
@@ -63,15 +71,15 @@ class Ranks:
                     "config": config.to_dict(), "model_dir": str(model_dir), "max_model_len": max_model_len}
             processes.append(subprocess.Popen([sys.executable, "-m", "engine.distributed.worker", json.dumps(spec)],
                                               env=env))
-        ranks = cls(processes)
+        ranks = cls(processes, "pipeline-parallel" if config.pipeline_parallel_size > 1 else "tensor-parallel")
         try:
             ranks._wait_ready(store)
-            ranks.group = TensorParallelGroup(0, world_size, store, device)
+            ranks.group = rank_classes(config)[0](0, world_size, store, device)
         except BaseException:
             ranks.kill()
             raise
         ranks.group.check = ranks.check
-        log.info("tensor parallel: %d ranks (%s) on %s", world_size,
+        log.info("%s: %d ranks (%s) on %s", ranks.kind, world_size,
                  ", ".join(str(p.pid) for p in processes), device)
         return ranks
 
@@ -84,10 +92,9 @@ class Ranks:
                 if store.check([f"ready/{rank}"]):
                     del waiting[rank]
                 elif process.poll() is not None:
-                    raise RankFailure(f"tensor-parallel rank {rank} exited with code {process.returncode} while "
-                                      "starting")
+                    raise RankFailure(f"{self.kind} rank {rank} exited with code {process.returncode} while starting")
             if time.monotonic() > deadline:
-                raise RankFailure(f"tensor-parallel ranks {sorted(waiting)} did not start in time")
+                raise RankFailure(f"{self.kind} ranks {sorted(waiting)} did not start in time")
             time.sleep(0.05)
 
     def check(self) -> None:
@@ -95,7 +102,7 @@ class Ranks:
         for rank, process in enumerate(self.processes, start=1):
             if process.poll() is not None:
                 self.kill()
-                raise RankFailure(f"tensor-parallel rank {rank} (pid {process.pid}) exited with code "
+                raise RankFailure(f"{self.kind} rank {rank} (pid {process.pid}) exited with code "
                                   f"{process.returncode}; the engine is down")
 
     def stop(self) -> None:

@@ -83,6 +83,8 @@ def swap_parallel_modules(model: LlamaForCausalLM, group: TensorParallelGroup) -
             new = RowParallelLinear(old.in_features, old.out_features, bias=old.bias is not None, device="meta")
             new.group = group
             setattr(layer, name, new)
+    if model.embed_tokens is None:  # a pipeline stage after the first
+        return
     vocab = vocab_per_rank(model.config.vocab_size, group.world_size)
     embedding = VocabParallelEmbedding(vocab, model.config.hidden_size, device="meta")
     embedding.group, embedding.first = group, group.rank * vocab
@@ -91,15 +93,17 @@ def swap_parallel_modules(model: LlamaForCausalLM, group: TensorParallelGroup) -
         model.lm_head = Linear(model.config.hidden_size, vocab, bias=False, device="meta")
 
 
-def shard_weights(files: list[Path], hf_config, rank: int, world_size: int):
-    """(name, this rank's slice) for each checkpoint tensor, read slice by slice: no rank holds a whole tensor."""
+def shard_weights(files: list[Path], hf_config, rank: int, world_size: int, holds=lambda name: True):
+    """(name, this rank's slice) for each checkpoint tensor it `holds`, read slice by slice: no rank holds a whole
+    tensor."""
     from safetensors import safe_open
 
     vocab = vocab_per_rank(hf_config.vocab_size, world_size)
     for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():
-                yield name, _slice(name, f.get_slice(name), rank, world_size, vocab)
+                if holds(name):
+                    yield name, _slice(name, f.get_slice(name), rank, world_size, vocab)
 
 
 def _slice(name: str, tensor, rank: int, world_size: int, vocab: int) -> torch.Tensor:
@@ -125,13 +129,15 @@ def _dtype(tensor) -> torch.dtype:
 
 
 def load_shard(model_dir: Path, hf_config, max_positions: int, dtype: torch.dtype, device: torch.device,
-               group: TensorParallelGroup) -> LlamaForCausalLM:
-    """This rank's shard of the model in `model_dir`, on `device` in `dtype` (packed for the CPU GEMMs on CPU)."""
+               group: TensorParallelGroup, layers: range | None = None) -> LlamaForCausalLM:
+    """This rank's shard of the model in `model_dir` (of a pipeline stage's `layers`), on `device` in `dtype`
+    (packed for the CPU GEMMs on CPU)."""
     config = shard_config(hf_config, group.world_size)
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, max_positions)
+        model = LlamaForCausalLM(config, max_positions, layers)
     swap_parallel_modules(model, group)
     model = model.to_empty(device=device)
     files = sorted(model_dir.glob("*.safetensors"))
-    model.load_hf_weights(shard_weights(files, hf_config, group.rank, group.world_size))
+    model.load_hf_weights(shard_weights(files, hf_config, group.rank, group.world_size,
+                                        lambda name: model.stage_name(name) is not None))
     return finish_loading(model, hf_config, max_positions, dtype, device)

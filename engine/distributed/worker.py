@@ -1,6 +1,7 @@
-"""A tensor-parallel rank other than 0: `python -m engine.distributed.worker SPEC` (started by `Ranks.start`).
-It loads its shard, agrees on the memory plan, then runs each step rank 0 sends until told to stop. It exits when
-rank 0 does: on a stop message, on a collective that fails, or when its parent process is gone."""
+"""A rank other than 0 (tensor-parallel, or a pipeline stage): `python -m engine.distributed.worker SPEC` (started
+by `Ranks.start`). It loads its shard or stage, agrees on the memory plan, then runs each step rank 0 sends until
+told to stop. It exits when rank 0 does: on a stop message, on a collective that fails, or when its parent process
+is gone."""
 
 from __future__ import annotations
 
@@ -32,9 +33,9 @@ def main(spec: dict) -> None:
     from transformers import AutoConfig
 
     from engine.config import EngineConfig
-    from engine.distributed.group import COLLECTIVE_TIMEOUT, RankFailure, TensorParallelGroup
+    from engine.distributed.group import COLLECTIVE_TIMEOUT, RankFailure
+    from engine.distributed.pipeline import rank_classes
     from engine.distributed.ranks import cpu_threads_per_rank, ranks_device
-    from engine.model_runner import ModelRunner
 
     rank, world_size = spec["rank"], spec["world_size"]
     config = EngineConfig.from_kwargs(**spec["config"])
@@ -43,14 +44,15 @@ def main(spec: dict) -> None:
         torch.set_num_threads(cpu_threads_per_rank(config))
     store = dist.TCPStore("127.0.0.1", spec["port"], world_size, False, timeout=COLLECTIVE_TIMEOUT)
     store.set(f"ready/{rank}", "1")
-    group = TensorParallelGroup(rank, world_size, store, device)
+    group_class, runner_class = rank_classes(config)
+    group = group_class(rank, world_size, store, device)
     model_dir = Path(spec["model_dir"])
-    runner = ModelRunner(config, model_dir, AutoConfig.from_pretrained(model_dir), spec["max_model_len"], tp=group)
+    runner = runner_class(config, model_dir, AutoConfig.from_pretrained(model_dir), spec["max_model_len"], tp=group)
     try:
         while (step := group.receive()) is not None:
             runner.run_remote(step)
     except RankFailure:
-        logging.getLogger("tokenmill.engine").warning("tensor-parallel rank %d: rank 0 is gone; exiting", rank)
+        logging.getLogger("tokenmill.engine").warning("rank %d: rank 0 or a stage is gone; exiting", rank)
         sys.exit(1)
 
 

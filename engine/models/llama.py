@@ -128,17 +128,21 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config, max_positions: int) -> None:
+    def __init__(self, config, max_positions: int, layers: range | None = None) -> None:
+        """`layers`: a pipeline stage's range of the model's layers (engine/distributed/pipeline.py), numbered from 0
+        here; the first stage alone holds the embedding and the LM head, a later one starts from hidden states."""
         super().__init__()
         if config.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"model type {config.model_type!r} is not supported; supported: {SUPPORTED_MODEL_TYPES}")
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.layer_range = range(config.num_hidden_layers) if layers is None else layers
+        self.is_last_stage = self.layer_range.stop == config.num_hidden_layers  # ends with the final norm
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size) if self.layer_range.start == 0 else None
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(len(self.layer_range)))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = None
-        if not self.tie_word_embeddings:
+        if not self.tie_word_embeddings and self.embed_tokens is not None:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         cos, sin = rope_tables(config, max_positions)
         self.register_buffer("rope_cos", cos, persistent=False)
@@ -160,19 +164,20 @@ class LlamaForCausalLM(nn.Module):
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: Attention,
-                num_layers: int | None = None) -> torch.Tensor:
+                num_layers: int | None = None, hidden: torch.Tensor | None = None) -> torch.Tensor:
         """Hidden states after the final norm, [num_tokens, hidden]; `num_layers` runs only the first
         layers (a self-speculative draft). The step's LoRA rows (`lora.begin_step`) apply to this pass only: a draft
-        pass between steps runs without adapters."""
+        pass between steps runs without adapters. A pipeline stage after the first starts from `hidden` (the previous
+        stage's output, which it may overwrite); one before the last returns the residual stream, without the norm."""
         try:
-            x = self.embed_tokens(input_ids)
+            x = self.embed_tokens(input_ids) if hidden is None else hidden
             if self.fused_ops is not None:
                 return self._forward_fused(x, positions, attention, num_layers)
             cos = self.rope_cos.index_select(0, positions).to(x.dtype)[:, None, :]
             sin = self.rope_sin.index_select(0, positions).to(x.dtype)[:, None, :]
             for layer in self.layers[:num_layers]:
                 x = layer(x, cos, sin, attention)
-            return self.norm(x)
+            return self.norm(x) if self.is_last_stage else x
         finally:
             if self.lora is not None:
                 self.lora.end_step()
@@ -185,8 +190,9 @@ class LlamaForCausalLM(nn.Module):
         lora_fits = lora is not None or self.lora is None or self.lora.step is None
         if plan is not None and lora_fits and (self.decode_rows_max is None
                                                or residual.shape[0] <= self.decode_rows_max):
-            return self.decode_layers.run(residual, positions, *plan, self.rope_tables_f32, backend.k_caches,
-                                          backend.v_caches, num_layers, lora)
+            normed = self.decode_layers.run(residual, positions, *plan, self.rope_tables_f32, backend.k_caches,
+                                            backend.v_caches, num_layers, lora)
+            return normed if self.is_last_stage else residual
         ops, layers = self.fused_ops, self.layers[:num_layers]
         first = layers[0].input_layernorm
         normed = ops.rms_norm(residual, first.weight, first.eps)
@@ -194,7 +200,7 @@ class LlamaForCausalLM(nn.Module):
             out = layer.forward_fused(normed, residual, positions, self.rope_tables_f32, attention, ops)
             norm = layers[index + 1].input_layernorm if index + 1 < len(layers) else self.norm
             normed = ops.rms_norm(out, norm.weight, norm.eps, residual=residual)
-        return normed
+        return normed if self.is_last_stage else residual
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.packed_head is not None:
@@ -206,9 +212,10 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack()
-        self.packed_head = PackedWeight(self.lm_head_weight)
-        if self.layers[0].q_norm is None and self.embed_tokens.weight.device.type == "cpu":
-            self.fused_ops = cpu_kernel.layer_ops(self.embed_tokens.weight.dtype)
+        if self.embed_tokens is not None:
+            self.packed_head = PackedWeight(self.lm_head_weight)
+        if self.layers[0].q_norm is None and self.norm.weight.device.type == "cpu":
+            self.fused_ops = cpu_kernel.layer_ops(self.norm.weight.dtype)
             self.rope_tables_f32 = (self.rope_cos.float(), self.rope_sin.float())  # exact: cast from float32
         self._build_decode_layers()
 
@@ -232,7 +239,7 @@ class LlamaForCausalLM(nn.Module):
             layer.input_layernorm.weight, layer.input_layernorm.eps, layer.post_attention_layernorm.weight,
             layer.post_attention_layernorm.eps) for layer, group in zip(self.layers, projections, strict=True)]
         first = self.layers[0]
-        self.decode_layers = cpu_kernel.DecodeLayers(kind, self.embed_tokens.weight.dtype, weights, self.norm.weight,
+        self.decode_layers = cpu_kernel.DecodeLayers(kind, self.norm.weight.dtype, weights, self.norm.weight,
                                                      self.norm.eps, first.num_heads, first.num_kv_heads,
                                                      first.head_dim, first.intermediate_size)
         if kind == "amx" and not packed[0].row_tile:
@@ -243,9 +250,10 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.set_row_tile(tile)
-        if self.packed_head is None:  # not packed (e.g. CUDA): F.linear, tiled the same way
+        if self.packed_head is None and self.embed_tokens is not None:  # not packed (e.g. CUDA): F.linear, tiled
             self.packed_head = PackedWeight(self.lm_head_weight)
-        self.packed_head.set_row_tile(tile)
+        if self.packed_head is not None:
+            self.packed_head.set_row_tile(tile)
         if self.fused_ops is not None:  # float32 may have changed kernels; AMX's row limit is lifted
             self._build_decode_layers()
 
@@ -261,8 +269,8 @@ class LlamaForCausalLM(nn.Module):
                    "self_attn.q_norm": "q_norm", "self_attn.k_norm": "k_norm"}
         loaded: set[tuple[str, int | None]] = set()
         for name, tensor in weights:
-            name = name.removeprefix("model.")
-            if "rotary_emb" in name:
+            name = self.stage_name(name)
+            if name is None or "rotary_emb" in name:
                 continue
             if name == "lm_head.weight" and self.lm_head is None:
                 continue
@@ -284,6 +292,19 @@ class LlamaForCausalLM(nn.Module):
         missing = sorted(f"{name}[{part}]" for name, part in self.expected_parts() - loaded)
         if missing:
             raise ValueError(f"checkpoint is missing weights: {', '.join(missing[:5])}")
+
+    def stage_name(self, name: str) -> str | None:
+        """A checkpoint tensor's name in this model (its layers numbered from the stage's first), or None where a
+        pipeline stage does not hold it."""
+        name = name.removeprefix("model.")
+        if name.startswith("layers."):
+            _, index, rest = name.split(".", 2)
+            if int(index) not in self.layer_range:
+                return None
+            return f"layers.{int(index) - self.layer_range.start}.{rest}"
+        if self.embed_tokens is None and name.split(".")[0] in ("embed_tokens", "lm_head"):
+            return None
+        return name
 
     def expected_parts(self) -> set[tuple[str, int | None]]:
         expected: set[tuple[str, int | None]] = set()

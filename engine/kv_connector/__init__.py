@@ -1,0 +1,7 @@
+"""KV connector: engines share computed KV blocks through a byte store (a shared directory, Redis, any get/put store),
+so one engine (a producer) computes a prompt's prefill and another (a consumer) loads it (docs/kv-connector.md).
+`config` imports no torch; `factory.create_kv_connector` builds the connector an engine runs with."""
+
+from engine.kv_connector.config import KV_CONNECTORS, KV_ROLES, KVTransferConfig
+
+__all__ = ["KV_CONNECTORS", "KV_ROLES", "KVTransferConfig"]
