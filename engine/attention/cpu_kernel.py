@@ -13,6 +13,8 @@
 - a Llama-style model's decoder layers in one call (decode_layers.c) for steps whose tokens all go through the
   decode kernel and whose projections all run on our GEMMs: the kernels above, in the Python loop's order, without
   Python between them (`TOKENMILL_CPU_DECODE_LAYERS=0`: the Python loop).
+- the sampler's exponential race (sampling.c), in a library of its own (`sampling_library`;
+  `TOKENMILL_CPU_SAMPLING_KERNEL=0`: torch, with the same tokens).
 
 Without a compiler the torch paths run."""
 
@@ -105,6 +107,49 @@ def _library() -> ctypes.CDLL | None:
         getattr(library, f"avx512_linear_{suffix}").argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, threads]
         getattr(library, f"avx512_linear_{suffix}").restype = None
     return library
+
+
+SAMPLING_SOURCE = Path(__file__).with_name("csrc") / "sampling.c"
+SAMPLING_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno",
+                  "-ffp-contract=off"]  # IEEE order as written: the torch fallback's float64 keys match it
+
+
+@functools.cache
+def sampling_library() -> ctypes.CDLL | None:
+    """csrc/sampling.c, the sampler's exponential race (engine/sampler.py), built apart from the kernels above: without
+    their reassociation, so its tokens are bit-identical to the torch fallback's. None without a compiler or with
+    `TOKENMILL_CPU_SAMPLING_KERNEL=0`."""
+    if os.environ.get("TOKENMILL_CPU_SAMPLING_KERNEL", "1") == "0":
+        return None
+    library = _build_library("sampling", [SAMPLING_SOURCE], SAMPLING_FLAGS)
+    if library is None:
+        return None
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    library.exp_race_f32.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, ctypes.c_int]
+    library.exp_noise_f32.argtypes = [ptr, i64, i64, ptr]
+    library.exp_race_f32.restype = library.exp_noise_f32.restype = None
+    return library
+
+
+def _build_library(stem: str, sources: list[Path], flags: list[str]) -> ctypes.CDLL | None:
+    """Compile `sources` into cache_dir() once per (sources, flags, CPU) and load it; None if that cannot be done."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None or not all(source.exists() for source in sources):
+        log.info("no C compiler or no %s sources: torch runs instead", stem)
+        return None
+    key = b"".join(source.read_bytes() for source in sources) + " ".join(flags).encode() + _cpu_flags().encode()
+    target = cache_dir() / f"{stem}-{hashlib.sha256(key).hexdigest()[:16]}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+            built = Path(scratch) / target.name
+            done = subprocess.run([compiler, *flags, *map(str, sources), "-o", str(built), "-lm"],
+                                  capture_output=True, text=True)
+            if done.returncode != 0:
+                log.warning("could not build %s (%s); using torch", stem, done.stderr[-500:])
+                return None
+            os.replace(built, target)  # atomic: another process may build it at the same time
+    return ctypes.CDLL(str(target))
 
 
 def _cpu_flags() -> str:
