@@ -8,6 +8,7 @@ import argparse
 from tokenmill.bench import (
     capacity_cli,
     embed_cli,
+    int8_cli,
     jobs_cli,
     kv_fp8_cli,
     latency_cli,
@@ -20,7 +21,7 @@ from tokenmill.bench import (
 )
 
 BENCHMARKS = (throughput_cli, prefix_cli, spec_cli, peak_cli, capacity_cli, latency_cli, embed_cli, jobs_cli, lora_cli,
-              swap_cli, kv_fp8_cli)
+              swap_cli, kv_fp8_cli, int8_cli)
 
 
 def register(commands: argparse._SubParsersAction) -> None:
