@@ -110,6 +110,21 @@ def test_the_c_decode_kernel_widens_every_e4m3_byte_exactly(head_dim):
     assert torch.equal(out.view(seqs, head_dim), rows.float() * 0.75)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [16, 64])  # key tiles widened to float32; to bfloat16 for bf16 queries (64)
+def test_the_c_decode_kernel_widens_every_e4m3_key_byte_exactly(dtype, head_dim):
+    """Context 1 and a one-hot query of sqrt(head_dim): each row's log-sum-exp is its one score, the key byte times
+    its scale, exactly (powers of two throughout); one sequence per finite byte, its whole key row that byte."""
+    seqs, scale = FINITE.numel(), torch.tensor([0.25])
+    k_pool = FINITE.view(1, seqs, 1, 1).expand(1, seqs, 1, head_dim).contiguous()
+    q = torch.zeros(seqs, head_dim)
+    q[:, 3] = head_dim ** 0.5
+    tables = torch.arange(seqs, dtype=torch.int32).view(seqs, 1)
+    _, lse = cpu_kernel.paged_decode(q.to(dtype), k_pool, torch.zeros_like(k_pool), tables,
+                                     torch.ones(seqs, dtype=torch.int32), with_lse=True, k_scale=scale, v_scale=scale)
+    assert torch.equal(lse.view(seqs), FINITE.float() * 0.25)
+
+
 CASES = [Case("fp8-mixed-shared-prefix", 6, 2, 64, 4, (14, 19, 30), ((4, 21), (9, 17)), shared_blocks=3),
          Case("fp8-hd24-bs8", 4, 2, 24, 8, (9, 40), ((10, 19), (7, 7)))]
 

@@ -15,9 +15,10 @@
  * apart per token) at slot slots[i] of every head.
  *
  * FP8 pools (the *_fp8_* variants) hold e4m3 bytes (torch.float8_e4m3fn): write_kv_fp8 divides by the head's scale,
- * saturates at +-448 and rounds to nearest even, as torch's conversion does; the decode kernels widen each byte to
- * float32 exactly as they read it (a few integer ops per vector, no table) and fold the scales into the scores
- * (K) and the output (V), so a head's values are never materialised in the model's dtype.
+ * saturates at +-448 and rounds to nearest even, as torch's conversion does. The decode kernels widen a tile of key
+ * rows once for all the query heads that read it: to bfloat16 for bfloat16 queries (exact; scored by the same bf16
+ * dot products as bfloat16 blocks), else to float32; value rows are widened to float32 as they are read; the head's
+ * K scale is folded into the scores and its V scale into the output, so its values are never materialised.
  *
  * head_dim a multiple of 16 (64 and 128 in practice) takes the vector kernel: LANES keys (16; 8 on AVX2) scored
  * at once per query head (their dot products summed across lanes in one transpose tree), keys and values two
@@ -64,13 +65,15 @@ typedef uint8_t vbyte __attribute__((vector_size(LANES), aligned(1)));
 
 #if defined(__F16C__) || defined(__AVX512F__)
 /* LANES e4m3 bytes as float32 values 2^-8 times theirs (FP8_LOAD_FACTOR undoes it, folded into the scales): each
- * byte's exponent and mantissa shifted into a float16's fields (its bias is 8 more), the sign moved to bit 15, then
- * the hardware's exact float16 conversion, which widens subnormals itself (the kernels read float32 subnormals as
- * zero; its float16 inputs are not). The NaN byte (0x7f) reads as 480: write_kv_fp8 never stores it. */
+ * byte sign-extended and shifted so that its exponent and mantissa land in a float16's fields (its bias is 8 more)
+ * and its sign on bit 15, the copy of the sign on bit 14 cleared, then the hardware's exact float16 conversion,
+ * which widens subnormals itself (the kernels read float32 subnormals as zero; its float16 inputs are not). The
+ * NaN byte (0x7f) reads as 480: write_kv_fp8 never stores it. */
 #define FP8_LOAD_FACTOR 256.0f
+typedef int8_t vsbyte __attribute__((vector_size(LANES), aligned(1)));
+typedef int16_t vshort __attribute__((vector_size(LANES * sizeof(int16_t)), aligned(2)));
 static inline vfloat load_fp8(const uint8_t *p) {
-    vhalf bits = __builtin_convertvector(*(const vbyte *)p, vhalf) << 7;
-    bits += bits & 0x4000;  /* the sign, now at bit 14, to bit 15 */
+    const vshort bits = (__builtin_convertvector(*(const vsbyte *)p, vshort) << 7) & (int16_t)0xbfff;
 #if LANES == 16
     return (vfloat)_mm512_cvtph_ps((__m256i)bits);
 #else
@@ -86,6 +89,40 @@ static inline vfloat load_fp8(const uint8_t *p) {
     const vint mag = b & 0x7f, subnormal = mag < 8;
     const vint tiny = (vint)(__builtin_convertvector(mag, vfloat) * (1.0f / 512.0f));
     return (vfloat)((((mag << 20) + (120 << 23)) & ~subnormal) | (tiny & subnormal) | ((b & 0x80) << 24));
+}
+#endif
+
+/* A tile of e4m3 key rows (n bytes, n a multiple of LANES) widened once, as load_fp8, into `tile`: the dot products
+ * then read it for every query head of the KV head (widening per query head cost G times the conversions). */
+static inline const float *fp8_rows_f32(const uint8_t *src, float *tile, int64_t n) {
+    for (int64_t i = 0; i < n; i += LANES) *(vfloat *)(tile + i) = load_fp8(src + i);
+    return tile;
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+/* 32 e4m3 bytes as bfloat16 values 2^8 times theirs (FP8_BF16_FACTOR undoes it), exactly, for the bf16 dot products:
+ * a normal byte's exponent and mantissa shifted into bfloat16's fields under exponent bit 7 (bias 127 against 7, plus
+ * 8), its sign from the sign-extended byte; a subnormal one (exponent 0: mantissa x 2^-9) from an 8-entry table.
+ * Every value stays a bfloat16 normal (the dot products read subnormals as zero). */
+#define FP8_BF16_FACTOR (1.0f / 256.0f)
+static const uint16_t FP8_SUBNORMAL_BF16[32] __attribute__((aligned(64))) = {
+    0x0000, 0x3f00, 0x3f80, 0x3fc0, 0x4000, 0x4020, 0x4040, 0x4060};  /* m x 2^-9 x 2^8 = m / 2 */
+static inline __m512i fp8_to_bf16(const uint8_t *p, __m512i subnormal_table) {
+    const __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)p));  /* sign in bits 7-15 */
+    const __m512i sign = _mm512_set1_epi16((short)0x8000);
+    /* (w << 4) & 0x87f0 | 0x4000: sign, exponent + 128, mantissa */
+    __m512i bits = _mm512_ternarylogic_epi32(_mm512_slli_epi16(w, 4), _mm512_set1_epi16((short)0x87f0),
+                                             _mm512_set1_epi16(0x4000), 0xea);
+    const __mmask32 subnormal = _mm512_testn_epi16_mask(w, _mm512_set1_epi16(0x78));
+    bits = _mm512_mask_permutexvar_epi16(bits, subnormal, w, subnormal_table);  /* index: w's low 5 bits, m here */
+    return _mm512_ternarylogic_epi32(bits, w, sign, 0xf8);  /* bits | (w & 0x8000) */
+}
+
+static inline __m512i fp8_subnormal_table(void) { return _mm512_load_si512((const void *)FP8_SUBNORMAL_BF16); }
+
+static inline const uint16_t *fp8_rows_bf16(const uint8_t *src, uint16_t *tile, int64_t n, __m512i table) {
+    for (int64_t i = 0; i < n; i += 32) _mm512_storeu_si512((void *)(tile + i), fp8_to_bf16(src + i, table));
+    return tile;
 }
 #endif
 
@@ -150,7 +187,8 @@ static inline void prefetch(const void *p, int64_t bytes) {
  * A task is one sequence's KV heads [h0, h0 + hc): with many sequences all of them (hc = Hkv), walked block by
  * block together, so their scattered blocks stream from memory side by side; with few, one head each, so every
  * thread has work. A head's arithmetic is the same either way. */
-#define PAGED_DECODE_VEC(NAME, T, TK, DV, LOAD, KLOAD, KFACTOR, DOT, QDECL, QLOAD, STORE)                       \
+#define PAGED_DECODE_VEC(NAME, T, TK, KT, DV, LOAD, VROW, KFACTOR, VFACTOR, KTILE, KROWS, DOT, QDECL, QLOAD,      \
+                         STORE, OUT_DIM)                                                                          \
 static void NAME(const T *q, int64_t q_stride, const TK *k, const TK *v, const int32_t *tables,                  \
                  int64_t table_stride, int64_t first_block, const int32_t *ctx, T *out, float *lse, int64_t S,    \
                  int64_t Hkv, int64_t G, int64_t NB, int64_t BS, float scale, const float *k_scale,               \
@@ -167,6 +205,7 @@ static void NAME(const T *q, int64_t q_stride, const TK *k, const TK *v, const i
             vfloat qv[HG][DV], acc[HG][DV];                                                                       \
             float m[HG], l[HG], p[HG][LANES];                                                                     \
             QDECL                                                                                                 \
+            KTILE                                                                                                 \
             for (int64_t j = 0; j < HG; j++) {                                                                    \
                 const T *qj = q + s * q_stride + (h0 * G + j) * D;                                                \
                 for (int c = 0; c < DV; c++) { qv[j][c] = LOAD(qj + c * LANES); acc[j][c] = (vfloat){0}; }        \
@@ -190,11 +229,12 @@ static void NAME(const T *q, int64_t q_stride, const TK *k, const TK *v, const i
                     const float head_scale = k_scale ? scale * (k_scale[h] * KFACTOR) : scale;                    \
                     for (int64_t t0 = 0; t0 < tokens; t0 += LANES) {                                              \
                         const int64_t count = tokens - t0 < LANES ? tokens - t0 : LANES;                          \
+                        const KT *krows = KROWS(kb + t0 * D, count);                                              \
                         for (int64_t j = (h - h0) * G; j < (h - h0 + 1) * G; j++) {                               \
                             vfloat parts[LANES];                                                                  \
                             for (int64_t t = 0; t < LANES; t++) {                                                 \
                                 if (t >= count) { parts[t] = (vfloat){0}; continue; }                             \
-                                const TK *krow = kb + (t0 + t) * D;                                               \
+                                const KT *krow = krows + t * D;                                                   \
                                 DOT                                                                               \
                                 parts[t] = part;                                                                  \
                             }                                                                                     \
@@ -217,7 +257,7 @@ static void NAME(const T *q, int64_t q_stride, const TK *k, const TK *v, const i
                                 prefetch(vn + (t0 + t) * D, row_bytes);                                           \
                             }                                                                                     \
                             vfloat row[DV];                                                                       \
-                            for (int c = 0; c < DV; c++) row[c] = KLOAD(vrow + c * LANES);                        \
+                            VROW(row, vrow)                                                                       \
                             for (int64_t j = (h - h0) * G; j < (h - h0 + 1) * G; j++)                             \
                                 for (int c = 0; c < DV; c++) acc[j][c] += p[j][t] * row[c];                       \
                         }                                                                                         \
@@ -227,9 +267,9 @@ static void NAME(const T *q, int64_t q_stride, const TK *k, const TK *v, const i
             for (int64_t j = 0; j < HG; j++) {                                                                    \
                 T *o = out + s * Hkv * G * D + (h0 * G + j) * D;                                                  \
                 float inv = l[j] > 0.0f ? 1.0f / l[j] : 0.0f;                                                     \
-                if (v_scale) inv *= v_scale[h0 + j / G] * KFACTOR;                                                \
+                if (v_scale) inv *= v_scale[h0 + j / G] * VFACTOR;                                                \
                 for (int c = 0; c < DV; c++)                                                                      \
-                    for (int i = 0; i < LANES; i++) STORE(o + c * LANES + i, acc[j][c][i] * inv);                 \
+                    for (int i = 0; i < LANES; i++) STORE(o + OUT_DIM(c, i), acc[j][c][i] * inv);                 \
                 if (lse) lse[s * Hkv * G + h0 * G + j] = l[j] > 0.0f ? m[j] + logf(l[j]) : -INFINITY;             \
             }                                                                                                     \
         }                                                                                                         \
@@ -239,32 +279,73 @@ static void NAME(const T *q, int64_t q_stride, const TK *k, const TK *v, const i
 
 #define NO_QDECL
 #define NO_QLOAD(src, j)
+#define NO_TILE
+#define ROWS_IN_POOL(src, count) (src)
+#define F32_TILE float ktile[LANES * D];
+#define FP8_ROWS_F32(src, count) fp8_rows_f32(src, ktile, (count) * D)
+#define BF16_TILE uint16_t ktile[LANES * D]; const __m512i subnormal_table = fp8_subnormal_table();
+#define FP8_ROWS_BF16(src, count) fp8_rows_bf16(src, ktile, (count) * D, subnormal_table)
 #define DOT_F32 DOT_WIDE(load_f32)
 #define DOT_BF16_WIDE DOT_WIDE(load_bf16)
-#define DOT_FP8 DOT_WIDE(load_fp8)
-
-PAGED_DECODE_VEC(decode_f32_d16, float, float, 16 / LANES, load_f32, load_f32, 1.0f, DOT_F32, NO_QDECL, NO_QLOAD, f32_put)
-PAGED_DECODE_VEC(decode_f32_d32, float, float, 32 / LANES, load_f32, load_f32, 1.0f, DOT_F32, NO_QDECL, NO_QLOAD, f32_put)
-PAGED_DECODE_VEC(decode_f32_d64, float, float, 64 / LANES, load_f32, load_f32, 1.0f, DOT_F32, NO_QDECL, NO_QLOAD, f32_put)
-PAGED_DECODE_VEC(decode_f32_d128, float, float, 128 / LANES, load_f32, load_f32, 1.0f, DOT_F32, NO_QDECL, NO_QLOAD, f32_put)
-PAGED_DECODE_VEC(decode_bf16_d16, uint16_t, uint16_t, 16 / LANES, load_bf16, load_bf16, 1.0f, DOT_BF16_WIDE, NO_QDECL, NO_QLOAD, bf16_put)
-#if defined(__AVX512BF16__)
-PAGED_DECODE_VEC(decode_bf16_d32, uint16_t, uint16_t, 2, load_bf16, load_bf16, 1.0f, DOT_BF16_NATIVE, QBF_DECL, QBF_LOAD, bf16_put)
-PAGED_DECODE_VEC(decode_bf16_d64, uint16_t, uint16_t, 4, load_bf16, load_bf16, 1.0f, DOT_BF16_NATIVE, QBF_DECL, QBF_LOAD, bf16_put)
-PAGED_DECODE_VEC(decode_bf16_d128, uint16_t, uint16_t, 8, load_bf16, load_bf16, 1.0f, DOT_BF16_NATIVE, QBF_DECL, QBF_LOAD, bf16_put)
-#else
-PAGED_DECODE_VEC(decode_bf16_d32, uint16_t, uint16_t, 32 / LANES, load_bf16, load_bf16, 1.0f, DOT_BF16_WIDE, NO_QDECL, NO_QLOAD, bf16_put)
-PAGED_DECODE_VEC(decode_bf16_d64, uint16_t, uint16_t, 64 / LANES, load_bf16, load_bf16, 1.0f, DOT_BF16_WIDE, NO_QDECL, NO_QLOAD, bf16_put)
-PAGED_DECODE_VEC(decode_bf16_d128, uint16_t, uint16_t, 128 / LANES, load_bf16, load_bf16, 1.0f, DOT_BF16_WIDE, NO_QDECL, NO_QLOAD, bf16_put)
+/* A value row as dv float32 vectors, and where lane i of vector c belongs in the output row. */
+#define VROW_F32(row, src) for (int c = 0; c < dv; c++) row[c] = load_f32(src + c * LANES);
+#define VROW_BF16(row, src) for (int c = 0; c < dv; c++) row[c] = load_bf16(src + c * LANES);
+#define VROW_FP8(row, src) for (int c = 0; c < dv; c++) row[c] = load_fp8(src + c * LANES);
+#define IN_ORDER(c, i) ((c) * LANES + (i))
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+/* 32 e4m3 values at a time widened to bfloat16 (2^8 times theirs), then to float32 by halves of each 32-bit lane:
+ * even dimensions in vector 2c, odd ones in 2c + 1 (EVEN_ODD puts them back in order at the output). */
+#define VROW_FP8_PAIRS(row, src)                                                                                  \
+    for (int c = 0; c < dv / 2; c++) {                                                                            \
+        const __m512i pair = fp8_to_bf16(src + c * 2 * LANES, subnormal_table);                                   \
+        row[2 * c] = (vfloat)_mm512_slli_epi32(pair, 16);                                                         \
+        row[2 * c + 1] = (vfloat)_mm512_and_si512(pair, _mm512_set1_epi32((int)0xffff0000u));                    \
+    }
+#define EVEN_ODD(c, i) ((c) / 2 * 2 * LANES + 2 * (i) + (c) % 2)
 #endif
-PAGED_DECODE_VEC(decode_fp8_f32_d16, float, uint8_t, 16 / LANES, load_f32, load_fp8, FP8_LOAD_FACTOR, DOT_FP8, NO_QDECL, NO_QLOAD, f32_put)
-PAGED_DECODE_VEC(decode_fp8_f32_d32, float, uint8_t, 32 / LANES, load_f32, load_fp8, FP8_LOAD_FACTOR, DOT_FP8, NO_QDECL, NO_QLOAD, f32_put)
-PAGED_DECODE_VEC(decode_fp8_f32_d64, float, uint8_t, 64 / LANES, load_f32, load_fp8, FP8_LOAD_FACTOR, DOT_FP8, NO_QDECL, NO_QLOAD, f32_put)
-PAGED_DECODE_VEC(decode_fp8_f32_d128, float, uint8_t, 128 / LANES, load_f32, load_fp8, FP8_LOAD_FACTOR, DOT_FP8, NO_QDECL, NO_QLOAD, f32_put)
-PAGED_DECODE_VEC(decode_fp8_bf16_d16, uint16_t, uint8_t, 16 / LANES, load_bf16, load_fp8, FP8_LOAD_FACTOR, DOT_FP8, NO_QDECL, NO_QLOAD, bf16_put)
-PAGED_DECODE_VEC(decode_fp8_bf16_d32, uint16_t, uint8_t, 32 / LANES, load_bf16, load_fp8, FP8_LOAD_FACTOR, DOT_FP8, NO_QDECL, NO_QLOAD, bf16_put)
-PAGED_DECODE_VEC(decode_fp8_bf16_d64, uint16_t, uint8_t, 64 / LANES, load_bf16, load_fp8, FP8_LOAD_FACTOR, DOT_FP8, NO_QDECL, NO_QLOAD, bf16_put)
-PAGED_DECODE_VEC(decode_fp8_bf16_d128, uint16_t, uint8_t, 128 / LANES, load_bf16, load_fp8, FP8_LOAD_FACTOR, DOT_FP8, NO_QDECL, NO_QLOAD, bf16_put)
+
+/* Blocks of the queries' dtype, read in place. */
+#define PLAIN(NAME, T, DV, LOAD, VROW, DOT, QDECL, QLOAD, STORE)                                                  \
+    PAGED_DECODE_VEC(NAME, T, T, T, DV, LOAD, VROW, 1.0f, 1.0f, NO_TILE, ROWS_IN_POOL, DOT, QDECL, QLOAD, STORE, \
+                     IN_ORDER)
+PLAIN(decode_f32_d16, float, 16 / LANES, load_f32, VROW_F32, DOT_F32, NO_QDECL, NO_QLOAD, f32_put)
+PLAIN(decode_f32_d32, float, 32 / LANES, load_f32, VROW_F32, DOT_F32, NO_QDECL, NO_QLOAD, f32_put)
+PLAIN(decode_f32_d64, float, 64 / LANES, load_f32, VROW_F32, DOT_F32, NO_QDECL, NO_QLOAD, f32_put)
+PLAIN(decode_f32_d128, float, 128 / LANES, load_f32, VROW_F32, DOT_F32, NO_QDECL, NO_QLOAD, f32_put)
+PLAIN(decode_bf16_d16, uint16_t, 16 / LANES, load_bf16, VROW_BF16, DOT_BF16_WIDE, NO_QDECL, NO_QLOAD, bf16_put)
+#if defined(__AVX512BF16__)
+PLAIN(decode_bf16_d32, uint16_t, 2, load_bf16, VROW_BF16, DOT_BF16_NATIVE, QBF_DECL, QBF_LOAD, bf16_put)
+PLAIN(decode_bf16_d64, uint16_t, 4, load_bf16, VROW_BF16, DOT_BF16_NATIVE, QBF_DECL, QBF_LOAD, bf16_put)
+PLAIN(decode_bf16_d128, uint16_t, 8, load_bf16, VROW_BF16, DOT_BF16_NATIVE, QBF_DECL, QBF_LOAD, bf16_put)
+#else
+PLAIN(decode_bf16_d32, uint16_t, 32 / LANES, load_bf16, VROW_BF16, DOT_BF16_WIDE, NO_QDECL, NO_QLOAD, bf16_put)
+PLAIN(decode_bf16_d64, uint16_t, 64 / LANES, load_bf16, VROW_BF16, DOT_BF16_WIDE, NO_QDECL, NO_QLOAD, bf16_put)
+PLAIN(decode_bf16_d128, uint16_t, 128 / LANES, load_bf16, VROW_BF16, DOT_BF16_WIDE, NO_QDECL, NO_QLOAD, bf16_put)
+#endif
+
+/* FP8 blocks: each tile of key rows widened once to float32 (float32 dot products), values as they are read. */
+#define FP8_WIDE(NAME, T, DV, LOAD, STORE)                                                                        \
+    PAGED_DECODE_VEC(NAME, T, uint8_t, float, DV, LOAD, VROW_FP8, FP8_LOAD_FACTOR, FP8_LOAD_FACTOR, F32_TILE,    \
+                     FP8_ROWS_F32, DOT_F32, NO_QDECL, NO_QLOAD, STORE, IN_ORDER)
+FP8_WIDE(decode_fp8_f32_d16, float, 16 / LANES, load_f32, f32_put)
+FP8_WIDE(decode_fp8_f32_d32, float, 32 / LANES, load_f32, f32_put)
+FP8_WIDE(decode_fp8_f32_d64, float, 64 / LANES, load_f32, f32_put)
+FP8_WIDE(decode_fp8_f32_d128, float, 128 / LANES, load_f32, f32_put)
+FP8_WIDE(decode_fp8_bf16_d16, uint16_t, 16 / LANES, load_bf16, bf16_put)
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+/* bfloat16 queries: key tiles widened to bfloat16 (exact), scored by the bf16 dot products as bfloat16 blocks are. */
+#define FP8_BF16(NAME, DV)                                                                                        \
+    PAGED_DECODE_VEC(NAME, uint16_t, uint8_t, uint16_t, DV, load_bf16, VROW_FP8_PAIRS, FP8_BF16_FACTOR,           \
+                     FP8_BF16_FACTOR, BF16_TILE, FP8_ROWS_BF16, DOT_BF16_NATIVE, QBF_DECL, QBF_LOAD, bf16_put,     \
+                     EVEN_ODD)
+FP8_BF16(decode_fp8_bf16_d32, 2)
+FP8_BF16(decode_fp8_bf16_d64, 4)
+FP8_BF16(decode_fp8_bf16_d128, 8)
+#else
+FP8_WIDE(decode_fp8_bf16_d32, uint16_t, 32 / LANES, load_bf16, bf16_put)
+FP8_WIDE(decode_fp8_bf16_d64, uint16_t, 64 / LANES, load_bf16, bf16_put)
+FP8_WIDE(decode_fp8_bf16_d128, uint16_t, 128 / LANES, load_bf16, bf16_put)
+#endif
 
 /* A row of D values as float32: float32 rows are read in place, bfloat16 rows are widened into `tmp`. */
 static inline const float *f32_row(const float *src, float *tmp, int64_t D) { (void)tmp; (void)D; return src; }
