@@ -52,25 +52,9 @@ def cache_dir() -> Path:
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None or not all(source.exists() for source in SOURCES + HEADERS):
-        log.info("no C compiler or no kernel sources: attention and the layers' elementwise steps run in torch")
+    library = _build_library("cpu_kernels", SOURCES, FLAGS, HEADERS)
+    if library is None:
         return None
-    sources = b"".join(source.read_bytes() for source in SOURCES + HEADERS)
-    key = hashlib.sha256(sources + " ".join(FLAGS).encode() + _cpu_flags().encode()).hexdigest()[:16]
-    target = cache_dir() / f"cpu_kernels-{key}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
-            built = Path(scratch) / target.name
-            done = subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", str(built), "-lm"],
-                                  capture_output=True, text=True)
-            if done.returncode != 0:
-                log.warning("could not build the CPU kernels (%s); using torch", done.stderr[-500:])
-                return None
-            os.replace(built, target)  # atomic: another process may build it at the same time
-    log.info("CPU kernels: %s", target)
-    library = ctypes.CDLL(str(target))
     i64, ptr, f32, threads = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
     decode = [ptr, i64, ptr, ptr, ptr, i64, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, f32, ptr, ptr, threads]
     signatures = {"paged_decode": decode, "paged_decode_fp8": decode,
@@ -131,13 +115,16 @@ def sampling_library() -> ctypes.CDLL | None:
     return library
 
 
-def _build_library(stem: str, sources: list[Path], flags: list[str]) -> ctypes.CDLL | None:
-    """Compile `sources` into cache_dir() once per (sources, flags, CPU) and load it; None if that cannot be done."""
+def _build_library(stem: str, sources: list[Path], flags: list[str], headers: list[Path] | None = None
+                   ) -> ctypes.CDLL | None:
+    """Compile `sources` (which include `headers`) into cache_dir() once per (their text, flags, CPU) and load it;
+    None if that cannot be done."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None or not all(source.exists() for source in sources):
+    if compiler is None or not all(source.exists() for source in [*sources, *(headers or [])]):
         log.info("no C compiler or no %s sources: torch runs instead", stem)
         return None
-    key = b"".join(source.read_bytes() for source in sources) + " ".join(flags).encode() + _cpu_flags().encode()
+    text = b"".join(source.read_bytes() for source in [*sources, *(headers or [])])
+    key = text + " ".join(flags).encode() + _cpu_flags().encode()
     target = cache_dir() / f"{stem}-{hashlib.sha256(key).hexdigest()[:16]}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -149,6 +136,7 @@ def _build_library(stem: str, sources: list[Path], flags: list[str]) -> ctypes.C
                 log.warning("could not build %s (%s); using torch", stem, done.stderr[-500:])
                 return None
             os.replace(built, target)  # atomic: another process may build it at the same time
+    log.info("%s: %s", stem, target)
     return ctypes.CDLL(str(target))
 
 
