@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import logging
 
+from sqlalchemy import func, select
+from sqlalchemy.orm import object_session
+
 from storage.models import Job, JobStatus, Shard, ShardStatus, utcnow
 from storage.repository import fence
 from storage.states import is_terminal, transition
@@ -62,10 +65,22 @@ def fail(job: Job, error: str, shards: list[Shard] | None = None) -> bool:
 def settle(job: Job) -> JobStatus | None:
     """After a shard changed: the last completed shard moves the job to `finalizing`; a cancel request whose
     last running shard stopped ends `cancelled`. Returns the new status, if any."""
-    if job.status == S.IN_PROGRESS and job.shards and all(s.status == ShardStatus.COMPLETED for s in job.shards):
+    if job.status == S.IN_PROGRESS and _count_shards(job) and not _count_shards(job, ShardStatus.COMPLETED, False):
         transition(job, S.FINALIZING)
         return S.FINALIZING
-    if job.status == S.CANCELLING and not any(s.status == ShardStatus.RUNNING for s in job.shards):
+    if job.status == S.CANCELLING and not _count_shards(job, ShardStatus.RUNNING):
         mark_cancelled(job)
         return S.CANCELLED
     return None
+
+
+def _count_shards(job: Job, status: ShardStatus | None = None, equal: bool = True) -> int:
+    """The job's shards (of `status`, or of another status when not `equal`), counted by the database when the
+    job is in a session: a job of thousands of shards settles after each one without loading them all."""
+    session = object_session(job)
+    if session is None or "shards" in job.__dict__:  # detached, or its shards already loaded (maybe changed)
+        return sum(1 for s in job.shards if status is None or (s.status == status) == equal)
+    query = select(func.count()).select_from(Shard).where(Shard.job_id == job.id)
+    if status is not None:
+        query = query.where(Shard.status == status.value if equal else Shard.status != status.value)
+    return session.scalar(query)

@@ -102,11 +102,16 @@ def start_shard(shard: Shard, worker: str, lease_until: datetime) -> None:
 
 
 def renew_lease(session: Session, shard_id: int, claim_token: int, lease_until: datetime) -> bool:
-    """Extend a running shard's lease if the claim is still this token's; False when it was lost."""
+    """Extend a running shard's lease if the claim is still this token's; False when it was lost. A shard this
+    very claim completed (its commit came between the heartbeat reading its claims and this renewal) is not
+    lost: its work is done."""
     result = session.execute(update(Shard).where(Shard.id == shard_id, Shard.claim_token == claim_token,
                                                  Shard.status == ShardStatus.RUNNING.value)
                              .values(lease_expires_at=lease_until))
-    return result.rowcount == 1
+    if result.rowcount == 1:
+        return True
+    return session.scalar(select(func.count()).select_from(Shard).where(
+        Shard.id == shard_id, Shard.claim_token == claim_token, Shard.status == ShardStatus.COMPLETED.value)) == 1
 
 
 def renew_job_lease(session: Session, job_id: str, claim_token: int, lease_until: datetime) -> bool:

@@ -28,7 +28,14 @@ from typing import TYPE_CHECKING, Any
 
 from ingest.sampling import kept_beams
 from storage.formats import Request, RowError
-from workers.shards import EmbeddingRow, ShardOutcome, collect_row, prepare_embedding_row, prepare_row
+from workers.shards import (
+    EmbeddingRow,
+    ShardOutcome,
+    collect_row,
+    prepare_embedding_row,
+    prepare_row,
+    tokenize_rows,
+)
 
 if TYPE_CHECKING:
     from engine import BatchEngine, EmbeddingRequestOutput, LoRARequest, RequestOutput
@@ -240,9 +247,10 @@ class EngineLoop:
             return
         settings = ticket.settings
         adapter_names = settings.adapter_names or settings.adapters.keys()
+        token_ids = tokenize_rows(self.engine, ticket.rows)
         for item in ticket.rows:
-            prepared = item if isinstance(item, RowError) else prepare_row(self.engine, settings.defaults, item,
-                                                                           settings.models, adapter_names)
+            prepared = item if isinstance(item, RowError) else prepare_row(
+                self.engine, settings.defaults, item, settings.models, adapter_names, token_ids.get(item.row))
             if not isinstance(prepared, RowError):
                 prepared = self._add_text_row(ticket, item, *prepared)
             if isinstance(prepared, RowError):

@@ -50,10 +50,11 @@ class ShardOutcome:
 
 
 def prepare_row(engine: LLMEngine, defaults: dict[str, Any], request: Request, models: Collection[str] = (),
-                adapters: Collection[str] = ()) -> tuple[list[int], SamplingParams] | RowError:
+                adapters: Collection[str] = (), token_ids: list[int] | None = None
+                ) -> tuple[list[int], SamplingParams] | RowError:
     """A row as the engine runs it (token ids and sampling parameters, the job's `defaults` under the row's
     own), or the row's error when it cannot run. A row naming a model outside `models` (when given) and the
-    LoRA `adapters` fails with `model_not_found`."""
+    LoRA `adapters` fails with `model_not_found`. `token_ids`: the row's, tokenized already (`tokenize_rows`)."""
     def error(code: str, message: str) -> RowError:
         return RowError(request.row, request.custom_id, code, message)
 
@@ -82,7 +83,8 @@ def prepare_row(engine: LLMEngine, defaults: dict[str, Any], request: Request, m
         except ValueError as problem:
             return error("invalid_response_format", str(problem))
     try:
-        token_ids = _tokenize(engine, request)
+        if token_ids is None:
+            token_ids = _tokenize(engine, request)
     except Exception as problem:  # a chat template or tokenizer refusing this row's content
         code = "invalid_messages" if request.endpoint == CHAT else "invalid_prompt"
         return error(code, f"could not tokenize the row: {problem}")
@@ -173,6 +175,30 @@ def prepare_embedding_row(engine, request: Request, truncate: bool, models: Coll
             where = f"input[{i}]: " if len(token_ids) > 1 else ""
             return error("context_length_exceeded", where + too_long)
     return EmbeddingRow(request, token_ids, params)
+
+
+def tokenize_rows(engine: LLMEngine, rows: list) -> dict[int, list[int]]:
+    """The token ids of a shard's text rows by row, as `prepare_row` makes them but in one tokenizer call for its
+    chat rows and one for its prompts (a call a row costs twice as much). A call that raises (a row the template
+    or tokenizer refuses) leaves its rows out: `prepare_row` tokenizes them one by one, and fails that one alone."""
+    tokenizer = engine.tokenizer
+    text_rows = [r for r in rows if isinstance(r, Request) and r.endpoint != EMBEDDINGS]
+    chats = [r for r in text_rows if r.messages is not None]
+    prompts = [r for r in text_rows if r.messages is None and isinstance(r.prompt, str)]
+    token_ids: dict[int, list[int]] = {}
+    for batch, encode in ((chats, lambda: tokenizer.apply_chat_template(
+            [list(r.messages) for r in chats], add_generation_prompt=True, tokenize=True)),
+                          (prompts, lambda: tokenizer([r.prompt for r in prompts], add_special_tokens=True))):
+        if not batch:
+            continue
+        try:
+            encoded = encode()
+        except Exception:
+            continue
+        ids = encoded["input_ids"] if hasattr(encoded, "keys") else encoded
+        if len(ids) == len(batch):
+            token_ids.update((r.row, list(i)) for r, i in zip(batch, ids, strict=True))
+    return token_ids
 
 
 def _tokenize(engine: LLMEngine, request: Request) -> list[int]:

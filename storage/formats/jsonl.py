@@ -27,6 +27,7 @@ from storage.formats.rows import (
     parse_prompt,
     pick_params,
 )
+from storage.formats.unique import HashedIds, first_duplicate
 
 
 class JsonlInput:
@@ -47,15 +48,18 @@ class JsonlInput:
     def _index(self, check_duplicates: bool = False) -> array:
         if self._offsets is not None and not check_duplicates:
             return self._offsets
-        offsets, seen = array("q"), {}
-        for line_number, offset, line in self._lines():
-            if check_duplicates:
-                custom_id = _peek_custom_id(line)
-                if custom_id is not None and seen.setdefault(custom_id, line_number) != line_number:
-                    raise InputError(f"duplicate custom_id {custom_id!r} on lines {seen[custom_id]} and "
-                                     f"{line_number}: 'custom_id' must be unique")
+        offsets, ids = array("q"), HashedIds()
+        for _, offset, line in self._lines():
+            if check_duplicates and (custom_id := _peek_custom_id(line)) is not None:
+                ids.add(custom_id)
             offsets.append(offset)
             self.limits.check("max_rows", len(offsets), "row count")
+        if check_duplicates and (suspects := ids.repeated_hashes()):
+            lines = ((line_number, _peek_custom_id(line)) for line_number, _, line in self._lines())
+            if duplicate := first_duplicate(lines, suspects):
+                custom_id, first, line_number = duplicate
+                raise InputError(f"duplicate custom_id {custom_id!r} on lines {first} and {line_number}: "
+                                 f"'custom_id' must be unique")
         self._offsets = offsets
         return offsets
 

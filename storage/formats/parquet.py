@@ -32,6 +32,7 @@ from storage.formats.rows import (
     parse_prompt,
     pick_params,
 )
+from storage.formats.unique import HashedIds, first_duplicate
 
 MAGIC = b"PAR1"
 BATCH_ROWS = 1024
@@ -122,15 +123,21 @@ class ParquetInput:
 
     def validate(self) -> None:
         """File-level checks that need data: `custom_id` must be unique (one column, streamed)."""
-        seen: dict[str, int] = {}
+        ids = HashedIds()
+        for _, custom_id in self._custom_ids():
+            if custom_id is not None:
+                ids.add(custom_id)
+        if (suspects := ids.repeated_hashes()) and (duplicate := first_duplicate(self._custom_ids(), suspects)):
+            custom_id, first, row = duplicate
+            raise InputError(f"duplicate custom_id {custom_id!r} in rows {first} and {row}: "
+                             f"column 'custom_id' must be unique")
+
+    def _custom_ids(self) -> Iterator[tuple[int, str | None]]:
+        """(row, custom_id) of every row: one column, streamed a row group at a time."""
         row = 0
         for batch in self._batches(["custom_id"], range(self.parquet.num_row_groups)):
             for custom_id in batch.column(0).to_pylist():
-                if custom_id is not None:
-                    first = seen.setdefault(custom_id, row)
-                    if first != row:
-                        raise InputError(f"duplicate custom_id {custom_id!r} in rows {first} and {row}: "
-                                         f"column 'custom_id' must be unique")
+                yield row, custom_id
                 row += 1
 
     def read(self, start: int, end: int) -> Iterator[Request | RowError]:

@@ -28,12 +28,16 @@ class JobRun:
         return self.completion_tokens / self.seconds
 
 
-def write_rows(path: Path, num_rows: int, min_tokens: int, max_tokens: int, seed: int = 0) -> Path:
-    """OpenAI Batch JSONL rows of the mixed chat workload, each with its forced output length."""
+def write_rows(path: Path, num_rows: int, min_tokens: int, max_tokens: int, seed: int = 0,
+               sampling: str = "greedy") -> Path:
+    """OpenAI Batch JSONL rows of the mixed chat workload, each with its forced output length; `sampling` "seeded":
+    each row at temperature 1 with its own seed (else greedy, the job's default)."""
     texts, lengths = mixed_chat_questions(num_rows, min_tokens, max_tokens, seed)
     with open(path, "w") as f:
         for index, (text, length) in enumerate(zip(texts, lengths, strict=True)):
             body = {"messages": [{"role": "user", "content": text}], "max_tokens": length}
+            if sampling == "seeded":
+                body.update(temperature=1.0, seed=index)
             f.write(json.dumps({"custom_id": f"row-{index:04d}", "method": "POST", "url": CHAT, "body": body}) + "\n")
     return path
 
@@ -68,13 +72,15 @@ def run_job_once(engine, rows: Path, workdir: Path, shard_size: int, label: str)
                   sum(r["completion_tokens"] for r in records), {r["custom_id"]: r["text"] for r in records})
 
 
-def compare(engine, num_rows: int, shard_size: int, min_tokens: int, max_tokens: int) -> tuple[JobRun, JobRun]:
-    """(one shard, shards of `shard_size`) over the same rows, after an untimed warm-up job."""
+def compare(engine, num_rows: int, shard_size: int, min_tokens: int, max_tokens: int,
+            sampling: str = "greedy") -> tuple[JobRun, JobRun]:
+    """(one shard, shards of `shard_size`) over the same rows (`write_rows`' `sampling`), after an untimed warm-up
+    job."""
     with tempfile.TemporaryDirectory(prefix="tokenmill-bench-jobs-") as directory:
         workdir = Path(directory)
         warm = write_rows(workdir / "warm.jsonl", 4, 2, 4, seed=1)
         run_job_once(engine, warm, workdir, 2, "warm-up")
-        rows = write_rows(workdir / "rows.jsonl", num_rows, min_tokens, max_tokens)
+        rows = write_rows(workdir / "rows.jsonl", num_rows, min_tokens, max_tokens, sampling=sampling)
         whole = run_job_once(engine, rows, workdir, num_rows, "one-shard")
         sharded = run_job_once(engine, rows, workdir, shard_size, f"shards-of-{shard_size}")
     return whole, sharded
