@@ -19,6 +19,7 @@ from engine.config import (
     PREEMPTION_MODES,
     SCHEDULING_POLICIES,
 )
+from workers.kv_sharing import DEFAULT_TTL_S as KV_SHARING_TTL_S
 
 INVARIANT_CHOICES = {"auto": "auto", "on": True, "off": False}
 DATABASE_HELP = ("SQLAlchemy database URL, e.g. postgresql+psycopg://user@host/db (default: $TOKENMILL_DATABASE_URL, "
@@ -154,6 +155,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         kwargs["pipeline_parallel_size"] = args.pipeline_parallel_size
     if args.kv_transfer_config:
         kwargs["kv_transfer_config"] = args.kv_transfer_config
+    if getattr(args, "kv_sharing", None) is not None:  # `worker` only: add_kv_sharing_options
+        kwargs.update(kv_sharing_kwargs(args))
     kwargs.update(lora_engine_kwargs(args))
     if args.speculative_method:
         kwargs["speculative_config"] = {"method": args.speculative_method,
@@ -161,6 +164,46 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         if args.draft_model:
             kwargs["speculative_config"]["model"] = args.draft_model
     return kwargs
+
+
+def add_kv_sharing_options(parser: argparse.ArgumentParser) -> None:
+    """--kv-sharing and its settings (`tokenmill worker`; workers/kv_sharing.py)."""
+    group = parser.add_argument_group(
+        "KV sharing", "The workers of a job share the KV blocks they compute through Redis: the first worker to "
+                      "compute a prefix saves its blocks, the others load them instead of computing them; "
+                      "workers that meet a prefix at the same moment both compute it "
+                      "(docs/kv-connector.md#kv-sharing-across-workers). Every full block a worker computes is "
+                      "saved, outputs too, so Redis holds about tokens/s x --kv-sharing-ttl x the model's KV bytes "
+                      "per token (SmolLM2-135M: 22.5 KiB in bfloat16).")
+    group.add_argument("--kv-sharing", action=argparse.BooleanOptionalAction, default=False,
+                       help="share KV blocks with the service's other workers (kv_transfer_config RedisConnector, "
+                            "kv_both); not with --kv-transfer-config or --kv-role (default: off)")
+    group.add_argument("--kv-sharing-url", metavar="REDIS_URL",
+                       help="the Redis that holds the shared blocks, e.g. one of their own with maxmemory and "
+                            "allkeys-lru (default: $TOKENMILL_KV_REDIS_URL, else the service's own Redis, its "
+                            "result backend)")
+    group.add_argument("--kv-sharing-ttl", type=int, metavar="SECONDS",
+                       help=f"seconds a shared block is kept in Redis, 0 for no expiry (default: "
+                            f"$TOKENMILL_KV_TTL_S, else {KV_SHARING_TTL_S})")
+
+
+def kv_sharing_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """--kv-sharing as the engine's kv_transfer_config; {} when off."""
+    from ingest.config import ServiceConfig
+    from workers.kv_sharing import service_kv_sharing_config
+
+    if not args.kv_sharing:
+        if args.kv_sharing_url:
+            raise ValueError("--kv-sharing-url needs --kv-sharing")
+        return {}
+    if args.kv_transfer_config:
+        raise ValueError("--kv-sharing and --kv-transfer-config both set the engine's KV connector: give one (for "
+                         "sharing with settings of your own, a --kv-transfer-config with RedisConnector and kv_both)")
+    if getattr(args, "kv_role", None):
+        raise ValueError("--kv-sharing and --kv-role both set the engine's KV role: a sharing worker saves and loads "
+                         "(kv_both), a disaggregated one only one of them; give one")
+    return {"kv_transfer_config": service_kv_sharing_config(ServiceConfig.from_env(), args.kv_sharing_url,
+                                                            args.kv_sharing_ttl)}
 
 
 def json_object(text: str) -> dict[str, Any]:

@@ -18,6 +18,7 @@ class WorkerEngine:
     settings: dict[str, Any]
     factory: str  # "module:function", called with the settings; returns an LLMEngine
     lora_modules: dict[str, str] = field(default_factory=dict)  # its own LoRA adapters: name -> directory or URI
+    kv_role: str | None = None  # producer (prefills a model's prefill queue) or consumer (`workers.disagg`)
 
     @classmethod
     def from_env(cls) -> WorkerEngine:
@@ -35,4 +36,7 @@ class WorkerEngine:
         except json.JSONDecodeError as error:
             raise ValueError(f"TOKENMILL_WORKER_LORA_MODULES must be a JSON object of adapter name -> directory or "
                              f"URI: {error}") from None
-        return cls(model, {**settings, "model": model}, factory, lora_modules)
+        kv_role = env_setting("WORKER_KV_ROLE")
+        if kv_role not in (None, "producer", "consumer"):
+            raise ValueError(f"TOKENMILL_WORKER_KV_ROLE must be producer or consumer, got {kv_role!r}")
+        return cls(model, {**settings, "model": model}, factory, lora_modules, kv_role)

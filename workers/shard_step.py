@@ -74,9 +74,10 @@ class ShardStep:
         self.steps = steps
         self.adapters = adapters or {}  # the worker's own LoRA adapters, served to every job beside the job's
 
-    def claim_shard(self, shard_id: int, max_attempts: int) -> ShardClaim:
+    def claim_shard(self, shard_id: int, max_attempts: int, count_attempt: bool = True) -> ShardClaim:
         """Take the shard unless it is done, a live lease holds it, or its job is not running. A shard that
-        already used `max_attempts` (its workers died, or it raised) fails the job."""
+        already used `max_attempts` (its workers died, or it raised) fails the job. `count_attempt` False: a claim
+        that uses none (a prefill, `workers.disagg`)."""
         steps = self.steps
         gave_up = None
         with steps.sessions.begin() as session:
@@ -98,6 +99,8 @@ class ShardStep:
                 if job.status == S.QUEUED:
                     transition(job, S.IN_PROGRESS)
                 repo.start_shard(shard, steps.worker, now + LEASE)
+                if not count_attempt:  # start_shard counted one
+                    shard.attempts -= 1
         if gave_up is not None:
             discard_if_ended(steps.sessions, gave_up.job)
             return gave_up
@@ -155,14 +158,17 @@ class ShardStep:
         if watch.should_stop():  # a shard never starts on a job that stopped
             return ShardOutcome(cancelled=True)
         rows = self.steps.read_rows(job, shard)  # read here, not on the engine thread
+        return loop_for(engine).run(self.row_settings(job, rows), rows, request_prefix(job, shard),
+                                    watch.should_stop, self.steps.progress)
+
+    def row_settings(self, job: Job, rows: list) -> RowSettings:
+        """How the job's rows run; the adapters its rows name are fetched here (not on the engine thread)."""
         sources = job_adapters(job, self.adapters)
         named = {row.model for row in rows if isinstance(row, Request) and isinstance(row.model, str)}
-        settings = RowSettings(job.settings.sampling, engine_priority(job), job.settings.cache_salt,
-                               job.settings.speculative_config, served_models(job), job.settings.batch_invariant,
-                               job.settings.truncate_inputs, resolve_adapters(named & sources.keys(), sources),
-                               frozenset(sources))  # fetched here too: only the adapters its rows name
-        return loop_for(engine).run(settings, rows, request_prefix(job, shard), watch.should_stop,
-                                    self.steps.progress)
+        return RowSettings(job.settings.sampling, engine_priority(job), job.settings.cache_salt,
+                           job.settings.speculative_config, served_models(job), job.settings.batch_invariant,
+                           job.settings.truncate_inputs, resolve_adapters(named & sources.keys(), sources),
+                           frozenset(sources))
 
     def _check_claim(self, job: Job, shard: Shard, claim: Claim) -> None:
         if not self.steps.heartbeat.holds(claim):

@@ -5,6 +5,8 @@
     run_shard(job_id, shard_id)   the model's GPU queue: claim the shard (attempt counter, lease), run it
                                   through this process's engine, write its part file; the shard that completes
                                   the job queues finalize_job
+    prefill_shard(job_id, shard_id)  the model's prefill queue (TOKENMILL_KV_DISAGGREGATION): a producer worker
+                                  claims the shard, saves its prompts' KV, hands it to run_shard (`workers.disagg`)
     finalize_job(job_id)          control queue: errors.jsonl, batch output, manifest.json; completed
     sweep()                       beat: requeue shards of dead workers, finish cancels, resend lost steps
     fire_schedules(at=None)       beat: create the jobs of schedules that are due (one per schedule and date)
@@ -31,10 +33,11 @@ from storage.models import Job, JobStatus, ShardStatus
 from workers.adapters import AdapterSource, worker_adapters
 from workers.celery_app import app, config
 from workers.config import WorkerEngine
+from workers.disagg import PrefillStep, disaggregated, kv_transfer_summary, prefill_queue
 from workers.finalize import remove_stray_parts
 from workers.job_steps import JobSteps, discard_if_ended
 from workers.shard_step import ShardStep, through_outages
-from workers.worker_engine import engine_for
+from workers.worker_engine import engine_for, process_engine
 
 log = logging.getLogger("tokenmill.tasks")
 
@@ -84,16 +87,18 @@ def send_finalize(job_id: str) -> None:
 
 
 def enqueue_shards(job_id: str, model: str, shard_ids: Iterable[int], countdown: float | None = None,
-                   head: bool = False, job_priority: int | None = None) -> None:
+                   head: bool = False, job_priority: int | None = None, prefill: bool = False) -> None:
     """Send shards' tasks. `head`: at the front of the job's priority band (a retry or a resend), whatever the
-    shard's index; then, with `job_priority` given, the database is not asked (it may be down)."""
+    shard's index; then, with `job_priority` given, the database is not asked (it may be down). `prefill`: to the
+    model's producer workers first (`workers.disagg`), else to its queue."""
     indices: dict[int, int] = {}
     if job_priority is None or not head:
         job_priority, indices = _ordering(job_id)
+    task, queue = (prefill_shard, prefill_queue(config, model)) if prefill else (run_shard, config.model_queue(model))
     for shard_id in shard_ids:
         rank = 0 if head else indices.get(shard_id, 0)
-        run_shard.apply_async((job_id, shard_id), queue=config.model_queue(model), countdown=countdown,
-                              priority=message_priority(job_priority, rank, config.broker_url))
+        task.apply_async((job_id, shard_id), queue=queue, countdown=countdown,
+                         priority=message_priority(job_priority, rank, config.broker_url))
 
 
 def _ordering(job_id: str) -> tuple[int, dict[int, int]]:
@@ -179,7 +184,7 @@ def plan_job(self: Task, job_id: str) -> dict[str, Any]:
         _release(steps, finished, transient)
     pending = _unfinished_shards(job_id) if job.status == S.QUEUED else []
     if pending:
-        enqueue_shards(job.id, job.model, pending)
+        enqueue_shards(job.id, job.model, pending, prefill=disaggregated(job.model))
     elif job.status == S.QUEUED:  # an empty input: nothing to run
         steps.set_status(S.IN_PROGRESS)
         job = steps.set_status(S.FINALIZING)
@@ -218,9 +223,34 @@ def run_shard(self: Task, job_id: str, shard_id: int) -> dict[str, Any]:
         steps.close()
     if outcome.completed_job:
         finalize_later(job_id)
+    if WorkerEngine.from_env().kv_role and (kv := kv_transfer_summary(process_engine())):  # what it loaded so far
+        log.info("job %s: shard %d done; KV connector totals: %s", job_id, shard.index, kv)
     decision = "lost" if outcome.lost else "cancelled" if outcome.cancelled else "completed"
     rows = outcome.totals()["rows_completed"] + len(outcome.errors)  # a row of n choices is one row
     return _summary(steps.load(), shard=shard.index, decision=decision, rows=rows)
+
+
+@app.task(name="tokenmill.prefill_shard", bind=True)
+def prefill_shard(self: Task, job_id: str, shard_id: int) -> dict[str, Any]:
+    """A producer worker's step: prefill the shard's prompts (their KV saved), then hand it to run_shard."""
+    steps = JobSteps(sessions(), job_id, TaskProgress(self, job_id, shard_id))
+    shard_step = ShardStep(steps, worker_lora_modules())
+    claim = _or_retry(self, lambda: shard_step.claim_shard(shard_id, config.max_shard_attempts, count_attempt=False))
+    if claim.decision != "run":
+        log.info("job %s: shard %d not prefilled: %s", job_id, claim.shard.index, claim.decision)
+        return _summary(claim.job, shard=claim.shard.index, decision=claim.decision)
+    job, shard = claim.job, claim.shard
+    try:
+        handed = PrefillStep(shard_step).run(job, shard, lambda: engine_for(job.model))
+    finally:
+        steps.close()
+    if handed:
+        try:
+            through_outages(lambda: enqueue_shards(job_id, job.model, [shard_id]))
+        except Exception:  # pending with no task: the sweep's reconciler sends it
+            log.exception("job %s: shard %d: could not hand it to the decode workers; the sweep will", job_id,
+                          shard.index)
+    return _summary(steps.load(), shard=shard.index, decision="prefilled" if handed else "lost")
 
 
 @app.task(name="tokenmill.finalize_job", bind=True, soft_time_limit=1800)

@@ -8,6 +8,7 @@ tests/service/faulty_engine.py: the real engine, except that a prompt holding PO
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -106,9 +107,17 @@ class RunningStack:
 @pytest.fixture(scope="session")
 def stack(tmp_path_factory) -> Iterator[RunningStack]:
     state_dir = tmp_path_factory.mktemp("data") / "stack"  # $TOKENMILL_DATA/stack, as the README assumes
-    extra = [arg for name, value in STACK_ENV.items() for arg in ("--env", f"{name}={value}")]
-    tokenmill("stack", "up", "--workers", "2", "--state-dir", str(state_dir), "--port-base", str(free_port_block(24)),
-              "--postgres", "private", "--threads", "1", "--kv-cache-memory", "0.25", *extra,
+    with running_stack(state_dir, 2, STACK_ENV) as running:
+        yield running
+
+
+@contextlib.contextmanager
+def running_stack(state_dir: Path, workers: int, env: dict[str, str]) -> Iterator[RunningStack]:
+    """`tokenmill stack up` with `workers` workers (1 thread each) and `env`, its S3 keys in os.environ while it
+    runs; then `stack down`, checked."""
+    extra = [arg for name, value in env.items() for arg in ("--env", f"{name}={value}")]
+    tokenmill("stack", "up", "--workers", str(workers), "--state-dir", str(state_dir), "--port-base",
+              str(free_port_block(24)), "--postgres", "private", "--threads", "1", "--kv-cache-memory", "0.25", *extra,
               env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=240)
     running = RunningStack(state_dir, json.loads((state_dir / "stack.json").read_text()))
     saved = {k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_REGION")}

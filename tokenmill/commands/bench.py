@@ -11,6 +11,7 @@ from tokenmill.bench import (
     int8_cli,
     jobs_cli,
     kv_fp8_cli,
+    kv_sharing_cli,
     latency_cli,
     lora_cli,
     peak_cli,
@@ -21,7 +22,7 @@ from tokenmill.bench import (
 )
 
 BENCHMARKS = (throughput_cli, prefix_cli, spec_cli, peak_cli, capacity_cli, latency_cli, embed_cli, jobs_cli, lora_cli,
-              swap_cli, kv_fp8_cli, int8_cli)
+              swap_cli, kv_fp8_cli, int8_cli, kv_sharing_cli)
 
 
 def register(commands: argparse._SubParsersAction) -> None:

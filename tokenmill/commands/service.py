@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from tokenmill.options import (
     add_engine_options,
+    add_kv_sharing_options,
     add_lora_modules_option,
     add_sampling_options,
     add_task_options,
@@ -198,8 +199,15 @@ def _register_worker(commands: argparse._SubParsersAction) -> None:
                              "(default: 2; 0: no control node, control tasks share the K shard threads)")
     parser.add_argument("--metrics-port", type=int, metavar="PORT",
                         help="serve this worker's Prometheus metrics at http://127.0.0.1:PORT/metrics")
+    parser.add_argument("--kv-role", choices=("producer", "consumer"),
+                        help="disaggregated prefill and decode: a producer takes the model's prefill queue, saves "
+                             "each shard's prompt KV to Redis and hands the shard to the decode queue; a consumer "
+                             "takes the model's queue and loads that KV. Jobs go to producers first where "
+                             "TOKENMILL_KV_DISAGGREGATION names their model (docs/kv-connector.md) (default: "
+                             "neither, a plain worker)")
     _shards_in_flight_options(parser)
     add_engine_options(parser, lora="single-rank")
+    add_kv_sharing_options(parser)
     add_lora_modules_option(parser, "LoRA adapters this worker serves to every job of its model, beside the "
                                     "adapters a job brings (whose name wins): NAME=DIR_OR_URI, a PEFT directory "
                                     "or an s3:// prefix, fetched once into $TOKENMILL_DATA/lora-cache; several, or "
@@ -401,19 +409,25 @@ def worker(args: argparse.Namespace) -> int:
     import json
     import socket
 
+    from workers.disagg import role_engine_settings
+
     role = os.environ.get(WORKER_ROLE_ENV)
     engine, adapters = engine_kwargs(args), worker_lora_modules(args)  # bad settings stop it before any node starts
+    engine = role_engine_settings(engine, args.kv_role, _service_config())
     if not role:
         nodes = worker_nodes(args, _service_config())
         return _supervise({role: [sys.executable, "-m", "tokenmill", *args.argv] for role in nodes})
     os.environ["TOKENMILL_WORKER_MODEL"] = args.model
     os.environ["TOKENMILL_WORKER_ENGINE"] = json.dumps(engine)
     os.environ["TOKENMILL_WORKER_LORA_MODULES"] = json.dumps(adapters)
+    if args.kv_role:
+        os.environ["TOKENMILL_WORKER_KV_ROLE"] = args.kv_role
     from workers.celery_app import app, config
+    from workers.disagg import shard_queue
 
     # another role (TOKENMILL_WORKER_CHILD=1: run without its supervisor): one node takes every queue
     node = worker_nodes(args, config).get(role) or WorkerNode(_worker_queues(args, config), None, args.name)
-    if config.model_queue(args.model) in node.queues:
+    if shard_queue(config, args.model, args.kv_role) in node.queues:
         os.environ["TOKENMILL_WORKER_PRELOAD"] = "1"  # its pool process loads the model before taking tasks
         if args.metrics_port:
             os.environ["TOKENMILL_METRICS_PORT"] = str(args.metrics_port)
@@ -460,7 +474,9 @@ def worker_nodes(args: argparse.Namespace, config) -> dict[str, WorkerNode]:
 
 
 def _worker_queues(args: argparse.Namespace, config) -> list[str]:
-    default = f"{config.model_queue(args.model)},{config.control_queue}"
+    from workers.disagg import shard_queue
+
+    default = f"{shard_queue(config, args.model, getattr(args, 'kv_role', None))},{config.control_queue}"
     return [q for q in (args.queues or default).split(",") if q]
 
 
