@@ -4,6 +4,12 @@ fixtures or by hand, and `slow` (Triton's CPU interpreter); `make unit` runs the
 
 from __future__ import annotations
 
+import ctypes
+import gc
+import os
+import re
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -24,6 +30,23 @@ def pytest_collection_modifyitems(items) -> None:
             item.add_marker(pytest.mark.service)
         if item.path.name in SLOW_FILES:
             item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def release_memory_after_module(request):
+    """After each test file: drop its engines and hand freed heap back to the OS (glibc keeps it otherwise), so the
+    suite's RSS stays near one file's peak; with TOKENMILL_TEST_RSS=FILE, log the RSS after each file there."""
+    yield
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+    if log := os.environ.get("TOKENMILL_TEST_RSS"):
+        status = Path("/proc/self/status").read_text()
+        rss, peak = (int(re.search(rf"{key}:\s+(\d+)", status).group(1)) // 1024 for key in ("VmRSS", "VmHWM"))
+        with open(log, "a") as f:
+            f.write(f"{request.path.relative_to(Path(__file__).parent.parent)} rss={rss} MiB peak={peak} MiB\n")
 
 
 @pytest.fixture(scope="session")
