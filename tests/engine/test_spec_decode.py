@@ -103,6 +103,7 @@ def test_a_different_draft_model_is_verified_every_step(model_dir, draft_dir, pr
 def test_sampled_speculation_respects_limits_and_seeds(model_dir, tokenizer):
     llm = LLM(str(model_dir), dtype="float32", num_threads=2, kv_cache_memory=64 << 20,
               speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    llm.engine.spec.control.lookahead = lambda num_decoding: 4  # drafts by the text alone, not by the step timings
     prompt = tokenizer.encode("Repeat: " + PASSAGE[:300] + "\n" + PASSAGE[:300])
     params = SamplingParams(max_tokens=30, temperature=0.8, seed=5, ignore_eos=True)
     first = llm.generate([prompt], params)[0].outputs[0]
