@@ -178,7 +178,8 @@ class ModelRunner:
                 hidden = self.model(batch.input_ids, batch.positions, self.attention.forward)
             if not step.sample_rows:
                 return None
-            logits = self.model.compute_logits(hidden.index_select(0, batch.sample_indices))
+            self.sample_hidden = hidden.index_select(0, batch.sample_indices)  # Medusa heads read these
+            logits = self.model.compute_logits(self.sample_hidden)
             if self.tp is not None:  # each rank holds a slice of the vocabulary
                 logits = self.tp.gather_columns(logits)
                 return None if logits is None else logits[:, :self.vocab_size]

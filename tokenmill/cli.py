@@ -15,6 +15,7 @@ COMMAND_MODULES = [
     "tokenmill.commands.model",
     "tokenmill.commands.generate",
     "tokenmill.commands.bench",
+    "tokenmill.commands.spec",
     "tokenmill.commands.jobs",
     "tokenmill.commands.service",
     "tokenmill.commands.api",

@@ -101,11 +101,13 @@ def add_engine_options(parser: argparse.ArgumentParser, lora: str | None = None)
                             "GEMM kernels run the model's dtype (bfloat16 on AMX or avx512_bf16 CPUs, float32 on "
                             "AVX-512), where it costs about nothing; elsewhere off, as the mode's row tiles cost "
                             "up to half the throughput there (see the README). A bare --batch-invariant means on")
-    group.add_argument("--speculative-method", choices=("ngram", "draft", "self"),
-                       help="speculative decoding proposer: ngram (prompt lookup), draft (--draft-model) or self "
-                            "(the model's own first layers); adaptive, so large batches are not slowed (default: off)")
+    group.add_argument("--speculative-method", choices=("ngram", "draft", "self", "medusa"),
+                       help="speculative decoding proposer: ngram (prompt lookup), draft (--draft-model), self "
+                            "(the model's own first layers) or medusa (trained heads: --draft-model DIR, from "
+                            "`tokenmill spec train-head`); adaptive, so large batches are not slowed (default: off)")
     group.add_argument("--num-speculative-tokens", type=int, default=5, help="draft tokens per step (default: 5)")
-    group.add_argument("--draft-model", help="draft model name or directory for --speculative-method draft")
+    group.add_argument("--draft-model", help="draft model name or directory for --speculative-method draft (a head "
+                                             "directory for medusa)")
     if lora is not None:
         _add_lora_knobs(group, lora)
 

@@ -1,11 +1,12 @@
-"""`speculative_config`, as in vLLM: {"method": "ngram" | "draft" | "self", "num_speculative_tokens": k, ...}."""
+"""`speculative_config`, as in vLLM: {"method": "ngram" | "draft" | "self" | "medusa", "num_speculative_tokens": k,
+...}."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
 from typing import Any
 
-METHODS = ("ngram", "draft", "self")
+METHODS = ("ngram", "draft", "self", "medusa")
 
 
 @dataclass
@@ -14,7 +15,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 4  # n-gram: longest suffix matched
     prompt_lookup_min: int = 2  # n-gram: shortest suffix matched
-    model: str | None = None  # draft: a causal LM with the target's tokenizer (name or directory)
+    model: str | None = None  # draft: a causal LM with the target's tokenizer (name or directory); medusa: a head dir
     draft_layers: int | None = None  # self: leading target layers used as the draft (default: a quarter)
     max_verify_tokens: int = 32  # adaptive: never verify more than this many tokens in one step
     min_acceptance: float = 0.0  # adaptive: never draft k tokens whose mean estimated acceptance is lower
@@ -29,6 +30,9 @@ class SpeculativeConfig:
             raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
         if self.method == "draft" and not self.model:
             raise ValueError('speculative_config method "draft" needs "model" (a model name or directory)')
+        if self.method == "medusa" and not self.model:
+            raise ValueError('speculative_config method "medusa" needs "model" (a Medusa head directory, from '
+                             '`tokenmill spec train-head`)')
         if not 0 <= self.min_acceptance <= 1:
             raise ValueError(f"min_acceptance must be in [0, 1], got {self.min_acceptance}")
 
@@ -46,5 +50,5 @@ class SpeculativeConfig:
         if unknown:
             raise ValueError(f"unknown speculative_config key(s) {unknown}; known: {sorted(known)}")
         if "method" not in settings:
-            raise ValueError('speculative_config needs "method" ("ngram", "draft" or "self")')
+            raise ValueError('speculative_config needs "method" ("ngram", "draft", "self" or "medusa")')
         return cls(**settings)

@@ -108,6 +108,8 @@ def draft_key(config: SpeculativeConfig) -> tuple | None:
         return ("draft", config.model)
     if config.method == "self":
         return ("self", config.draft_layers)
+    if config.method == "medusa":
+        return ("medusa", config.model)
     return None
 
 
@@ -124,6 +126,10 @@ class SpecDecoder:
             from engine.spec_decode.draft import DraftProposer
 
             self.draft = DraftProposer(config, setup)
+        elif draft is None and config.method == "medusa":
+            from engine.spec_decode.medusa import MedusaProposer
+
+            self.draft = MedusaProposer(config, setup)
 
     def lookahead(self, running: list[Sequence]) -> int:
         decoding = sum(1 for s in running if s.num_uncomputed_tokens == 1 and s.num_output_tokens > 0)
@@ -148,6 +154,8 @@ class SpecDecoder:
                 seconds: float) -> tuple[int, int, list[int]]:
         """After the runner ran `plan` in `seconds`: refine the cost model and count what was accepted (read
         from `output` by id). Returns this step's (drafted, accepted, accepted by draft position)."""
+        if hasattr(self.draft, "observe"):  # Medusa heads: the hidden states of this step's last tokens
+            self.draft.observe(plan, output)
         if all(s.num_new_tokens == 1 for s in plan.scheduled):  # decode-only steps refine the step cost
             self.cost.observe(len(plan.scheduled) + sum(map(len, plan.spec_token_ids.values())), seconds)
         drafted = accepted = tested = proposed = 0

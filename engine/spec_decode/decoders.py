@@ -56,6 +56,9 @@ class SpecDecoderCache:
         return self.current
 
     def _new_decoder(self, config: SpeculativeConfig) -> SpecDecoder:
+        if config.method == "medusa" and self.tensor_parallel:
+            raise ValueError("Medusa heads read the target's hidden states, which tensor parallelism keeps on its "
+                             "ranks: use method ngram or draft")
         if config.method == "self" and self.tensor_parallel:
             raise ValueError("self-speculation runs the target's own sharded layers, which tensor parallelism "
                              "does not support: use method ngram or draft (a draft model runs whole on rank 0)")
@@ -78,5 +81,5 @@ class SpecDecoderCache:
         runner = self.runner
         setup = DraftSetup(runner.model, runner.num_blocks, runner.block_size, runner.max_model_len, runner.dtype,
                            runner.device, runner.kv_plan.draft_bytes_per_block, runner.make_backend, runner.tensor,
-                           self.sampler)
+                           self.sampler, lambda: getattr(runner, "sample_hidden", None))
         return SpecDecoder(config, setup, draft=shared)

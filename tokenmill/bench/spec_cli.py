@@ -15,13 +15,18 @@ def register(benches: argparse._SubParsersAction) -> None:
                     "a. one request at a time, answers that copy their prompt: tokenmill without and with "
                     "speculation, and Hugging Face greedy vs its prompt-lookup decoding;\n"
                     "b. the 64-request mixed chat workload of `bench throughput`: none vs adaptive speculation;\n"
-                    "c. a job whose tail runs with few requests (many short answers, a few long copying ones).")
+                    "c. a job whose tail runs with few requests (many short answers, a few long copying ones);\n"
+                    "s. one request at a time, ShareGPT prompts held out of `tokenmill spec train-head`'s training "
+                    "(for --method medusa; not in the default set).")
     parser.add_argument("--model", default="smollm2-135m", help="model name or directory (default: smollm2-135m)")
-    parser.add_argument("--method", default="ngram", choices=("ngram", "self", "draft"),
+    parser.add_argument("--method", default="ngram", choices=("ngram", "self", "draft", "medusa"),
                         help="proposer (default: ngram)")
-    parser.add_argument("--draft-model", help="draft model for --method draft")
-    parser.add_argument("--num-speculative-tokens", type=int, default=5, help="k (default: 5)")
-    parser.add_argument("--scenarios", default="a,b,c", help="comma-separated subset of a,b,c (default: all)")
+    parser.add_argument("--draft-model", help="draft model for --method draft; head directory for --method medusa "
+                                              "(default: the head `tokenmill spec train-head` cached for --model)")
+    parser.add_argument("--heldout-prompts", type=int, default=8,
+                        help="requests in scenario s (at most 16, default: 8)")
+    parser.add_argument("--num-speculative-tokens", type=int, help="k (default: 5; medusa: 4, the trained heads)")
+    parser.add_argument("--scenarios", default="a,b,c", help="comma-separated subset of a,b,c,s (default: a,b,c)")
     parser.add_argument("--copy-prompts", type=int, default=6, help="requests in scenario a (default: 6)")
     parser.add_argument("--copy-tokens", type=int, default=192, help="max tokens in scenarios a and c (default: 192)")
     parser.add_argument("--num-prompts", type=int, default=64, help="requests in scenario b (default: 64)")
@@ -46,9 +51,14 @@ def run_spec(args: argparse.Namespace) -> int:
     console = Console(width=max(Console().width, 150))
     model_dir = resolve_model(args.model)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    config = {"method": args.method, "num_speculative_tokens": args.num_speculative_tokens}
+    k = args.num_speculative_tokens or (4 if args.method == "medusa" else 5)
+    config = {"method": args.method, "num_speculative_tokens": k}
     if args.draft_model:
         config["model"] = args.draft_model
+    elif args.method == "medusa":
+        from tokenmill.spec_head import head_dir_for
+
+        config["model"] = str(head_dir_for(model_dir))
     scenarios = {s.strip() for s in args.scenarios.split(",")}
     results: list[spec.SpecResult] = []
 
@@ -69,6 +79,13 @@ def run_spec(args: argparse.Namespace) -> int:
             results.append(spec.hf_one_at_a_time(model_dir, copies, "a", 10))
     if "b" in scenarios:
         compare("b", mixed_chat_workload(tokenizer, args.num_prompts), one_at_a_time=False, ignore_eos=True)
+    if "s" in scenarios:
+        from tokenmill.bench.sharegpt import sharegpt_workload
+        from tokenmill.spec_head import HELD_OUT
+
+        held_out = sharegpt_workload(tokenizer, min(args.heldout_prompts, HELD_OUT), seed=0)
+        held_out.output_lens = [min(n, args.copy_tokens) for n in held_out.output_lens]
+        compare("s", held_out, one_at_a_time=True, ignore_eos=False)
     if "c" in scenarios:
         compare("c", long_tail_workload(tokenizer, long_len=args.copy_tokens), one_at_a_time=False, ignore_eos=False)
     console.print(spec_table(results))
