@@ -142,8 +142,9 @@ def plain(stack, sessions, inputs) -> dict[str, dict[str, dict]]:
 
 @pytest.fixture(scope="module")
 def pair(stack, plain) -> dict[str, int]:
-    """A producer and a consumer worker (the plain one stopped): their process groups."""
-    return start_workers(stack, {"producer": "producer", "consumer": "consumer"})
+    """A producer and a consumer worker (the plain one stopped): their process groups (not named "consumer": that
+    is the stack's Kafka consumer)."""
+    return start_workers(stack, {"prefiller": "producer", "decoder": "consumer"})
 
 
 def texts(records: dict[str, dict]) -> dict[str, str]:
@@ -191,11 +192,11 @@ def test_a_job_through_a_producer_and_a_consumer_equals_a_plain_workers(stack, s
     assert all(r["cached_tokens"] == 0 for r in plain["small"].values())  # no row shares another's blocks
     for record in records.values():  # loaded from Redis: the consumer's own cache never saw these prompts
         assert BLOCK <= record["cached_tokens"] <= record["prompt_tokens"] - 1, record
-    assert {group_of(s) for s in shard_rows(sessions, job_id)} == {pair["consumer"]}  # the part's one writer
+    assert {group_of(s) for s in shard_rows(sessions, job_id)} == {pair["decoder"]}  # the part's one writer
     assert all(s["attempts"] == 1 for s in shard_rows(sessions, job_id))  # a prefill's hand-off counts none
-    producer_log = (stack.dir / "logs" / "producer.log").read_text()
+    producer_log = (stack.dir / "logs" / "prefiller.log").read_text()
     assert len(re.findall(rf"job {job_id}: shard \d+: prefilled 2 prompt\(s\)", producer_log)) == len(ids) // 2
-    loaded = re.findall(r"KV connector totals: blocks_loaded (\d+)", (stack.dir / "logs" / "consumer.log").read_text())
+    loaded = re.findall(r"KV connector totals: blocks_loaded (\d+)", (stack.dir / "logs" / "decoder.log").read_text())
     assert loaded and int(loaded[-1]) >= sum(r["cached_tokens"] for r in records.values()) // BLOCK
 
 
@@ -204,15 +205,15 @@ def test_a_producer_killed_mid_job_costs_nothing(stack, sessions, inputs, plain,
     path, ids = inputs["kill"]
     job_id = run_job(stack, path, 4)
     prefilling = wait_until(lambda: [s for s in shard_rows(sessions, job_id)
-                                     if s["status"] == "running" and group_of(s) == pair["producer"]],
+                                     if s["status"] == "running" and group_of(s) == pair["prefiller"]],
                             "a shard prefilling on the producer", 120, every=0.05)
-    os.killpg(pair["producer"], signal.SIGKILL)
+    os.killpg(pair["prefiller"], signal.SIGKILL)
     records = finished(stack, sessions, job_id, ids)
     assert texts(records) == texts(plain["kill"])
     shards = {s["index"]: s for s in shard_rows(sessions, job_id)}
     for victim in prefilling:  # its lease lapsed; the sweep sent it to the consumer; the lost prefill cost no attempt
         redone = shards[victim["index"]]
-        assert redone["status"] == "completed" and group_of(redone) == pair["consumer"] and redone["attempts"] == 1
+        assert redone["status"] == "completed" and group_of(redone) == pair["decoder"] and redone["attempts"] == 1
     with sessions() as session:
         statuses = session.execute(text("SELECT id, status FROM jobs")).all()
     assert statuses and all(status == "completed" for _, status in statuses), statuses  # no job left unfinished

@@ -195,7 +195,10 @@ class Stack:
         return {**os.environ, **self.state.get("env", {}), "PYTHONUNBUFFERED": "1"}
 
     def spawn(self, name: str, command: list[str], extra_env: dict[str, str] | None = None) -> int:
-        """Start command in its own process group, logging to logs/NAME.log; records and returns its pid."""
+        """Start command in its own process group, logging to logs/NAME.log; records and returns its pid. A NAME
+        whose process still runs is refused: recording another under it would orphan that one."""
+        if (pid := self.state.get("processes", {}).get(name)) and group_alive(pid):
+            raise StackError(f"the stack already runs a process named {name!r} (process group {pid})")
         self.logs.mkdir(parents=True, exist_ok=True)
         with open(self.logs / f"{name}.log", "ab") as log:
             process = subprocess.Popen(command, cwd=self.dir, env={**self.env, **(extra_env or {})}, stdout=log,
