@@ -47,20 +47,15 @@ STALL_FLAG_ENV = "TOKENMILL_TEST_STALL_FLAG"
 def stalling_engine(settings: dict):
     """The service tests' engine (tests/service/faulty_engine.py), except that tokenizing a row holding STALL waits
     while the file $TOKENMILL_TEST_STALL_FLAG exists (5 minutes at most): a shard that holds its thread, idle."""
-    from tests.service.faulty_engine import load
+    from tests.service.faulty_engine import check_tokenizing, load
 
-    engine = load(settings)
-    encode = engine.encode
-
-    def encode_or_stall(text: str, *args, **kwargs):
+    def stall(text: str) -> None:
         if STALL in text:
             flag, deadline = Path(os.environ[STALL_FLAG_ENV]), time.monotonic() + 300
             while flag.exists() and time.monotonic() < deadline:
                 time.sleep(0.2)
-        return encode(text, *args, **kwargs)
 
-    engine.encode = encode_or_stall
-    return engine
+    return check_tokenizing(load(settings), stall)
 
 
 @dataclass
