@@ -282,6 +282,11 @@ class LLMEngine:
         stats.num_swapped = len(self.scheduler.swapped)
         stats.kv_blocks_swapped_out = self.scheduler.swap.stats.blocks_swapped_out
         stats.kv_blocks_swapped_in = self.scheduler.swap.stats.blocks_swapped_in
+        if self.kv_connector is not None:
+            moved = self.kv_connector.stats
+            stats.kv_connector_blocks_loaded, stats.kv_connector_blocks_saved = moved.blocks_loaded, moved.blocks_saved
+            stats.kv_connector_blocks_rejected, stats.kv_connector_store_errors = (moved.blocks_rejected,
+                                                                                   moved.store_errors)
         stats.prefix_cache_queries = kv.stats.queries
         stats.prefix_cache_hits = kv.stats.hits
         return stats

@@ -35,6 +35,8 @@ if TYPE_CHECKING:
     from engine.outputs import RequestOutput
 
 PREFIX = "tokenmill:"
+KV_CONNECTOR_COUNTERS = ("kv_connector_blocks_loaded", "kv_connector_blocks_saved", "kv_connector_blocks_rejected",
+                         "kv_connector_store_errors")
 
 # vLLM's buckets for the request latencies; ours for the step time.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
@@ -134,6 +136,10 @@ class EngineMetrics:
             "num_preemptions": "Preemptions (a running request's KV dropped to be recomputed, or swapped to host).",
             "kv_blocks_swapped_out": "KV blocks copied to host memory by swap preemption.",
             "kv_blocks_swapped_in": "KV blocks copied back from host memory by swap preemption.",
+            "kv_connector_blocks_loaded": "KV blocks loaded into the pool through the KV connector.",
+            "kv_connector_blocks_saved": "KV blocks saved to the KV connector's store.",
+            "kv_connector_blocks_rejected": "Stored KV blocks that failed their checksum or size (computed instead).",
+            "kv_connector_store_errors": "KV connector store calls that raised (the block computed, or not saved).",
             "prefix_cache_queries": "Prompt tokens looked up in the prefix cache.",
             "prefix_cache_hits": "Prompt tokens found in the prefix cache.",
             "spec_decode_num_draft_tokens": "Speculative draft tokens verified.",
@@ -198,6 +204,7 @@ class EngineMetrics:
             "num_preemptions": stats.num_preemptions,
             "kv_blocks_swapped_out": stats.kv_blocks_swapped_out,
             "kv_blocks_swapped_in": stats.kv_blocks_swapped_in,
+            **{name: getattr(stats, name) for name in KV_CONNECTOR_COUNTERS},
             "prefix_cache_queries": stats.prefix_cache_queries,
             "prefix_cache_hits": stats.prefix_cache_hits,
             "spec_decode_num_draft_tokens": stats.spec_draft_tokens,

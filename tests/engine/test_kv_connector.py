@@ -114,6 +114,24 @@ def test_a_consumer_loads_the_producers_blocks_and_gives_the_same_tokens(tiny_di
     assert consumer.engine.kv_connector.stats.blocks_loaded == stats.blocks_loaded
 
 
+def test_the_connectors_counts_reach_engine_stats_and_prometheus(tiny_dir, prompts, tmp_path):
+    from prometheus_client import CollectorRegistry
+
+    from engine.prometheus import EngineMetrics
+
+    store = tmp_path / "kv"
+    run(tiny_llm(tiny_dir, shared(store, "kv_producer")), prompts)
+    consumer = tiny_llm(tiny_dir, shared(store, "kv_consumer"))
+    registry = CollectorRegistry()
+    EngineMetrics(consumer.engine, "tiny", registry).attach()
+    run(consumer, prompts)
+    loaded = consumer.engine.kv_connector.stats.blocks_loaded
+    assert loaded > 0 and consumer.engine.get_stats().kv_connector_blocks_loaded == loaded
+    sample = registry.get_sample_value
+    assert sample("tokenmill:kv_connector_blocks_loaded_total", {"model_name": "tiny"}) == loaded
+    assert sample("tokenmill:kv_connector_blocks_saved_total", {"model_name": "tiny"}) == 0
+
+
 def test_a_producer_never_loads_and_kv_both_saves_only_what_is_missing(tiny_dir, prompts, tmp_path):
     store = tmp_path / "kv"
     first = tiny_llm(tiny_dir, shared(store, "kv_producer"))

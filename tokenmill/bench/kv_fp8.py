@@ -30,6 +30,16 @@ class Agreement:
     max_gap: float
     missing: int  # reference tokens outside FP8's top 20 (their logprob bounded by the 20th)
     first_divergence: list[int] = field(default_factory=list)
+    reference: list[list[int]] = field(default_factory=list)  # the model-dtype cache's greedy tokens
+
+
+def same_prefixes(rows: list[Agreement], first: str = "bfloat16", second: str = "float32") -> int | None:
+    """Prompts whose greedy tokens are the same with the `first` model dtype as with the `second` (each with its own
+    dtype's cache, no FP8): the scale for (b), the difference a model dtype alone makes."""
+    by_dtype = {r.model_dtype: r.reference for r in rows}
+    if first not in by_dtype or second not in by_dtype:
+        return None
+    return sum(a == b for a, b in zip(by_dtype[first], by_dtype[second], strict=True))
 
 
 @dataclass
@@ -119,7 +129,7 @@ def agreement(model_dir, prompts: list[list[int]], dtype: str, tokens: int, thre
     divergence = [next((i for i, (a, b) in enumerate(zip(r, f, strict=True)) if a != b), tokens)
                   for r, f in zip(reference, ids, strict=True)]
     result = Agreement(dtype, len(prompts), tokens, sum(d == tokens for d in divergence),
-                       statistics.fmean(gaps) if gaps else 0.0, max(gaps, default=0.0), missing, divergence)
+                       statistics.fmean(gaps) if gaps else 0.0, max(gaps, default=0.0), missing, divergence, reference)
     del llm, runs
     gc.collect()
     return result, capacities

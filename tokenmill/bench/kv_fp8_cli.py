@@ -14,7 +14,8 @@ def register(benches: argparse._SubParsersAction) -> None:
                     "dtype's cache and with FP8;\n"
                     "b. held-out prompts (seeded sentences nothing was tuned on, as chat prompts): the share whose "
                     "first --tokens greedy tokens equal the model-dtype cache's, and the mean |logprob| gap of "
-                    "those reference tokens with the FP8 cache, teacher-forced;\n"
+                    "those reference tokens with the FP8 cache, teacher-forced; and for scale, the share where "
+                    "the bfloat16 model's tokens equal the float32 model's;\n"
                     "c. the C paged decode kernel's time over FP8 blocks against blocks of the queries' dtype "
                     "(many sequences, a few hundred tokens of context each, blocks scattered over the pool).\n"
                     "Done-when targets: (a) >= 1.9x the blocks of bfloat16, (b) >= 75%% of prompts keep their "
@@ -86,6 +87,9 @@ def run_kv_fp8(args: argparse.Namespace) -> int:
             console.print(kv_fp8.capacity_table(capacities))
         if "b" in parts:
             console.print(kv_fp8.agreement_table(agreements))
+            if (floor := kv_fp8.same_prefixes(agreements)) is not None:
+                console.print(f"for scale, without FP8: the bfloat16 model's first {args.tokens} greedy tokens equal "
+                              f"the float32 model's on {floor}/{len(prompts)} prompts ({floor / len(prompts):.0%})")
     if "c" in parts:
         kernels = kv_fp8.time_decode_kernels(args.seqs, args.context, args.repeats)
         console.print(kv_fp8.kernel_table(kernels, args.seqs, args.context))
@@ -93,5 +97,6 @@ def run_kv_fp8(args: argparse.Namespace) -> int:
         with open(args.json, "w") as f:
             json.dump({"machine": cpu_description(), "capacity": [dataclasses.asdict(c) for c in capacities],
                        "agreement": [dataclasses.asdict(a) for a in agreements],
+                       "bfloat16_equals_float32": kv_fp8.same_prefixes(agreements),
                        "kernel": [{**dataclasses.asdict(k), "gb_per_s": k.gb_per_s} for k in kernels]}, f, indent=2)
     return 0
