@@ -260,12 +260,22 @@ def test_batch_invariance_holds_within_fp8(model_dir, dtype):
 
 
 def test_the_real_model_keeps_most_greedy_tokens_with_an_fp8_cache(model_dir):
+    """Teacher-forced: every position of the full-precision cache's 16 greedy tokens, its context fixed to those
+    tokens, is a prompt of its own; the FP8 cache (which prefill reads back too) must pick the same next token at
+    nearly all of them. Free-running agreement is no measure here: one near-tie flipped by the CPU's float32
+    rounding sends the rest of a sequence elsewhere (it swung between 3/8 and 5/8 across CPU kinds)."""
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-    outputs = {}
-    for kv in ("auto", "fp8"):
-        llm = LLM(str(model_dir), dtype="float32", kv_cache_dtype=kv, num_threads=2, max_model_len=256,
-                  kv_cache_memory=32 << 20)
-        outputs[kv] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
-    same = sum(a == b for a, b in zip(outputs["auto"], outputs["fp8"], strict=True))
-    first_tokens = sum(a[0] == b[0] for a, b in zip(outputs["auto"], outputs["fp8"], strict=True))
-    assert first_tokens == len(PROMPTS) and same >= len(PROMPTS) // 2, (same, outputs)
+    kwargs = dict(dtype="float32", num_threads=2, max_model_len=256, kv_cache_memory=32 << 20)
+    full = LLM(str(model_dir), kv_cache_dtype="auto", **kwargs)
+    tokenizer = full.get_tokenizer()
+    greedy = [o.outputs[0].token_ids for o in full.generate(PROMPTS, params)]
+    contexts = [tokenizer.encode(prompt) + tokens[:i] for prompt, tokens in zip(PROMPTS, greedy, strict=True)
+                for i in range(len(tokens))]
+    one = SamplingParams(max_tokens=1, temperature=0)
+    picks = {"auto": [o.outputs[0].token_ids[0] for o in full.generate(contexts, one)]}
+    fp8 = LLM(str(model_dir), kv_cache_dtype="fp8", **kwargs)
+    picks["fp8"] = [o.outputs[0].token_ids[0] for o in fp8.generate(contexts, one)]
+    first_tokens = picks["fp8"][::16] == [tokens[0] for tokens in greedy]
+    same = sum(a == b for a, b in zip(picks["auto"], picks["fp8"], strict=True))
+    print(f"fp8 keeps {same}/{len(contexts)} teacher-forced greedy tokens")
+    assert first_tokens and same >= 0.9 * len(contexts), (same, len(contexts))
