@@ -44,3 +44,14 @@ def test_against_vllm_without_its_venv_says_how_to_build_it_and_runs_the_rest(tm
     assert "throughput (useful generated tokens per second)" in printed
     assert "batch 1: time per output token" in printed and "x vLLM" in printed
     assert not (tmp_path / "plots").exists()  # --no-plots wins over --plots
+
+
+def test_the_batch_1_table_says_how_many_times_faster_than_vllm():
+    from rich.console import Console
+
+    from tokenmill.bench.tables import batch1_table
+
+    console = Console(width=200, record=True)
+    console.print(batch1_table([("tokenmill", "bfloat16", 0.0164), ("vLLM", "bfloat16", 0.032)], 128))
+    rows = {line.split("│")[1].strip(): line for line in console.export_text().splitlines() if "bfloat16" in line}
+    assert "16.4" in rows["tokenmill"] and "1.95x" in rows["tokenmill"] and "1.00x" in rows["vLLM"]

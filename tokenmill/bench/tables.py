@@ -29,6 +29,7 @@ def throughput_table(results, limits: dict[str, float] | None = None):
 
 
 def batch1_table(rows: list[tuple[str, str, float]], tokens: int):
+    """Its x vLLM column: vLLM's seconds per token over the system's (above 1.00x: faster than vLLM)."""
     from rich.table import Table
 
     table = Table("system", "dtype", "ms per output token", "x vLLM",
@@ -36,7 +37,7 @@ def batch1_table(rows: list[tuple[str, str, float]], tokens: int):
     by_key = {(system, dtype): seconds for system, dtype, seconds in rows}
     for system, dtype, seconds in rows:
         reference = by_key.get(("vLLM", dtype))
-        table.add_row(system, dtype, f"{1000 * seconds:.1f}", f"{seconds / reference:.2f}x" if reference else "-")
+        table.add_row(system, dtype, f"{1000 * seconds:.1f}", f"{reference / seconds:.2f}x" if reference else "-")
     return table
 
 
