@@ -20,6 +20,7 @@ log = logging.getLogger("tokenmill")
 
 GENERATE_SHARE = 0.7  # of the budget: greedy generation (the data); the rest: training
 HELD_OUT = 16  # the first ShareGPT prompts of the seeded sample, never trained on (benchmarks use them)
+GENERATE_BATCH = 64  # prompts per generate call: 16 gave the engine too small a batch (a third of the data)
 
 
 @dataclass
@@ -54,8 +55,8 @@ def sharegpt_split(tokenizer, num_train: int) -> tuple[list[list[int]], list[lis
 
 def generate_answers(model_dir: Path, prompts: list[list[int]], settings: TrainSettings,
                      deadline: float) -> tuple[torch.Tensor, torch.Tensor, list[list[int]]]:
-    """Greedy answers, 16 prompts at a time until `deadline`, with the engine's own final hidden state at each
-    answer token's logits row: (hidden states [n, hidden] float32, the tokens 2 .. num_heads + 1 places on
+    """Greedy answers, GENERATE_BATCH prompts at a time until `deadline`, with the engine's own final hidden state
+    at each answer token's logits row: (hidden states [n, hidden] float32, the tokens 2 .. num_heads + 1 places on
     [n, num_heads] (-1 past the answer's end), the answers)."""
     from engine import LLM, SamplingParams
     from engine.step_types import SampleLayout
@@ -76,11 +77,11 @@ def generate_answers(model_dir: Path, prompts: list[list[int]], settings: TrainS
     runner.execute = recording_execute
     params = SamplingParams(max_tokens=settings.max_tokens, temperature=0)
     states, targets, answers = [], [], []
-    for start in range(0, len(prompts), 16):
+    for start in range(0, len(prompts), GENERATE_BATCH):
         if time.monotonic() >= deadline:
             break
         rows.clear()
-        for output in llm.generate(prompts[start:start + 16], params):
+        for output in llm.generate(prompts[start:start + GENERATE_BATCH], params):
             answer = list(output.outputs[0].token_ids)
             answers.append(answer)
             hidden = rows[output.request_id][:len(answer)]
@@ -101,9 +102,10 @@ def head_vocabulary(answers: list[list[int]], size: int) -> torch.Tensor:
 
 
 def train_heads(states: torch.Tensor, targets: torch.Tensor, lm_head: torch.Tensor, vocab: torch.Tensor,
-                settings: TrainSettings, deadline: float):
-    """AdamW on the heads until `deadline`; returns the heads and each head's top-1 accuracy on the last tenth
-    of the positions (held out of training)."""
+                settings: TrainSettings, deadline: float, test_from: int):
+    """AdamW on the heads until `deadline`; returns the heads and each head's top-1 accuracy on the positions
+    from `test_from` on (whole answers held out of training: positions of a trained answer's neighbours are
+    no test, the heads learn them by heart)."""
     from engine.spec_decode.medusa import MedusaHeads
 
     heads = MedusaHeads(states.shape[1], settings.num_heads, vocab, lm_head.shape[0])
@@ -112,9 +114,7 @@ def train_heads(states: torch.Tensor, targets: torch.Tensor, lm_head: torch.Tens
     labels = index_of[targets]  # -1 (past the end) maps to the last slot: -100, skipped
     weight = lm_head.index_select(0, vocab).detach()
     generator = torch.Generator().manual_seed(0)
-    order = torch.randperm(len(states), generator=generator)
-    split = len(states) - max(1, len(states) // 10)
-    train, test = order[:split], order[split:]
+    train, test = torch.arange(test_from), torch.arange(test_from, len(states))
     optimizer = torch.optim.AdamW(heads.parameters(), lr=settings.lr, weight_decay=0.0)
     decay = torch.tensor([0.8 ** i for i in range(settings.num_heads)])
     steps = 0
@@ -134,7 +134,8 @@ def train_heads(states: torch.Tensor, targets: torch.Tensor, lm_head: torch.Tens
         predicted = vocab[F.linear(heads(states[test]), weight).argmax(dim=-1)]
         accuracy = [round(float((predicted[:, i] == targets[test, i])[targets[test, i] >= 0].float().mean()), 4)
                     for i in range(settings.num_heads)]
-    log.info("trained %d steps on %d positions; head accuracy %s", steps, split, accuracy)
+    log.info("trained %d steps on %d positions; head accuracy on %d held-out positions %s", steps, test_from,
+             len(test), accuracy)
     return heads, accuracy, steps
 
 
@@ -153,9 +154,13 @@ def train_medusa_head(model_dir: Path, out: Path, settings: TrainSettings) -> di
     lm_head = weights.get("lm_head.weight", weights.get("model.embed_tokens.weight")).float()
     vocab = head_vocabulary(answers, settings.vocab_size)
     generated = time.monotonic()
-    heads, accuracy, steps = train_heads(states, targets, lm_head, vocab, settings, started + settings.seconds)
+    test_answers = max(1, len(answers) // 10)  # the last answers: a test of prompts the heads never saw
+    test_from = len(states) - sum(map(len, answers[-test_answers:]))
+    heads, accuracy, steps = train_heads(states, targets, lm_head, vocab, settings, started + settings.seconds,
+                                         test_from)
     summary = {"model": model_dir.name, "prompts": len(answers), "positions": len(states), "steps": steps,
-               "head_accuracy": accuracy, "generate_seconds": round(generated - started, 1),
+               "head_accuracy": accuracy, "test_prompts": test_answers,
+               "generate_seconds": round(generated - started, 1),
                "train_seconds": round(time.monotonic() - generated, 1)}
     heads.save(out, {"training": summary})
     return summary

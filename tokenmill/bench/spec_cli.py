@@ -32,6 +32,12 @@ def register(benches: argparse._SubParsersAction) -> None:
     parser.add_argument("--num-prompts", type=int, default=64, help="requests in scenario b (default: 64)")
     parser.add_argument("--no-hf", action="store_true", help="skip the Hugging Face rows of scenario a")
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads (default: 2)")
+    parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                        help="the model's dtype (default: auto, bfloat16 where the CPU has it natively; the trained "
+                             "head's target is measured in float32)")
+    parser.add_argument("--batch-invariant", action="store_true",
+                        help="verify 1 + k rows summing as one decoded row does, so that greedy tokens stay "
+                             "identical to plain decoding whatever the CPU's rounding (default: off, as LLM())")
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     parser.set_defaults(handler=run_spec)
 
@@ -60,13 +66,14 @@ def run_spec(args: argparse.Namespace) -> int:
 
         config["model"] = str(head_dir_for(model_dir))
     scenarios = {s.strip() for s in args.scenarios.split(",")}
+    engine_kwargs = {"num_threads": args.threads, "dtype": args.dtype, "batch_invariant": args.batch_invariant}
     results: list[spec.SpecResult] = []
 
     def compare(scenario: str, workload, one_at_a_time: bool, ignore_eos: bool) -> None:
         plain, plain_tokens = spec.tokenmill_spec(str(model_dir), workload, scenario, "tokenmill, no speculation",
-                                                  None, one_at_a_time, ignore_eos, num_threads=args.threads)
+                                                  None, one_at_a_time, ignore_eos, **engine_kwargs)
         sped, sped_tokens = spec.tokenmill_spec(str(model_dir), workload, scenario, f"tokenmill, {args.method}",
-                                                config, one_at_a_time, ignore_eos, num_threads=args.threads)
+                                                config, one_at_a_time, ignore_eos, **engine_kwargs)
         same = sum(a == b for a, b in zip(plain_tokens, sped_tokens, strict=True))
         console.print(f"scenario {scenario}: {same}/{len(plain_tokens)} outputs identical with and without speculation")
         results.extend([plain, sped])
