@@ -75,3 +75,46 @@ def test_the_cpu_decode_kernel_gives_the_torch_paths_results(shared, dtype, seqs
     assert all(g.kernel_tables is None for g in attention.groups)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2  # bfloat16: one rounding of the output apart
     torch.testing.assert_close(fused, attention.forward(0, q, new_k, new_v), rtol=tolerance, atol=tolerance)
+
+
+def prefill_batch(rng: random.Random, query_lens: list[int], context_lens: list[int], dtype: torch.dtype):
+    """Prefills in a pool of one layer, each with `context_len - query_len` tokens already cached before its queries."""
+    hkv, hq, bs, d, num_blocks = 2, 6, 4, 16, 1200
+    k, v = allocate_kv_pool(1, hkv, num_blocks, bs, d, dtype, torch.device("cpu"))
+    k[0].normal_()
+    v[0].normal_()
+    free = list(range(1, num_blocks))
+    rng.shuffle(free)
+    tables = [[free.pop() for _ in range(-(-n // bs))] for n in context_lens]
+    width = max(map(len, tables))
+    positions = [p for q, n in zip(query_lens, context_lens, strict=True) for p in range(n - q, n)]
+    slots = [t[p // bs] * bs + p % bs for t, q, n in zip(tables, query_lens, context_lens, strict=True)
+             for p in range(n - q, n)]
+    tokens = len(positions)
+    group = tb.PrefillGroup(query_lens, context_lens, torch.tensor([t + [0] * (width - len(t)) for t in tables]))
+    batch = StepBatch(torch.zeros(tokens, dtype=torch.long), torch.tensor(positions), torch.tensor(slots), 0,
+                      torch.tensor([], dtype=torch.long), torch.zeros(0, width, dtype=torch.long), 0, group,
+                      torch.tensor([]))
+    q, new_k, new_v = (torch.randn(tokens, width * d).to(dtype) for width in (hq, hkv, hkv))
+    return tb.TorchAttention(k, v, hq), batch, (q, new_k, new_v)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefills_attended_one_by_one_equal_the_padded_batch(dtype, monkeypatch):
+    """A whole prompt, a chunk after a short cached context (zero rows lead it) and a short query after a long one
+    (masked), each attended on its own with the kernel's causal mask, against one padded, masked batch."""
+    query_lens, context_lens = [300, 200, 12, 5], [300, 260, 400, 5]
+    assert tb.causal_pays(query_lens, context_lens, 400)
+    assert not tb.causal_pays([30] * 64, [30] * 64, 32)  # many short prompts: one batched call is cheaper
+    attention, batch, (q, new_k, new_v) = prefill_batch(random.Random(3), query_lens, context_lens, dtype)
+    monkeypatch.setattr(tb, "prefill_runs", lambda query_lens, context_lens: [(0, len(query_lens))])
+    attention.begin_step(batch)
+    [group] = attention.groups
+    assert [(s.lead, s.mask is not None) for s in group.causal_spans] == [(0, False), (60, False), (0, True),
+                                                                          (0, False)]
+    one_by_one = attention.forward(0, q, new_k, new_v)
+    monkeypatch.setattr(tb, "causal_pays", lambda *args: False)
+    attention.begin_step(batch)
+    assert [g.causal_spans for g in attention.groups] == [None]
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(one_by_one, attention.forward(0, q, new_k, new_v), rtol=tolerance, atol=tolerance)
