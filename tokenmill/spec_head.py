@@ -54,10 +54,10 @@ def sharegpt_split(tokenizer, num_train: int) -> tuple[list[list[int]], list[lis
 
 
 def generate_answers(model_dir: Path, prompts: list[list[int]], settings: TrainSettings,
-                     deadline: float) -> tuple[torch.Tensor, torch.Tensor, list[list[int]]]:
+                     deadline: float) -> tuple[torch.Tensor, torch.Tensor, list[list[int]], list[int]]:
     """Greedy answers, GENERATE_BATCH prompts at a time until `deadline`, with the engine's own final hidden state
     at each answer token's logits row: (hidden states [n, hidden] float32, the tokens 2 .. num_heads + 1 places on
-    [n, num_heads] (-1 past the answer's end), the answers)."""
+    [n, num_heads] (-1 past the answer's end), the answers, each answer's number of hidden states)."""
     from engine import LLM, SamplingParams
     from engine.step_types import SampleLayout
 
@@ -91,7 +91,7 @@ def generate_answers(model_dir: Path, prompts: list[list[int]], settings: TrainS
             targets.append(padded[ahead])
         log.info("generated %d answers, %d positions", len(answers), sum(map(len, states)))
     del llm
-    return torch.cat(states), torch.cat(targets), answers
+    return torch.cat(states), torch.cat(targets), answers, [len(rows) for rows in states]
 
 
 def head_vocabulary(answers: list[list[int]], size: int) -> torch.Tensor:
@@ -148,14 +148,14 @@ def train_medusa_head(model_dir: Path, out: Path, settings: TrainSettings) -> di
     torch.set_num_threads(settings.threads)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     prompts, _ = sharegpt_split(tokenizer, settings.max_prompts)
-    states, targets, answers = generate_answers(model_dir, prompts, settings,
-                                                started + GENERATE_SHARE * settings.seconds)
+    states, targets, answers, positions = generate_answers(model_dir, prompts, settings,
+                                                           started + GENERATE_SHARE * settings.seconds)
     weights = load_file(model_dir / "model.safetensors")
     lm_head = weights.get("lm_head.weight", weights.get("model.embed_tokens.weight")).float()
     vocab = head_vocabulary(answers, settings.vocab_size)
     generated = time.monotonic()
     test_answers = max(1, len(answers) // 10)  # the last answers: a test of prompts the heads never saw
-    test_from = len(states) - sum(map(len, answers[-test_answers:]))
+    test_from = len(states) - sum(positions[-test_answers:])
     heads, accuracy, steps = train_heads(states, targets, lm_head, vocab, settings, started + settings.seconds,
                                          test_from)
     summary = {"model": model_dir.name, "prompts": len(answers), "positions": len(states), "steps": steps,
