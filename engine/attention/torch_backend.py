@@ -1,7 +1,9 @@
 """Reference paged attention in plain torch (the CPU backend).
 
 Each group of sequences (decodes, prefills) gathers its blocks per KV head with one `index_select`,
-pads queries to the group's longest, and runs one masked attention per layer: no per-sequence loop.
+pads queries to the group's longest, and runs one masked attention per layer. Prefills of very different lengths
+(where that padding costs more than a call per prompt) are instead attended one by one with the flash kernel's
+causal mask, which skips the masked half.
 When the group shares leading blocks (a common prompt prefix), those are read once for the whole group
 and attended with one dense matmul (cascade attention), then merged with each sequence's own suffix
 through the log-sum-exp of both parts.
