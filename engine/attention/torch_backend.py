@@ -131,7 +131,12 @@ def causal_pays(query_lens: list[int], context_lens: list[int], padded_len: int)
 
 def span_cost(query_len: int, context_len: int) -> int:
     """Query x key pairs of one prefill: causal over the whole context (zero rows lead the queries), or masked."""
-    return min(context_len * context_len // 2, query_len * context_len)
+    return context_len * context_len // 2 if leading_pays(query_len, context_len) else query_len * context_len
+
+
+def leading_pays(query_len: int, context_len: int) -> bool:
+    """Whether zero rows before the queries (causal over the whole context) cost no more than a masked rectangle."""
+    return context_len * context_len // 2 <= query_len * context_len
 
 
 def additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -263,7 +268,7 @@ class TorchAttention(AttentionBackend):
         spans, offset = [], 0
         for query_len, context_len in zip(group.query_lens, group.context_lens, strict=True):
             lead, mask = context_len - query_len, None  # the queries sit at the context's end
-            if context_len * context_len // 2 > query_len * context_len:
+            if not leading_pays(query_len, context_len):
                 key_pos = torch.arange(context_len, device=device)
                 mask = additive(key_pos[None, :] <= (lead + torch.arange(query_len, device=device))[:, None],
                                 self.dtype)
