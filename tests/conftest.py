@@ -8,6 +8,7 @@ import ctypes
 import gc
 import os
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -34,9 +35,12 @@ def pytest_collection_modifyitems(items) -> None:
 
 @pytest.fixture(scope="module", autouse=True)
 def release_memory_after_module(request):
-    """After each test file: drop its engines and hand freed heap back to the OS (glibc keeps it otherwise), so the
-    suite's RSS stays near one file's peak; with TOKENMILL_TEST_RSS=FILE, log the RSS after each file there."""
+    """After each test file: end the engine threads, drop its engines and hand freed heap back to the OS (glibc
+    keeps it otherwise), so the suite's RSS stays near one file's peak; with TOKENMILL_TEST_RSS=FILE, log the RSS
+    after each file there."""
     yield
+    if loops := sys.modules.get("workers.engine_loop"):
+        loops.release_loops()  # an engine thread keeps its engine alive; the next file's first shard starts one
     gc.collect()
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)

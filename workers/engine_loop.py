@@ -141,9 +141,17 @@ class EngineLoop:
         self.progressed = time.monotonic()  # the last engine step that returned, or the last idle moment:
         # the watchdog counts from it while any shard is in `active` (admitted, or being admitted)
         self.watchdog_s, self.on_stuck = watchdog_s, on_stuck or _exit_stuck
+        self.closed = threading.Event()
         self.thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self.watchdog = threading.Thread(target=self._watch, name="engine-watchdog", daemon=True)
         self.thread.start()
-        threading.Thread(target=self._watch, name="engine-watchdog", daemon=True).start()
+        self.watchdog.start()
+
+    def close(self, timeout_s: float = 30) -> None:
+        """End both threads, so that the engine can be freed; shards still in it fail."""
+        self.inbox.put(("close", None))
+        self.thread.join(timeout_s)
+        self.watchdog.join(timeout_s)
 
     # -- shard threads ------------------------------------------------------------------------------
 
@@ -174,9 +182,11 @@ class EngineLoop:
     # -- the engine thread --------------------------------------------------------------------------
 
     def _run(self) -> None:
-        while True:
+        while not self.closed.is_set():
             try:
                 self._receive(block=not self.active and not self.waiting)
+                if self.closed.is_set():
+                    break
                 self._admit()
                 if self.active:  # only its own shards: the engine is not stepped for anyone else's requests
                     self._step()
@@ -184,10 +194,11 @@ class EngineLoop:
                     self.progressed = time.monotonic()
             except Exception:  # never let the loop die: it serves every shard of this process
                 log.exception("engine loop")
+        for ticket in [*self.active, *self.waiting]:
+            self._fail(ticket, RuntimeError("the engine loop was closed"))
 
     def _watch(self) -> None:
-        while True:
-            time.sleep(min(5.0, self.watchdog_s / 4))
+        while not self.closed.wait(min(5.0, self.watchdog_s / 4)):
             stuck_s = time.monotonic() - self.progressed
             if self.active and stuck_s > self.watchdog_s:
                 log.critical("the engine made no progress for %.0f s with %d shard(s) in it; ending this process "
@@ -207,6 +218,9 @@ class EngineLoop:
                 self.waiting.append(ticket)
             elif what == "cancel":
                 self._cancel(ticket)
+            elif what == "close":
+                self.closed.set()
+                return
 
     def _cancel(self, ticket: Ticket) -> None:
         if ticket.done.is_set():
@@ -399,3 +413,20 @@ def loop_for(engine: BatchEngine) -> EngineLoop:
         if id(engine) not in _loops:
             _loops[id(engine)] = EngineLoop(engine)
         return _loops[id(engine)]
+
+
+def release_loop(engine: BatchEngine) -> None:
+    """End this engine's thread, if it has one: its owner is done with the engine (`tokenmill run` after its job,
+    an in-process executor when it closes), and the loop would otherwise keep it alive with the process."""
+    with _loops_lock:
+        loop = _loops.pop(id(engine), None)
+    if loop is not None:
+        loop.close()
+
+
+def release_loops() -> None:
+    """End every engine's thread (the tests do, after each file)."""
+    with _loops_lock:
+        engines = [loop.engine for loop in _loops.values()]
+    for engine in engines:
+        release_loop(engine)

@@ -31,7 +31,7 @@ from storage.models import Job, JobStatus, Shard, ShardStatus
 from storage.objectstore import InputChanged
 from storage.states import CANCELLABLE, TERMINAL, is_terminal, transition
 from workers.engine_loader import EngineFactory, load_engine
-from workers.engine_loop import shards_in_flight
+from workers.engine_loop import release_loop, shards_in_flight
 from workers.job_steps import JobSteps, discard_if_ended
 from workers.progress import NoProgress, Progress
 from workers.shard_step import ShardStep
@@ -195,7 +195,7 @@ class LocalExecutor:
                  engine: LLMEngine | None = None) -> None:
         self.sessions, self.engine_settings = sessions, engine_settings
         self.jobs: queue.Queue[str | None] = queue.Queue()
-        self._engine = engine
+        self._engine, self._owns_engine = engine, engine is None
         self._thread = threading.Thread(target=self._run, name="tokenmill-jobs", daemon=True)
         self._thread.start()
 
@@ -215,6 +215,8 @@ class LocalExecutor:
     def close(self, timeout_s: float = 30) -> None:
         self.jobs.put(None)
         self._thread.join(timeout_s)
+        if self._owns_engine and self._engine is not None:
+            release_loop(self._engine)
 
     def engine(self, _job_engine_settings: dict[str, Any] | None = None) -> LLMEngine:
         """The process's engine, loaded on first use (a job's own engine settings are refused at intake)."""

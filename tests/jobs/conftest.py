@@ -1,5 +1,5 @@
 """Fixtures for the job tests: real SQLite and PostgreSQL databases, a real SeaweedFS S3 server (started with
-tokenmill/stack/seaweedfs.sh; see tests/fixtures_services.py), and the real bundled model, loaded once per session."""
+tokenmill/stack/seaweedfs.sh; see tests/fixtures_services.py), and the real bundled model, loaded once for them."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def sessions(sqlite_url: str):
 
 # ---- the model -------------------------------------------------------------------------------------
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")  # freed when the job tests end
 def llm_engine():
     from engine import EngineConfig, LLMEngine
 

@@ -4,13 +4,15 @@ or an error of one shard leaves the others running; the final progress is report
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
+import weakref
 
 import pytest
 
 from storage.formats import COMPLETIONS, Request
-from workers.engine_loop import EngineLoop, RowSettings, loop_for, shards_in_flight
+from workers.engine_loop import EngineLoop, RowSettings, loop_for, release_loop, shards_in_flight
 
 pytestmark = pytest.mark.real_model
 
@@ -225,3 +227,38 @@ def test_a_hang_while_admitting_a_shard_trips_the_watchdog(blocking, monkeypatch
         assert tripped.wait(0), "the watchdog must fire while the engine thread hangs admitting a shard"
     finally:
         engine.released.set()
+
+
+def run_into(results: dict[str, object], loop: EngineLoop, name: str) -> None:
+    try:
+        results[name] = loop.run(RowSettings(GREEDY), rows(name, 1, 4), f"{name}-")
+    except Exception as error:
+        results[name] = error
+
+
+def test_a_released_loop_fails_what_waits_ends_its_threads_and_frees_the_engine() -> None:
+    """`tokenmill run` releases its engine's loop after the job: shard a hangs in the engine while b waits and
+    the release comes; a fails with the engine's error, b with the closed loop's, and nothing holds the engine."""
+    engine = AdmissionBlockingEngine("set_batch_invariant")
+    engine_ref = weakref.ref(engine)
+    loop = loop_for(engine)
+    results: dict[str, object] = {}
+    shards = [threading.Thread(target=run_into, args=(results, loop, name)) for name in "ab"]
+    shards[0].start()
+    assert engine.entered.wait(10)
+    shards[1].start()
+    deadline = time.monotonic() + 10
+    while loop.inbox.qsize() < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    closing = threading.Thread(target=release_loop, args=(engine,))
+    closing.start()
+    engine.released.set()
+    for thread in (*shards, closing):
+        thread.join(30)
+    assert "released by the test" in str(results["a"]) and "loop was closed" in str(results["b"]), results
+    assert not loop.thread.is_alive() and not loop.watchdog.is_alive()
+    assert loop_for(engine) is not loop  # a later job gets a new thread
+    release_loop(engine)
+    del engine, loop, results  # the errors' tracebacks hold the engine too
+    gc.collect()
+    assert engine_ref() is None

@@ -104,7 +104,7 @@ class RunningStack:
         return names[0]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def stack(tmp_path_factory) -> Iterator[RunningStack]:
     state_dir = tmp_path_factory.mktemp("data") / "stack"  # $TOKENMILL_DATA/stack, as the README assumes
     with running_stack(state_dir, 2, STACK_ENV) as running:
@@ -152,7 +152,7 @@ def local_intake(sqlite_sessions, tmp_path: Path) -> tuple[Intake, list[str]]:
     return Intake(sqlite_sessions, S3Options(), handed_out.append, inline_uri=str(tmp_path / "inline")), handed_out
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def sessions(stack: RunningStack):
     factory = db.session_factory(db.make_engine(stack.database_url))
     yield factory
@@ -274,7 +274,7 @@ def submit_file(stack: RunningStack, path: Path, *args: str, via: str = "kafka")
     return done.stdout.strip().splitlines()[-1]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def kafka_job(stack: RunningStack, sessions, tmp_path_factory) -> SubmittedJob:
     """The README walkthrough, run by bash as written (the stack's state in $TOKENMILL_DATA/stack, the
     default place): the bundled 40 prompts submitted via Kafka in shards of 10, waited for."""

@@ -266,6 +266,7 @@ def run(args: argparse.Namespace) -> int:
     from ingest.intake import submit
     from storage import db
     from tokenmill.progress import JobProgressBar
+    from workers.engine_loop import release_loop
     from workers.inprocess import run_job
 
     console = Console(soft_wrap=True)
@@ -277,8 +278,18 @@ def run(args: argparse.Namespace) -> int:
     console.print(f"job [bold]{job.id}[/bold] ({submission.outcome}): {_where(job.input_uri)} -> "
                   f"{_where(job.output_uri)}", highlight=False)
     load_engine = _load_engine if args.metrics_port is None else _serving_metrics(args.metrics_port, sessions)
-    with JobProgressBar(Console(stderr=True)) as progress:
-        job = run_job(sessions, job.id, load_engine, progress)
+    loaded = []
+
+    def load_and_keep(settings: dict):
+        loaded.append(load_engine(settings))
+        return loaded[-1]
+
+    try:
+        with JobProgressBar(Console(stderr=True)) as progress:
+            job = run_job(sessions, job.id, load_and_keep, progress)
+    finally:  # its engine thread would keep the engine alive when main() is called again in one process
+        for engine in loaded:
+            release_loop(engine)
     _print_summary(console, job, url if args.database_url else None)
     return 0 if job.status == "completed" else 1
 
