@@ -9,6 +9,7 @@ import gc
 import os
 import re
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -33,12 +34,22 @@ def pytest_collection_modifyitems(items) -> None:
             item.add_marker(pytest.mark.slow)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def release_memory_after_module(request):
-    """After each test file: end the engine threads, drop its engines and hand freed heap back to the OS (glibc
-    keeps it otherwise), so the suite's RSS stays near one file's peak; with TOKENMILL_TEST_RSS=FILE, log the RSS
-    after each file there."""
-    yield
+_file_started: dict[Path, float] = {}
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """After each test file (once its last test has let go of the file's fixtures): end the engine threads, drop
+    its engines and hand freed heap back to the OS (glibc keeps it otherwise), so the suite's RSS stays near one
+    file's peak; with TOKENMILL_TEST_RSS=FILE, log there the RSS and the seconds of each file."""
+    _file_started.setdefault(item.path, time.monotonic())
+    result = yield
+    if nextitem is None or nextitem.path != item.path:
+        _release_memory(item.path, time.monotonic() - _file_started.pop(item.path))
+    return result
+
+
+def _release_memory(path: Path, seconds: float) -> None:
     if loops := sys.modules.get("workers.engine_loop"):
         loops.release_loops()  # an engine thread keeps its engine alive; the next file's first shard starts one
     gc.collect()
@@ -50,7 +61,8 @@ def release_memory_after_module(request):
         status = Path("/proc/self/status").read_text()
         rss, peak = (int(re.search(rf"{key}:\s+(\d+)", status).group(1)) // 1024 for key in ("VmRSS", "VmHWM"))
         with open(log, "a") as f:
-            f.write(f"{request.path.relative_to(Path(__file__).parent.parent)} rss={rss} MiB peak={peak} MiB\n")
+            f.write(f"{path.relative_to(Path(__file__).parent.parent)} rss={rss} MiB peak={peak} MiB "
+                    f"seconds={seconds:.1f}\n")
 
 
 @pytest.fixture(scope="session")
