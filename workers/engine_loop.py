@@ -182,7 +182,7 @@ class EngineLoop:
     # -- the engine thread --------------------------------------------------------------------------
 
     def _run(self) -> None:
-        while not self.closed.is_set():
+        while True:
             try:
                 self._receive(block=not self.active and not self.waiting)
                 if self.closed.is_set():
@@ -427,6 +427,7 @@ def release_loop(engine: BatchEngine) -> None:
 def release_loops() -> None:
     """End every engine's thread (the tests do, after each file)."""
     with _loops_lock:
-        engines = [loop.engine for loop in _loops.values()]
-    for engine in engines:
-        release_loop(engine)
+        loops = list(_loops.values())
+        _loops.clear()
+    for loop in loops:
+        loop.close()

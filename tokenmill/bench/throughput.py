@@ -95,11 +95,13 @@ def hf_cache_blocks(model_config, workload: Workload, dtype: str) -> int:
     """KV blocks for every request of the workload at once, but at most HF_KV_MEMORY_SHARE of the machine's memory.
     Left to itself, HF sizes its cache on a CPU to a share of (total memory - its own RSS), whatever other processes
     hold: 4.6 GB for a 6-prompt workload, which on a loaded machine thrashed the page cache for minutes."""
+    from engine.memory_plan import kv_bytes_per_block
+    from engine.models.llama import head_dim_of
+
     need = sum(math.ceil((len(prompt) + length) / HF_PAGE_SIZE)
                for prompt, length in zip(workload.prompts, workload.output_lens, strict=True))
-    head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // model_config.num_attention_heads
-    block_bytes = (HF_PAGE_SIZE * model_config.num_hidden_layers * 2 * model_config.num_key_value_heads * head_dim
-                   * DTYPES[dtype].itemsize)
+    block_bytes = kv_bytes_per_block(model_config.num_hidden_layers, model_config.num_key_value_heads, HF_PAGE_SIZE,
+                                     head_dim_of(model_config), DTYPES[dtype].itemsize)
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return max(1, min(need, int(memory * HF_KV_MEMORY_SHARE) // block_bytes))
 
