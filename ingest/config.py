@@ -47,7 +47,7 @@ class ServiceConfig:
     max_spec_bytes: int  # a larger job message is rejected
     schedule_interval_s: float
     s3: S3Options
-    bucket_uri: str | None  # the service's bucket: inbox/, results/, inline/ and uploads/ live under it
+    bucket_uri: str | None  # the service's bucket: inbox/, outputs/, inline/ and uploads/ live under it
     inbox_uri: str | None  # watched for new input files; default: <bucket>/inbox
     policy: FrontDoorPolicy  # what the front doors let a spec read, write and share (ingest.policy)
 
@@ -78,8 +78,14 @@ class ServiceConfig:
         )
 
     def in_bucket(self, folder: str) -> str | None:
-        """results/ (outputs of jobs that name none), inline/ (inline rows), uploads/ (files `submit` sends)."""
+        """outputs/ (of jobs that name none), inline/ (inline rows), uploads/ (files `submit` sends); files/ and
+        results/ are the OpenAI API's (ingest.policy)."""
         return f"{self.bucket_uri}/{folder}" if self.bucket_uri else None
+
+    @property
+    def outputs_uri(self) -> str | None:
+        """Where the jobs of `tokenmill submit` and the inbox write when they name no output."""
+        return self.in_bucket("outputs")
 
     @property
     def inline_uri(self) -> str | None:

@@ -16,7 +16,7 @@ from datetime import datetime, timedelta
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-from sqlalchemy import select
+from sqlalchemy import func, or_, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, object_session, sessionmaker
 
@@ -26,28 +26,47 @@ from storage import repository as repo
 from storage.claims import mark_cancelled
 from storage.job_settings import CELERY, JobSettings, window_seconds
 from storage.liveness import db_now, runner_alive
-from storage.models import Job, JobStatus, utcnow
+from storage.models import Job, JobSource, JobStatus, utcnow
 from storage.objectstore import S3Options, normalize_uri, open_store
 from storage.states import is_terminal, output_claim, transition
 
 log = logging.getLogger("tokenmill.jobs")
 
 S = JobStatus
+OUTPUT_CLAIMS_LOCK = 0x746D_6F75  # PostgreSQL advisory lock id of the output claims ("tmou")
 
 
 class OutputClaimed(ValueError):
-    """Another live job writes to this output prefix."""
+    """Another live job writes to this output prefix, to one holding it or to one under it."""
 
     def __init__(self, output_uri: str, owner: str) -> None:
-        super().__init__(f"output {output_uri} is taken by live job {owner}; wait for it to end, cancel it, "
-                         f"or choose another output")
+        super().__init__(f"output {output_uri} is taken by live job {owner} (its output is this prefix, holds it "
+                         f"or lies under it); wait for it to end, cancel it, or choose another output")
         self.owner = owner
 
 
 def claim_owner(session: Session, output_uri: str, but: str | None = None) -> str | None:
-    """The live job holding this output prefix, other than `but`."""
-    owner = session.scalar(select(Job.id).where(Job.output_claim == output_claim(output_uri)))
-    return owner if owner != but else None
+    """A live job, other than `but`, whose output prefix is this one, holds it or lies under it (segment-wise:
+    `out/a` and `out/a/x` overlap, `out/a` and `out/ab` do not). On PostgreSQL the check takes a lock held to the
+    transaction's end, so two overlapping claims cannot both pass it at once (SQLite's write lock does that)."""
+    if session.get_bind().dialect.name == "postgresql":
+        session.execute(select(func.pg_advisory_xact_lock(OUTPUT_CLAIMS_LOCK)))
+    claim = output_claim(output_uri)
+    holders = [claim, *claim_ancestors(claim)]
+    below = claim + "/"
+    overlapping = or_(Job.output_claim.in_(holders), func.substr(Job.output_claim, 1, len(below)) == below)
+    query = select(Job.id).where(Job.output_claim.is_not(None), overlapping)
+    if but is not None:
+        query = query.where(Job.id != but)
+    return session.scalar(query.order_by(Job.output_claim).limit(1))
+
+
+def claim_ancestors(claim: str) -> list[str]:
+    """The prefixes holding a claim: s3://b and s3://b/out for s3://b/out/x (file:///a for file:///a/b)."""
+    scheme, _, path = claim.partition("://")
+    parts = path.split("/")
+    start = 2 if scheme == "file" else 1  # file:///a/b splits as ['', 'a', 'b']: the root holds nothing
+    return [f"{scheme}://{'/'.join(parts[:end])}" for end in range(start, len(parts))]
 
 
 @dataclass
@@ -179,10 +198,14 @@ class Intake:
         return submission
 
     def admit(self, request: JobRequest, *, source: str, default_key: str, tenant: str = "") -> tuple[JobRequest, str]:
-        """The policy's part of `accept`, touching nothing: SpecError for a URI outside the allow-lists; else the
-        request with its cache salt, and its idempotency key (made to fit its column)."""
+        """The policy's part of `accept`, touching nothing: SpecError for a URI outside the allow-lists, or in the
+        OpenAI API's areas unless the API sent it; else the request with its cache salt, and its idempotency key
+        (made to fit its column)."""
         key = bounded_key(request.idempotency_key or default_key)
         try:
+            if source != JobSource.API.value:  # the API's areas are its own batches' alone
+                for field, uri in request.named_uris().items():
+                    self.policy.check_outside_api_areas(uri, field)
             if request.output_uri is not None:
                 self.policy.check_output(request.output_uri)
             if request.input_uri is not None:

@@ -182,6 +182,12 @@ class JobRequest(BaseModel):
             raise ValueError("lora_modules: LoRA adapters serve generation jobs, not embeddings")
         return self
 
+    def named_uris(self) -> dict[str, str]:
+        """Every URI the spec names, by its field: what the front doors' policy checks."""
+        named = {"output_uri": self.output_uri, "input_uri": self.input_uri,
+                 **{f"lora_modules.{name}": uri for name, uri in self.lora_modules.items()}}
+        return {field: uri for field, uri in named.items() if uri is not None}
+
     def to_job(self, *, executor: str, source: str = JobSource.CLI.value, source_ref: str | None = None,
                default_key: str | None = None, limits: Limits | None = None, s3: S3Options | None = None) -> NewJob:
         """The job to create; the input must be a URI by now (inline rows stored first). The Celery workers run

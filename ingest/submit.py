@@ -39,9 +39,12 @@ def submit_job(source: str, via: str, config: ServiceConfig, output_uri: str | N
         raise ValueError("no service bucket is known: start the stack (`tokenmill stack up`) or set "
                          "TOKENMILL_BUCKET_URI")
     job_id = str(uuid.uuid4())
-    output = output_uri or f"{config.in_bucket('results')}/{job_id}"
+    output = output_uri or f"{config.outputs_uri}/{job_id}"
     spec = {**settings, "output_uri": output, "job_id": job_id, "idempotency_key": job_id}
-    validate_request({**spec, "input_uri": normalize_uri(source)}).to_job(executor=CELERY)  # refuse it here
+    request = validate_request({**spec, "input_uri": normalize_uri(source)})
+    request.to_job(executor=CELERY)  # refuse it here, as the front door would
+    for field, uri in request.named_uris().items():
+        config.policy.check_outside_api_areas(uri, field)
     if via == "kafka":
         return _via_kafka(source, spec, config)
     if via == "s3":

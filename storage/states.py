@@ -4,8 +4,8 @@
     any live status -> failed | cancelling -> cancelled;  validating/queued/in_progress -> expired
     failed | cancelled | expired -> validating  (a retry: resubmitting the same job)
 
-A live job holds its output prefix (`output_claim`, unique); reaching a terminal status lets it go, a retry
-takes it again.
+A live job holds its output prefix (`output_claim`, unique): no other live job writes there, nor in a prefix
+holding it or under it (`ingest.intake.claim_owner`). Reaching a terminal status lets it go, a retry takes it again.
 """
 
 from __future__ import annotations

@@ -11,6 +11,8 @@ broker that is down costs the events (after a wait of at most a few seconds), no
      "source": "kafka", "source_ref": "tokenmill.jobs/0/41", "idempotency_key": "...", "model": "...",
      "output_uri": "...", "requests": {"total": 8, "completed": 0, "failed": 0},
      "tokens": {"prompt": 0, "completion": 0, "cached": 0}, "error": null}
+
+An OpenAI API batch's event (`"source": "api"`) has no `source_ref` and no `output_uri` (see `job_event`).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import event, inspect
 from sqlalchemy.orm import Session
 
-from storage.models import Job
+from storage.models import Job, JobSource
 
 if TYPE_CHECKING:
     from ingest.config import ServiceConfig
@@ -107,8 +109,10 @@ def _discard(session: Session) -> None:
 
 
 def job_event(job: Job, previous: str | None, status: str) -> dict[str, Any]:
+    """The event of a status change. An OpenAI API batch's names no file and no URI (its tenant's, not the
+    topic readers'): no `source_ref` (the input file's id), no `output_uri`, and its error as the API shows it."""
     at = getattr(job, f"{status}_at", None)
-    return {
+    payload = {
         "job_id": job.id, "status": status, "previous_status": previous, "at": at.isoformat() if at else None,
         "source": job.source, "source_ref": job.source_ref, "idempotency_key": job.idempotency_key,
         "model": job.model, "output_uri": job.output_uri,
@@ -117,3 +121,9 @@ def job_event(job: Job, previous: str | None, status: str) -> dict[str, Any]:
         "tokens": {"prompt": job.prompt_tokens, "completion": job.completion_tokens, "cached": job.cached_tokens},
         "error": job.error,
     }
+    if job.source == JobSource.API:
+        from ingest.openai_api.objects import public_message  # FastAPI's import, only where the API's jobs run
+
+        del payload["source_ref"], payload["output_uri"]
+        payload["error"] = public_message(job.error) if job.error else None
+    return payload

@@ -45,6 +45,7 @@ from ingest.openai_api.results import (
     result_counts,
 )
 from ingest.openai_api.validation import TooManyRows, check_lines
+from ingest.policy import API_RESULTS, API_UPLOADS
 from ingest.spec import SpecError, validate_request
 from storage.api_keys import tenant_of_token
 from storage.formats import ENDPOINTS
@@ -74,7 +75,7 @@ class ApiService:
     The limits are per tenant; `max_completion_window` (None: only OpenAI's `24h`) allows other windows up to it."""
 
     sessions: sessionmaker[Session]
-    bucket_uri: str  # uploads go to <bucket>/files/, results to <bucket>/results/<batch id>
+    bucket_uri: str  # uploads go to <bucket>/files/, results to <bucket>/results/<batch id>: the API's alone
     intake: Intake
     cancel: Callable[[str], Any]
     model: str
@@ -221,7 +222,7 @@ def create_file(service: Service, owner: Tenant, file: Annotated[UploadFile, Fil
                             f"of {service.max_tenant_bytes:,} (--max-tenant-bytes); delete some files first",
                        code="storage_limit_exceeded", param="file")
     file_id = f"file-{uuid.uuid4().hex}"
-    store, key = open_file_store(f"{service.bucket_uri}/files/{file_id}.jsonl", service.intake.s3)
+    store, key = open_file_store(f"{service.bucket_uri}/{API_UPLOADS}/{file_id}.jsonl", service.intake.s3)
     file.file.seek(0)
     store.put_stream(key, file.file)
     now = utcnow()
@@ -314,7 +315,7 @@ def create_batch(service: Service, owner: Tenant, body: BatchCreate) -> dict[str
     job_id = str(uuid.uuid4())
     try:
         request = validate_request(dict(
-            input_uri=source.uri, output_uri=f"{service.bucket_uri}/results/{job_id}", model=service.model,
+            input_uri=source.uri, output_uri=f"{service.bucket_uri}/{API_RESULTS}/{job_id}", model=service.model,
             served_model_names=service.served_model_names, openai_output=True, job_id=job_id,
             idempotency_key=f"api-{job_id}", completion_window=body.completion_window, shard_size=service.shard_size))
         new = service.intake.prepare(request, source=JobSource.API.value, source_ref=source.id,

@@ -19,7 +19,7 @@ def test_a_job_sent_with_confluent_kafka_runs_and_its_events_arrive_through_assi
     producer = Producer({"bootstrap.servers": stack.bootstrap})
     producer.produce("tokenmill.jobs", key=job, value=json.dumps({
         "job_id": job, "idempotency_key": job, "rows": [{"custom_id": "a", "prompt": "Hello"}],
-        "output_uri": f"{stack.bucket}/results/{job}", "sampling": {"max_tokens": 4}}))
+        "output_uri": f"{stack.bucket}/outputs/{job}", "sampling": {"max_tokens": 4}}))
     assert producer.flush(30) == 0, "the job spec was not delivered"
 
     events = Consumer({"bootstrap.servers": stack.bootstrap, "group.id": f"test-{job}",

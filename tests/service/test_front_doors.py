@@ -43,7 +43,7 @@ def test_a_kafka_message_becomes_a_completed_job_with_outputs_in_s3(stack, sessi
     assert job["source"] == "kafka" and job["source_ref"].startswith("tokenmill.jobs/0/")
     assert job["idempotency_key"] == kafka_job.id, "the CLI sends the job id as the idempotency key"
     assert job["input_uri"] == f"{stack.bucket}/uploads/{kafka_job.id}/sample.parquet"
-    assert kafka_job.output_uri == f"{stack.bucket}/results/{kafka_job.id}"
+    assert kafka_job.output_uri == f"{stack.bucket}/outputs/{kafka_job.id}"
     results, errors, manifest = assert_each_id_once(stack.store(kafka_job.output_uri), kafka_job.custom_ids)
     assert not errors and len(results) == 40 and all(0 < r["completion_tokens"] <= 16 for r in results)
     assert manifest["counts"] == {"total": 40, "completed": 40, "failed": 0}
@@ -129,7 +129,7 @@ def test_a_file_dropped_in_the_inbox_becomes_a_completed_job(stack, sessions, tm
     job = wait_for_job(sessions, job_id)
     assert job["status"] == "completed", job["error"]
     assert job["source"] == "s3" and job["source_ref"] == f"{stack.bucket}/inbox/{name}.parquet@{etag}"
-    assert job["output_uri"] == f"{stack.bucket}/results/{name}-{etag[:12]}"
+    assert job["output_uri"] == f"{stack.bucket}/outputs/{name}-{etag[:12]}"
     assert job["settings"]["sampling"] == {"max_tokens": 3} and job["settings"]["shard_size"] == 2
     assert_each_id_once(stack.store(job["output_uri"]), rows["custom_id"])
 

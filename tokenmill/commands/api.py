@@ -189,13 +189,11 @@ def api_service(sessions, bucket: str | None, dispatch: Callable[[str], None], e
     from ingest.config import ServiceConfig
     from ingest.intake import Intake
     from ingest.openai_api import ApiService
-    from ingest.policy import FrontDoorPolicy
-    from storage.db import data_dir
-    from storage.objectstore import normalize_uri
+    from ingest.policy import FrontDoorPolicy, api_bucket
     from workers.inprocess import cancel_job
 
     config = ServiceConfig.from_env()
-    bucket = normalize_uri(bucket or config.bucket_uri or str(data_dir() / "bucket")).rstrip("/")
+    bucket = api_bucket(bucket or config.bucket_uri).rstrip("/")
     intake = Intake(sessions, config.s3, dispatch, policy=FrontDoorPolicy.from_env(bucket))
     return ApiService(sessions, bucket, intake, lambda job_id: cancel_job(sessions, job_id), model,
                       served_model_names, executor, **{k: v for k, v in limits.items() if v is not None})

@@ -87,7 +87,7 @@ def _register_submit(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("input", nargs="?", metavar="FILE_OR_URI",
                         help="a Parquet or OpenAI Batch JSONL file, or an s3:// URI (default: the bundled sample)")
     parser.add_argument("--via", choices=("kafka", "s3"), default="kafka", help="front door (default: kafka)")
-    parser.add_argument("--output", "-o", metavar="S3_URI", help="where results go (default: <bucket>/results/JOB)")
+    parser.add_argument("--output", "-o", metavar="S3_URI", help="where results go (default: <bucket>/outputs/JOB)")
     parser.add_argument("--model", default="smollm2-135m", help="model (picks the workers' queue)")
     parser.add_argument("--shard-size", type=int, default=500, metavar="ROWS", help="rows per shard (default: 500)")
     parser.add_argument("--priority", type=int, default=0,
@@ -121,7 +121,7 @@ def _register_schedule(commands: argparse._SubParsersAction) -> None:
     add.add_argument("name", metavar="NAME")
     add.add_argument("--cron", required=True, help='five cron fields in UTC, e.g. "0 2 * * *" (02:00 daily)')
     add.add_argument("--input", required=True, metavar="PATTERN", help="e.g. s3://bucket/daily/{date}/in.parquet")
-    add.add_argument("--output", required=True, metavar="PATTERN", help="e.g. s3://bucket/results/{date}")
+    add.add_argument("--output", required=True, metavar="PATTERN", help="e.g. s3://bucket/daily-out/{date}")
     add.add_argument("--model", default="smollm2-135m")
     add.add_argument("--shard-size", type=int, default=500, metavar="ROWS")
     add.add_argument("--priority", type=int, default=0)
@@ -167,7 +167,8 @@ def _register_stack(commands: argparse._SubParsersAction) -> None:
                             "default 600), TOKENMILL_MAX_SHARD_ATTEMPTS=3, TOKENMILL_MAX_SPEC_BYTES (largest job "
                             "message or sidecar; default 1 MiB), TOKENMILL_ALLOWED_INPUT_PREFIXES and "
                             "TOKENMILL_ALLOWED_OUTPUT_PREFIXES (comma-separated URI prefixes the front doors' jobs "
-                            "may read and write; default the stack's bucket), TOKENMILL_CACHE_ISOLATION "
+                            "may read and write; default the stack's bucket; never the OpenAI API's files/ and "
+                            "results/), TOKENMILL_CACHE_ISOLATION "
                             "(source, job or spec; default source)")
     stop = actions.add_parser("down", help="stop every component and check the ports are free")
     env = actions.add_parser("env", help="print `export` lines that point a shell at the stack",
@@ -589,6 +590,6 @@ def watcher(args: argparse.Namespace) -> int:
     if not config.inbox_uri or not config.bucket_uri:
         raise ValueError("no S3 inbox: set TOKENMILL_BUCKET_URI (or TOKENMILL_INBOX_URI), or start the stack")
     events.install(config)
-    InboxWatcher(_intake(), config.inbox_uri, config.in_bucket("results"), args.settle,
+    InboxWatcher(_intake(), config.inbox_uri, config.outputs_uri, args.settle,
                  max_bytes=config.max_spec_bytes).run(interval_s=args.interval)
     return 0
