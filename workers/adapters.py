@@ -4,13 +4,16 @@ The adapters a shard may use are the job's own (its `lora_modules`) and its work
 --lora-modules`); a name both give is the job's. Each is a PEFT directory: a local one is used in place, an s3://
 prefix is fetched once into the adapter cache (`$TOKENMILL_DATA/lora-cache`), under a key of its URI and its
 objects' sizes and ETags, so a changed adapter is fetched again and an unchanged one never (every worker process on
-the machine shares the cache; a shard only lists the prefix). Adapters are resolved on the shard's thread, before
+the machine shares the cache; a shard only lists the prefix). The cache holds at most `TOKENMILL_LORA_CACHE_BYTES`:
+past it, the least recently used entries go, never one that a `LoRARequest` of a live shard names (each such
+request holds a shared `flock` on its entry until it is freed). Adapters are resolved on the shard's thread, before
 its rows go to the engine thread: one that cannot be fetched fails the rows that name it, a store that is down
 fails the shard as any outage does (it is tried again). Each adapter gets an id that is stable in this process
 (`LoRARequest.lora_int_id`); the engine keys its prefix cache on the adapter's weights, not on the id."""
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import itertools
 import json
@@ -20,6 +23,7 @@ import shutil
 import tempfile
 import threading
 import time
+import weakref
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +42,8 @@ CACHE_DIR = "lora-cache"  # under the data directory
 SOURCE_FILE = "tokenmill-source.json"  # written last into a cache entry: where it came from, and when
 TMP_PREFIX = ".tmp-"
 MAX_ADAPTER_BYTES = int(os.environ.get("TOKENMILL_MAX_ADAPTER_BYTES") or 4 << 30)  # one adapter's files at most
+DEFAULT_CACHE_BYTES = 32 << 30  # the whole cache, least recently used entries evicted past it
+STALE_STAGING_S = 24 * 3600  # a download's temporary folder older than this was left by a crash
 
 
 class AdapterUnavailable(ValueError):
@@ -91,7 +97,12 @@ def resolve_adapters(names: Iterable[str], sources: Mapping[str, AdapterSource],
     for name in sorted(set(names)):
         source = sources[name]
         try:
-            resolved[name] = lora_request(name, local_dir(source, cache))
+            if source.uri.startswith("file://"):
+                resolved[name] = lora_request(name, local_dir(source))
+                continue
+            entry, pin = fetch_pinned(source, cache or cache_root())
+            request = resolved[name] = lora_request(name, entry)
+            weakref.finalize(request, pin.release)  # the entry stays while the shard holds its request
         except Exception as error:
             if is_transient(error):
                 raise
@@ -125,19 +136,136 @@ _fetch_locks_lock = threading.Lock()
 
 def fetch(source: AdapterSource, cache: Path) -> Path:
     """The cache entry of the adapter's objects as they are now (listed, not downloaded, when cached already)."""
+    entry, pin = fetch_pinned(source, cache)
+    pin.release()
+    return entry
+
+
+def fetch_pinned(source: AdapterSource, cache: Path, max_bytes: int | None = None) -> tuple[Path, EntryPin]:
+    """`fetch`, and a pin that keeps the entry from eviction until released. After a download, the least recently
+    used entries past `max_bytes` (default: `cache_limit_bytes()`) are evicted."""
     store = open_store(source.uri, source.s3)
     assert isinstance(store, S3Store)
     objects = list_adapter(store)
     entry = cache / entry_name(source.uri, objects)
-    if (entry / SOURCE_FILE).is_file():
-        return entry
-    with _fetch_locks_lock:
-        lock = _fetch_locks.setdefault(str(entry), threading.Lock())
-    with lock:  # one download per process; another process that wins the rename below is as good
-        if (entry / SOURCE_FILE).is_file():
-            return entry
-        _download(store, objects, entry)
-    return entry
+    for _ in range(3):  # an entry evicted between finding and pinning it is fetched again
+        if (pin := EntryPin.take(entry)) is not None:
+            return entry, pin
+        with _fetch_locks_lock:
+            lock = _fetch_locks.setdefault(str(entry), threading.Lock())
+        with lock:  # one download per process; another process that wins the rename below is as good
+            if not (entry / SOURCE_FILE).is_file():
+                _download(store, objects, entry)
+                pin = EntryPin.take(entry)
+                if pin is not None:
+                    evict(cache, cache_limit_bytes() if max_bytes is None else max_bytes)
+                    return entry, pin
+    raise AdapterUnavailable(f"{store.uri}/: its cache entry {entry} was evicted as soon as it was fetched, three "
+                             "times (TOKENMILL_LORA_CACHE_BYTES too small for the adapters in use?)")
+
+
+# ---- eviction ----------------------------------------------------------------------------------------
+
+def cache_limit_bytes() -> int:
+    """The adapter cache's size limit: `TOKENMILL_LORA_CACHE_BYTES`, else DEFAULT_CACHE_BYTES."""
+    value = os.environ.get("TOKENMILL_LORA_CACHE_BYTES")
+    try:
+        return int(value) if value else DEFAULT_CACHE_BYTES
+    except ValueError:  # the worker's setting, not the rows' fault: they still run
+        log.warning("TOKENMILL_LORA_CACHE_BYTES=%r is not a number of bytes; the adapter cache holds %d GiB",
+                    value, DEFAULT_CACHE_BYTES >> 30)
+        return DEFAULT_CACHE_BYTES
+
+
+class EntryPin:
+    """A shared `flock` on a cache entry's source file, stamping it used now: no process evicts the entry while a
+    pin on it is held (a crashed process's pins go with it)."""
+
+    def __init__(self, fd: int) -> None:
+        self._fd: int | None = fd
+
+    @classmethod
+    def take(cls, entry: Path) -> EntryPin | None:
+        """A pin on the whole entry; None when there is none (never fetched, or evicted meanwhile)."""
+        path = entry / SOURCE_FILE
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)  # waits out an eviction under way
+            evicted = os.stat(path).st_ino != os.fstat(fd).st_ino  # (and maybe fetched again) meanwhile
+        except OSError:
+            evicted = True
+        if evicted:
+            os.close(fd)
+            return None
+        try:
+            os.utime(path)  # the least recently used entries are evicted first
+        except OSError:
+            log.warning("cannot stamp adapter cache entry %s as used", entry)
+        return cls(fd)
+
+    def release(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
+
+    __del__ = release
+
+
+def evict(cache: Path, max_bytes: int) -> list[Path]:
+    """Remove the least recently used entries until the cache holds at most `max_bytes`, skipping pinned ones (and
+    downloads a crash left behind); the entries removed."""
+    if not cache.is_dir():
+        return []
+    entries = []
+    for child in cache.iterdir():
+        try:
+            if child.name.startswith(TMP_PREFIX):
+                if time.time() - child.stat().st_mtime > STALE_STAGING_S:
+                    shutil.rmtree(child, ignore_errors=True)
+                continue
+            source = child / SOURCE_FILE
+            used_at = source.stat().st_mtime
+            size = sum(entry[1] for entry in json.loads(source.read_text()).get("objects", []))
+        except (OSError, ValueError, TypeError, IndexError, AttributeError):
+            continue  # being evicted, or not an entry
+        entries.append((used_at, size, child))
+    total = sum(size for _, size, _ in entries)
+    evicted = []
+    for _, size, entry in sorted(entries, key=lambda item: item[0]):
+        if total <= max_bytes:
+            break
+        if _evict_entry(entry, cache):
+            total -= size
+            evicted.append(entry)
+            log.info("evicted adapter %s (%.1f MiB) from the cache, least recently used (limit %.1f GiB, "
+                     "TOKENMILL_LORA_CACHE_BYTES)", entry.name, size / 2**20, max_bytes / 2**30)
+    if total > max_bytes:
+        log.warning("the adapter cache holds %.1f GiB, over its limit of %.1f GiB: the rest is in use",
+                    total / 2**30, max_bytes / 2**30)
+    return evicted
+
+
+def _evict_entry(entry: Path, cache: Path) -> bool:
+    try:
+        fd = os.open(entry / SOURCE_FILE, os.O_RDONLY)
+    except OSError:
+        return False
+    doomed = None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # fails while a pin is held, in any process
+        doomed = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}evict-", dir=cache))
+        os.rename(entry, doomed / entry.name)  # gone at once for any reader; removed below
+    except OSError:  # pinned, or another process evicts it
+        if doomed is not None:
+            shutil.rmtree(doomed, ignore_errors=True)
+        return False
+    finally:
+        os.close(fd)
+    shutil.rmtree(doomed, ignore_errors=True)
+    return True
 
 
 def list_adapter(store: S3Store) -> list[tuple[str, int, str]]:

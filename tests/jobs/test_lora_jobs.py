@@ -1,13 +1,17 @@
 """Multi-LoRA jobs (docs/lora.md): `tokenmill run --lora-modules`, rows picking their adapter by `model` (OpenAI
 JSONL bodies, a Parquet `model` column), each row's greedy float32 text equal to the engine's own with that adapter
 (`LLM(enable_lora=True)`, which tests/engine/test_lora.py holds to Hugging Face + PEFT), every custom_id once; an
-unknown model fails its row with model_not_found, an adapter that cannot be served with invalid_adapter. Adapters in
-S3 are fetched once into the cache, again when they change. And the options and spec checks around them."""
+unknown model fails its row with model_not_found, an adapter that cannot be served (a malformed config too) with
+invalid_adapter. Adapters in S3 are fetched once into the cache, again when they change; the cache evicts the least
+recently used past its limit, never one in use. And the options and spec checks around them."""
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -103,6 +107,43 @@ def test_run_gives_each_openai_row_its_adapter_and_fails_unknown_models_and_bad_
     assert failed["gone"]["code"] == "invalid_adapter" and "no directory" in failed["gone"]["message"]
 
 
+MALFORMED = {  # adapter name -> its config's change, and what its rows' error says
+    "bad-key": ({"alpha_pattern": {"[": 4}}, "alpha_pattern: pattern key '['"),
+    "bad-rank-key": ({"rank_pattern": {"[": 4}}, "rank_pattern: pattern key '['"),
+    "bad-alphas": ({"alpha_pattern": 5}, "alpha_pattern must be an object"),
+    "bad-r": ({"r": "x"}, "r must be a positive integer"),
+    "nested-repeat": ({"alpha_pattern": {"(q_proj)+": 4}}, "'(' at 0 is not served"),
+}
+
+
+@pytest.mark.real_model  # runs SmolLM2
+def test_a_malformed_adapter_config_fails_its_rows_not_the_shard(adapter_dirs, tmp_path: Path) -> None:
+    """Bad pattern keys, a pattern that is not an object, an r that is not a number: each fails the rows naming
+    the adapter with invalid_adapter and the reason; the shard holding them (one here) and the job go on."""
+    bad = {}
+    for name, (change, _) in MALFORMED.items():
+        bad[name] = tmp_path / name
+        shutil.copytree(adapter_dirs["sql"], bad[name])
+        config = json.loads((bad[name] / "adapter_config.json").read_text())
+        (bad[name] / "adapter_config.json").write_text(json.dumps({**config, **change}))
+    names = ["sql", None, *MALFORMED]
+    lines = [chat_line(f"{name or 'none'}-{q}", question, name) for q, question in enumerate(QUESTIONS[:2])
+             for name in names]
+    source = tmp_path / "rows.jsonl"
+    source.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    output = tmp_path / "out"
+    code = main(["run", str(source), "--output", str(output), "--database-url", f"sqlite:///{tmp_path / 'db'}",
+                 *FAST, *modules(adapter_dirs, "sql"), "--lora-modules",
+                 *(f"{name}={directory}" for name, directory in bad.items())])
+    assert code == 0
+    results, errors, manifest = assert_each_id_once(open_store(str(output)), [line["custom_id"] for line in lines])
+    assert manifest["counts"] == {"total": len(lines), "completed": 4, "failed": 2 * len(MALFORMED)}
+    assert sorted(texts(results)) == ["none-0", "none-1", "sql-0", "sql-1"]
+    for error in errors:
+        name = error["custom_id"].rsplit("-", 1)[0]
+        assert error["code"] == "invalid_adapter" and MALFORMED[name][1] in error["message"], error
+
+
 def _adapter(line: dict) -> str | None:
     model = line["body"].get("model")
     return None if model in (None, BASE) else model
@@ -169,6 +210,40 @@ def test_an_s3_adapter_is_fetched_once_and_again_when_it_changes(adapter_dirs, s
     assert isinstance(resolved["missing"], str) and "no objects under" in resolved["missing"]
     again = resolve_adapters(["sql"], {"sql": source}, cache)["sql"]
     assert again.lora_int_id == resolved["sql"].lora_int_id  # stable in this process
+
+
+def test_the_cache_evicts_the_least_recently_used_adapters_past_its_limit_but_none_in_use(
+        seaweedfs: S3Options, s3_prefix: str, tmp_path: Path, monkeypatch) -> None:
+    cache = tmp_path / "cache"
+    sources = {}
+    for name in "abcd":
+        store = open_store(f"{s3_prefix}/{name}", seaweedfs)
+        store.put_bytes("adapter_config.json", b"{}")
+        store.put_bytes("adapter_model.safetensors", bytes(1000))
+        sources[name] = AdapterSource(store.uri, seaweedfs)
+    monkeypatch.setenv("TOKENMILL_LORA_CACHE_BYTES", "2500")  # two entries of 1,002 bytes
+
+    def use(name: str) -> Path:
+        time.sleep(0.02)  # file times tick coarsely
+        return fetch(sources[name], cache)
+
+    def cached() -> list[str]:
+        return sorted(entry["uri"].rsplit("/", 1)[-1] for entry in cached_adapters(cache))
+
+    a, b = use("a"), use("b")
+    assert use("a") == a  # a used again: b is the least recently used
+    use("c")
+    assert cached() == ["a", "c"] and not b.exists()
+
+    time.sleep(0.02)
+    held = resolve_adapters(["c"], {"c": sources["c"]}, cache)  # a shard's request: c is in use until it is freed
+    use("a")
+    use("d")  # c is the least recently used, but in use: a goes
+    assert cached() == ["c", "d"] and Path(held["c"].lora_path, "adapter_model.safetensors").is_file()
+    del held
+    gc.collect()
+    use("b")  # c is free now
+    assert cached() == ["b", "d"]
 
 
 # ---- options and specs ---------------------------------------------------------------------------------
