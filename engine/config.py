@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+import os
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from engine.kv_connector.config import KVTransferConfig
@@ -15,6 +16,21 @@ SCHEDULING_POLICIES = ("fcfs", "priority")
 FLOAT32_MATMUL_PRECISIONS = ("highest", "high")  # as torch.set_float32_matmul_precision
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # auto: the model's dtype; fp8: e4m3 with per-head scales
 PREEMPTION_MODES = ("recompute", "swap")  # or None: by the victim's length (engine/swap.py)
+CPU_KV_CACHE_SPACE_ENV = "TOKENMILL_CPU_KV_CACHE_SPACE"  # GiB, as vLLM's VLLM_CPU_KVCACHE_SPACE
+
+
+def default_cpu_kv_cache_space() -> int:
+    """The largest KV pool a CPU engine takes by default: $TOKENMILL_CPU_KV_CACHE_SPACE GiB, else 4 GiB."""
+    value = os.environ.get(CPU_KV_CACHE_SPACE_ENV, "").strip()
+    if not value:
+        return 4 << 30
+    try:
+        gib = float(value)
+    except ValueError:
+        gib = -1.0
+    if not 0 < gib < float("inf"):
+        raise ValueError(f"{CPU_KV_CACHE_SPACE_ENV} must be a positive number of GiB, got {value!r}")
+    return int(gib * 2**30)
 
 
 @dataclass
@@ -31,7 +47,8 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # default: derived from the memory budget
     kv_cache_memory: int | None = None  # bytes for the KV pool; default: see memory_utilization
     memory_utilization: float = 0.9  # CUDA: share of device memory for weights + activations + KV
-    cpu_kv_cache_space: int = 4 << 30  # CPU: largest KV pool taken by default (bytes)
+    # CPU: largest KV pool taken by default (bytes; $TOKENMILL_CPU_KV_CACHE_SPACE GiB, else 4 GiB)
+    cpu_kv_cache_space: int = field(default_factory=default_cpu_kv_cache_space)
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     admission_lookahead: int = 32  # prefix-aware admission window (1: strict first come, first served)

@@ -16,6 +16,10 @@ import pytest
 import torch
 
 torch.set_num_threads(2)
+os.environ.setdefault("TOKENMILL_CPU_KV_CACHE_SPACE", "1")  # GiB: engines left to their default pool (4 GiB)
+# fill it over a file, and two lanes must fit in 5 GB each
+
+pytest_plugins = ["tests.lanes"]  # the lanes of `make test` and its closing report
 
 REAL_MODEL_FIXTURES = {"model_dir", "llm_engine"}  # tokenizer, hf_model and the engines built on them use these
 SERVICE_FIXTURES = {"pg_databases", "seaweedfs", "stack"}
@@ -52,6 +56,8 @@ def pytest_runtest_protocol(item, nextitem):
 def _release_memory(path: Path, seconds: float) -> None:
     if loops := sys.modules.get("workers.engine_loop"):
         loops.release_loops()  # an engine thread keeps its engine alive; the next file's first shard starts one
+    if lora_reference := sys.modules.get("tests.engine.lora_reference"):
+        lora_reference.forget_merged_models()  # 0.55 GB each
     gc.collect()
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
@@ -79,11 +85,14 @@ def tokenizer(model_dir):
     return AutoTokenizer.from_pretrained(model_dir)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")  # 0.55 GB once loaded: freed with the file that used it
 def hf_model(model_dir):
+    """The float32 HF model, loaded only if a reference must be computed (tests/engine/references.py)."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    from tests.engine.references import LazyModel
+
+    return LazyModel(model_dir, lambda: AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval())
 
 
 @pytest.fixture

@@ -45,6 +45,7 @@ def test_help_runs_without_loading_heavy_libraries(args):
     assert "usage: tokenmill" in proc.stdout
 
 
+@pytest.mark.real_model  # the converted bundled models
 def test_model_list_shows_the_bundled_model_ready():
     proc = run_cli("model", "list")
     assert proc.returncode == 0, proc.stderr

@@ -1,6 +1,7 @@
 """The reference of multi-LoRA: Hugging Face greedy generation (float32) with a PEFT adapter merged into the base
 model (`PeftModel.from_pretrained(...).merge_and_unload()`), one prompt at a time, stopping at EOS as the engine
-does. The last models merged are kept, keyed on the adapter's path and its weights file's size and time."""
+does. The last models merged are kept, keyed on the adapter's path and its weights file's size and time, until the
+test file ends (`forget_merged_models`)."""
 
 from __future__ import annotations
 
@@ -32,6 +33,10 @@ def _merged(adapter_dir: str | None, version: tuple[int, int] | None, model: str
 
         hf_model = PeftModel.from_pretrained(hf_model, adapter_dir).merge_and_unload()
     return hf_model.eval()
+
+
+def forget_merged_models() -> None:
+    _merged.cache_clear()
 
 
 def hf_peft_references(adapter_dir, prompts_token_ids: list[list[int]], max_tokens: int,

@@ -9,6 +9,7 @@ import torch
 
 from engine import LLM, BeamSearchOutput, BeamSearchParams, SamplingParams
 from engine.beam_search import BeamSearchState, top_candidates
+from tests.engine.references import recording
 from tests.engine.test_tiny_models import save_tiny
 
 EOS = 2
@@ -16,7 +17,19 @@ EOS = 2
 
 def hf_beams(hf_model, prompt: list[int], width: int, max_tokens: int, length_penalty: float = 1.0,
              ignore_eos: bool = False) -> tuple[list[list[int]], list[float]]:
-    """HF's W beams (generated tokens, up to and including EOS) and their scores, best first."""
+    """HF's W beams (generated tokens, up to and including EOS) and their scores, best first; recorded for the
+    real model (tests/engine/references.py)."""
+    arguments = (prompt, width, max_tokens, length_penalty, ignore_eos)
+    if (model := getattr(hf_model, "fingerprint", None)) is None:
+        return computed_beams(hf_model, *arguments)
+    key = {"model": model, "prompt": prompt, "width": width, "max_tokens": max_tokens,
+           "length_penalty": length_penalty, "ignore_eos": ignore_eos}
+    beams, scores = recording("beams").get(key, lambda: computed_beams(hf_model, *arguments))
+    return beams, scores
+
+
+def computed_beams(hf_model, prompt: list[int], width: int, max_tokens: int, length_penalty: float,
+                   ignore_eos: bool) -> tuple[list[list[int]], list[float]]:
     extra = {"eos_token_id": None} if ignore_eos else {}
     ids = torch.tensor([prompt])
     with torch.inference_mode():  # the mask given: else with no EOS, HF masks the prompt's <|im_end|> as padding

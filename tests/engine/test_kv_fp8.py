@@ -271,11 +271,18 @@ def test_the_real_model_keeps_most_greedy_tokens_with_an_fp8_cache(model_dir):
     greedy = [o.outputs[0].token_ids for o in full.generate(PROMPTS, params)]
     contexts = [tokenizer.encode(prompt) + tokens[:i] for prompt, tokens in zip(PROMPTS, greedy, strict=True)
                 for i in range(len(tokens))]
-    one = SamplingParams(max_tokens=1, temperature=0)
-    picks = {"auto": [o.outputs[0].token_ids[0] for o in full.generate(contexts, one)]}
+    one = SamplingParams(max_tokens=1, temperature=0, logprobs=0)
     fp8 = LLM(str(model_dir), kv_cache_dtype="fp8", **kwargs)
-    picks["fp8"] = [o.outputs[0].token_ids[0] for o in fp8.generate(contexts, one)]
+    attention = fp8.engine.runner.attention
+    assert all(t.dtype == FP8_DTYPE for t in attention.k_caches + attention.v_caches)
+    picks, logprobs = {}, {}
+    for name, llm in (("auto", full), ("fp8", fp8)):
+        completions = [o.outputs[0] for o in llm.generate(contexts, one)]
+        picks[name] = [c.token_ids[0] for c in completions]
+        logprobs[name] = [c.logprobs[0][c.token_ids[0]].logprob for c in completions]
     first_tokens = picks["fp8"][::16] == [tokens[0] for tokens in greedy]
     same = sum(a == b for a, b in zip(picks["auto"], picks["fp8"], strict=True))
     print(f"fp8 keeps {same}/{len(contexts)} teacher-forced greedy tokens")
     assert first_tokens and same >= 0.9 * len(contexts), (same, len(contexts))
+    moved = sum(abs(a - b) > 1e-6 for a, b in zip(logprobs["auto"], logprobs["fp8"], strict=True))
+    assert moved >= len(contexts) // 2, f"the FP8 cache changed only {moved} logprobs: is it in use?"

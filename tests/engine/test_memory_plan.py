@@ -2,7 +2,10 @@
 
 import logging
 
+import pytest
+
 from engine import LLM
+from engine.config import CPU_KV_CACHE_SPACE_ENV, EngineConfig
 
 
 def test_the_kv_budget_covers_the_draft_pool_and_the_total_stays_within_the_logged_budget(model_dir, caplog):
@@ -25,3 +28,15 @@ def test_the_kv_budget_covers_the_draft_pool_and_the_total_stays_within_the_logg
     logged = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("KV cache:"))
     assert f"total {plan.total_bytes / 2**20:.0f} MiB of a {plan.budget_bytes / 2**20:.0f} MiB budget" in logged
     assert "draft KV" in logged
+
+
+def test_the_default_cpu_pool_is_read_from_the_environment_in_gib(monkeypatch):
+    monkeypatch.delenv(CPU_KV_CACHE_SPACE_ENV, raising=False)
+    assert EngineConfig().cpu_kv_cache_space == 4 << 30
+    monkeypatch.setenv(CPU_KV_CACHE_SPACE_ENV, "0.5")
+    assert EngineConfig().cpu_kv_cache_space == 1 << 29
+    assert EngineConfig(cpu_kv_cache_space=3 << 20).cpu_kv_cache_space == 3 << 20  # given: the variable is not read
+    for bad in ("0", "-1", "lots", "inf"):
+        monkeypatch.setenv(CPU_KV_CACHE_SPACE_ENV, bad)
+        with pytest.raises(ValueError, match=CPU_KV_CACHE_SPACE_ENV):
+            EngineConfig()

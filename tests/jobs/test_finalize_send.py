@@ -87,21 +87,28 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+@pytest.mark.service  # a redis-server of its own
 def test_the_finalize_task_is_sent_through_a_broker_outage(tmp_path) -> None:
     """Redis is down as the last shard completes and sends finalize, for longer than one send retries (about
-    20 s); it comes back: the task is sent then (before, the send raised and the job waited for the sweep)."""
+    20 s: Redis starts once the sender has said that its first send failed); it comes back: the task is sent
+    then (before, the send raised and the job waited for the sweep)."""
     port = free_port()
     url = f"redis://127.0.0.1:{port}/0"
     env = {**os.environ, "PYTHONPATH": str(REPO), "TOKENMILL_BROKER_URL": url, "TOKENMILL_OUTAGE_WAIT_S": "90",
            "TOKENMILL_QUEUE_PREFIX": "t."}
     sender = subprocess.Popen([sys.executable, "-c", "from workers.tasks import finalize_later; finalize_later('j1')"],
                               env=env, stderr=subprocess.PIPE, text=True)
-    time.sleep(25)
+    said = []
+    for line in sender.stderr:  # the first send's own retries are over
+        said.append(line)
+        if "a service is down" in line:
+            break
+    assert sender.poll() is None, "".join(said)[-2000:]
     server = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
                                "--appendonly", "no", "--dir", str(tmp_path)], stdout=subprocess.DEVNULL)
     try:
         _, errors = sender.communicate(timeout=120)
-        assert sender.returncode == 0, errors[-2000:]
+        assert sender.returncode == 0, ("".join(said) + errors)[-2000:]
         assert redis.Redis.from_url(url).llen("t.control") == 1
     finally:
         sender.kill()

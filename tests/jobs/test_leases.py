@@ -321,6 +321,7 @@ def test_request_ids_carry_the_whole_job_id_and_the_claim() -> None:
     assert request_prefix(first, shard) == "0193a1b2-0000-7000-8000-000000000001-3-c2-"
 
 
+@pytest.mark.service  # the machine's Redis
 def test_a_flushed_broker_is_noticed_at_the_next_sweep(sqlite_sessions, tmp_path) -> None:
     """The broker marker, on the real Redis (a database of its own): unseen the first time, then lost after a
     FLUSHDB until put back, and the sweep sends pending work at once instead of after the grace."""

@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from storage.formats.jsonl import models_named
 from storage.objectstore import open_store
 from tests.jobs.jobhelpers import assert_each_id_once
@@ -30,6 +32,7 @@ def run(tmp_path: Path, source: Path, *options: str) -> int:
                  f"sqlite:///{tmp_path / 'db'}", "--openai-output", *options])
 
 
+@pytest.mark.real_model  # runs a bundled model
 def test_rows_naming_one_bundled_model_run_on_it_without_model(tmp_path: Path) -> None:
     lines = [embedding_line(f"e{i}", EMBEDDER, f"sentence number {i}") for i in range(3)]
     assert run(tmp_path, write(tmp_path / "rows.jsonl", lines)) == 0

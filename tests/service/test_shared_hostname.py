@@ -2,7 +2,7 @@
 namespace of its own (`unshare --pid`, its supervisor PID 1 and its worker PID 2 in both). Their PIDs mean nothing
 to each other or to the stack's workers, so no sweep fences a live shard and no worker takes one over as its own
 stale claim: the job completes with every custom_id once, no part outside its manifest, and each shard claimed
-about once."""
+once."""
 
 from __future__ import annotations
 
@@ -51,8 +51,8 @@ def test_workers_sharing_a_hostname_in_separate_pid_namespaces_take_no_live_clai
     print(f"job {job_id}: {job['status']}; claim tokens {[s['claim_token'] for s in shards]}")
     print("workers:", sorted({s["worker"] for s in shards}))
     assert all(s["status"] == "completed" for s in shards)
-    retaken = [(s["index"], s["claim_token"]) for s in shards if s["claim_token"] > 3]
-    assert not retaken, f"live claims taken over (shard, claim token): {retaken}"
+    retaken = [(s["index"], s["claim_token"]) for s in shards if s["claim_token"] != 1]  # a takeover fences: 3
+    assert not retaken, f"shards claimed more than once (shard, claim token): {retaken}"
     ran = {name: sum("tokenmill.run_shard[" in line and "'decision': 'completed'" in line
                      for line in log.read_text(errors="replace").splitlines()) for name, log in containers.items()}
     print("shards each container completed:", ran)
