@@ -79,7 +79,7 @@ class LLMEngine:
                                  config.scheduling_policy, config.long_prefill_token_threshold,
                                  config.max_loras if config.enable_lora else 0, config.preemption_mode)
         self._seq_ids = itertools.count()
-        self.kv_connector = create_kv_connector(config.kv_transfer_config, config.model, self.model_dir, self.runner,
+        self.kv_connector = create_kv_connector(config.kv_transfer_config, self.model_dir, self.runner,
                                                 kv)  # None without kv_transfer_config
         self.scheduler = Scheduler(limits, kv, frozenset(eos), next_seq_id=self._seq_ids.__next__,
                                    swap=SwapSpace(self.runner.transfer.num_host_blocks), connector=self.kv_connector)

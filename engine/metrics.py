@@ -20,7 +20,7 @@ class EngineStats:
     computed_prefill_tokens: int = 0  # prompt/recompute tokens actually run through the model
     kv_connector_blocks_loaded: int = 0  # KV blocks written into the pool by the KV connector (engine/kv_connector/)
     kv_connector_blocks_saved: int = 0  # blocks it put in its store
-    kv_connector_blocks_rejected: int = 0  # stored blocks that failed their checksum or size (computed instead)
+    kv_connector_blocks_rejected: int = 0  # stored blocks that failed their seal (HMAC) or size (computed instead)
     kv_connector_store_errors: int = 0  # its store's get/put calls that raised
     prefix_cache_queries: int = 0  # tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # of those, tokens found

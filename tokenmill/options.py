@@ -156,9 +156,16 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     if args.pipeline_parallel_size != 1:  # only when set: an engine's settings as without the option
         kwargs["pipeline_parallel_size"] = args.pipeline_parallel_size
     if args.kv_transfer_config:
+        if "kv_secret" in (args.kv_transfer_config.get("kv_connector_extra_config") or {}):
+            raise ValueError("give the KV secret in TOKENMILL_KV_SECRET, not in --kv-transfer-config: a command "
+                             "line is visible to every user of the host, and a job's settings are stored")
         kwargs["kv_transfer_config"] = args.kv_transfer_config
     if getattr(args, "kv_sharing", None) is not None:  # `worker` only: add_kv_sharing_options
         kwargs.update(kv_sharing_kwargs(args))
+    if kwargs.get("kv_transfer_config"):
+        from workers.kv_sharing import with_kv_secret
+
+        kwargs = with_kv_secret(kwargs)  # strip it (without_kv_secret) from settings that are stored or sent
     kwargs.update(lora_engine_kwargs(args))
     if args.speculative_method:
         kwargs["speculative_config"] = {"method": args.speculative_method,
@@ -179,11 +186,12 @@ def add_kv_sharing_options(parser: argparse.ArgumentParser) -> None:
                       "per token (SmolLM2-135M: 22.5 KiB in bfloat16).")
     group.add_argument("--kv-sharing", action=argparse.BooleanOptionalAction, default=False,
                        help="share KV blocks with the service's other workers (kv_transfer_config RedisConnector, "
-                            "kv_both); not with --kv-transfer-config or --kv-role (default: off)")
+                            "kv_both), sealed under $TOKENMILL_KV_SECRET (required; `stack up` makes one); not with "
+                            "--kv-transfer-config or --kv-role (default: off)")
     group.add_argument("--kv-sharing-url", metavar="REDIS_URL",
                        help="the Redis that holds the shared blocks, e.g. one of their own with maxmemory and "
-                            "allkeys-lru (default: $TOKENMILL_KV_REDIS_URL, else the service's own Redis, its "
-                            "result backend)")
+                            "allkeys-lru (default: $TOKENMILL_KV_REDIS_URL, the stack's KV Redis, else database 1 of "
+                            "the service's Redis, its result backend)")
     group.add_argument("--kv-sharing-ttl", type=int, metavar="SECONDS",
                        help=f"seconds a shared block is kept in Redis, 0 for no expiry (default: "
                             f"$TOKENMILL_KV_TTL_S, else {KV_SHARING_TTL_S})")

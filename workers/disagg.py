@@ -11,8 +11,8 @@ missing, and the consumer alone writes the shard's part. Exactly-once is the sha
 A prefill claim counts no attempt: only decoding counts, and a prefill is never retried. Nothing is stranded in the
 prefill phase: a producer that dies lets its lease lapse and the sweep queues the shard to the model's queue (the
 consumer then computes the prompt itself); a hand-off whose task was lost, or a shard waiting in the prefill queue
-past the sweep's grace while the model's queue is empty (no producer running), is sent to the model's queue by the
-sweep's reconciler. Sweeps and retries never go through the prefill queue."""
+past the sweep's grace (no producer running, or producers behind), is sent to the model's queue by the sweep's
+reconciler. Sweeps and retries never go through the prefill queue."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ from storage.models import Job, JobStatus, Shard, ShardStatus
 from workers import shard_step as shard_steps
 from workers.engine_loop import loop_for
 from workers.job_steps import discard_if_ended
-from workers.kv_sharing import KEY_PREFIX, REDIS_SCHEMES, kv_sharing_config
+from workers.kv_sharing import KEY_PREFIX, default_kv_redis_url, deployment_kv_secret, kv_sharing_config
 from workers.leases import Claim, StatusWatch, shard_claim
 from workers.shard_step import ShardStep, request_prefix, through_outages
 from workers.shards import is_embedding_engine
@@ -68,21 +68,23 @@ def disaggregated(model: str) -> bool:
 
 def role_engine_settings(settings: dict[str, Any], kv_role: str | None, config: ServiceConfig) -> dict[str, Any]:
     """The engine settings of a worker of `kv_role`: its own KV connector (--kv-transfer-config, --kv-sharing) in
-    the role's kv_role, else a RedisConnector over TOKENMILL_KV_REDIS_URL or the service's Redis (its result
-    backend), keys under the queue prefix as KV sharing's (`workers.kv_sharing`), blocks kept TOKENMILL_KV_TTL_S
-    seconds (0: until Redis evicts them; default DEFAULT_KV_TTL_S)."""
+    the role's kv_role, else a RedisConnector over TOKENMILL_KV_REDIS_URL or database KV_DB of the service's Redis
+    (its result backend), keys under the queue prefix as KV sharing's (`workers.kv_sharing`), blocks kept
+    TOKENMILL_KV_TTL_S seconds (0: until Redis evicts them; default DEFAULT_KV_TTL_S). Either way the blocks are
+    sealed under TOKENMILL_KV_SECRET: without it, ValueError."""
     if kv_role is None:
         return settings
     if kv_role not in ROLES:
         raise ValueError(f"--kv-role must be one of {ROLES}, got {kv_role!r}")
     transfer = dict(settings.get("kv_transfer_config") or {})
     if not transfer.get("kv_connector"):
-        url = env_setting("KV_REDIS_URL") or config.result_backend or ""
-        if not url.startswith(REDIS_SCHEMES):
+        url = env_setting("KV_REDIS_URL") or default_kv_redis_url(config)
+        if not url:
             raise ValueError(f"--kv-role needs a Redis for the KV blocks, and the service's result backend is not "
-                             f"Redis ({url or 'none'}): set TOKENMILL_KV_REDIS_URL=redis://host:port/db")
+                             f"Redis ({config.result_backend or 'none'}): set TOKENMILL_KV_REDIS_URL=redis://host:port/db")
         ttl = int(float(env_setting("KV_TTL_S") or DEFAULT_KV_TTL_S))
         transfer = kv_sharing_config(url, config.queue_prefix + KEY_PREFIX, ttl or None)
+    deployment_kv_secret()  # checked now: the engine, made later, adds it (workers.kv_sharing.with_kv_secret)
     return {**settings, "kv_transfer_config": {**transfer, "kv_role": ENGINE_ROLES[kv_role]}}
 
 

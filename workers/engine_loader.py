@@ -21,7 +21,11 @@ def load_engine(settings: dict[str, Any], registry: CollectorRegistry | None = N
                 factory: EngineFactory | None = None) -> LLMEngine:
     """The engine for `settings`: `factory`'s, by default the real one (an embedding model's `EmbeddingEngine`,
     else an `LLMEngine`). With a `registry`, its steps are observed into it, labelled `model_name` (default: the
-    engine's model); an embedding engine has no engine metrics, and an engine already observed is left as is."""
+    engine's model); an embedding engine has no engine metrics, and an engine already observed is left as is. A KV
+    connector's kv_secret is the deployment's, $TOKENMILL_KV_SECRET (workers.kv_sharing.with_kv_secret)."""
+    from workers.kv_sharing import with_kv_secret
+
+    settings = with_kv_secret(settings)
     if factory is None:
         from engine import EngineConfig
         from engine.embedding_engine import create_engine

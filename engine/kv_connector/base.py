@@ -1,5 +1,6 @@
-"""The KV connector: whole KV blocks shared between engines through a byte store, keyed by the prefix cache's chain
-hashes (which already hold the request's salt and adapter) under a namespace of the model's identity. Synchronous,
+"""The KV connector: whole KV blocks shared between engines through a byte store, keyed by an HMAC of the prefix
+cache's chain hashes (which already hold the request's salt and adapter) under a namespace of the model's identity,
+both keyed by the deployment's secret, and sealed by an HMAC tag under it (store.seal). Synchronous,
 on the engine's process, in vLLM v1's terms:
 
 - scheduler side: `get_num_new_matched_tokens` (how many tokens past the local prefix cache the store can give:
@@ -11,13 +12,16 @@ on the engine's process, in vLLM v1's terms:
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from engine.kv_connector.config import KVTransferConfig
-from engine.kv_connector.store import ByteStore, contains, seal, unseal
+from engine.kv_connector.store import ByteStore, contains, seal, secret_bytes, unseal
 from engine.step_types import KVLoad
 
 if TYPE_CHECKING:
@@ -29,25 +33,28 @@ if TYPE_CHECKING:
 log = logging.getLogger("tokenmill.engine")
 
 KNOWN_BLOCKS = 1 << 16  # block hashes remembered as stored, so a producer asks the store about each only once
+STORE_PAUSE_S = 5.0  # after a store call fails, the store is left alone this long: a hung Redis costs one timeout
 
 
 @dataclass
 class KVConnectorStats:
     blocks_loaded: int = 0  # blocks written into the pool from the store
     blocks_saved: int = 0  # blocks put in the store
-    blocks_rejected: int = 0  # stored blocks that failed their checksum or size (computed instead)
+    blocks_rejected: int = 0  # stored blocks whose tag did not verify or of the wrong size (computed instead)
     store_errors: int = 0  # get/put calls that raised (the block is computed, or not saved)
 
 
 class KVConnector:
-    """`store`: where blocks live; `namespace`: the model identity's digest that starts every key; `kv`: the
-    engine's block manager (block hashes); `transfer`: the runner's block copier (reads and writes pool blocks)."""
+    """`store`: where blocks live; `namespace`: the keyed digest of the model's identity that starts every key
+    (factory.namespace_of); `kv`: the engine's block manager (block hashes); `transfer`: the runner's block copier
+    (reads and writes pool blocks). The secret (config's `kv_secret`) seals blocks and keys their names."""
 
     def __init__(self, config: KVTransferConfig, store: ByteStore, namespace: str, kv: KVCacheManager,
                  transfer: KVTransfer) -> None:
         self.config = config
         self.store = store
         self.namespace = namespace
+        self._secret = secret_bytes(config.kv_connector_extra_config.get("kv_secret"))
         self.kv = kv
         self.transfer = transfer
         self.block_size = kv.block_size
@@ -56,6 +63,7 @@ class KVConnector:
         self._saved: dict[int, int] = {}  # seq_id -> its leading blocks saved (or found stored) already
         self._known: OrderedDict[bytes, None] = OrderedDict()  # block hashes known to be in the store
         self._rejected: set[bytes] = set()  # hashes whose stored block failed its check: a producer overwrites it
+        self._paused_until = 0.0  # monotonic time before which the store is not called (STORE_PAUSE_S)
 
     @staticmethod
     def make_store(extra: dict[str, Any]) -> ByteStore:
@@ -63,7 +71,8 @@ class KVConnector:
         raise NotImplementedError
 
     def key(self, block_hash: bytes) -> str:
-        return f"{self.namespace}/{block_hash.hex()}"
+        """The block's name in the store: not computable from its tokens and salt without the secret."""
+        return f"{self.namespace}/{hmac.new(self._secret, block_hash, hashlib.sha256).hexdigest()}"
 
     # scheduler side
 
@@ -130,11 +139,12 @@ class KVConnector:
             return
         for block_hash, payload in zip(hashes, self.transfer.read_blocks(block_ids), strict=True):
             key = self.key(block_hash)
+            if self._store_paused():
+                return
             try:
-                self.store.put(key, seal(key, payload))
+                self.store.put(key, seal(key, payload, self._secret))
             except Exception as problem:  # a store that is down costs the saves, never the step
-                self.stats.store_errors += 1
-                log.warning("KV connector: could not save block %s: %s", key, problem)
+                self._store_failed("save", key, problem)
                 continue
             self.stats.blocks_saved += 1
             self._rejected.discard(block_hash)
@@ -142,38 +152,47 @@ class KVConnector:
 
     # helpers
 
+    def _store_paused(self) -> bool:
+        return time.monotonic() < self._paused_until
+
+    def _store_failed(self, action: str, key: str, problem: Exception) -> None:
+        self.stats.store_errors += 1
+        self._paused_until = time.monotonic() + STORE_PAUSE_S
+        log.warning("KV connector: could not %s block %s (%s: %s); not calling the store for %.0f s", action, key,
+                    type(problem).__name__, problem, STORE_PAUSE_S)
+
     def _stored(self, block_hash: bytes) -> bool:
         if block_hash in self._known:
             return True
-        if block_hash in self._rejected:
+        if block_hash in self._rejected or self._store_paused():
             return False
         try:
             found = contains(self.store, self.key(block_hash))
         except Exception as problem:
-            self.stats.store_errors += 1
-            log.warning("KV connector: could not look up block %s: %s", self.key(block_hash), problem)
+            self._store_failed("look up", self.key(block_hash), problem)
             return False
         if found:
             self._remember(block_hash)
         return found
 
     def _fetch(self, block_hash: bytes) -> bytes | None:
-        """A stored block's checked payload, or None (missing, unreadable, or failing its checksum)."""
+        """A stored block's verified payload, or None (missing, unreadable, or its tag or size wrong)."""
         key = self.key(block_hash)
+        if self._store_paused():
+            return None
         try:
             data = self.store.get(key)
         except Exception as problem:
-            self.stats.store_errors += 1
-            log.warning("KV connector: could not read block %s: %s", key, problem)
+            self._store_failed("read", key, problem)
             return None
         if data is None:
             return None
-        payload = unseal(key, data, self.transfer.bytes_per_block)
+        payload = unseal(key, data, self.transfer.bytes_per_block, self._secret)
         if payload is None:
             self.stats.blocks_rejected += 1
             self._rejected.add(block_hash)
             self._known.pop(block_hash, None)
-            log.warning("KV connector: block %s failed its checksum or size check; computing it instead", key)
+            log.warning("KV connector: block %s failed its tag or size check; computing it instead", key)
             return None
         self._remember(block_hash)
         return payload

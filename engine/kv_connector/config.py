@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.kv_connector.store import secret_bytes
+
 KV_CONNECTORS = ("SharedStorageConnector", "RedisConnector")
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 
@@ -15,9 +17,10 @@ class KVTransferConfig:
     """`kv_connector`: one of KV_CONNECTORS. `kv_role`: kv_producer saves the full blocks it computes, kv_consumer
     loads the blocks it finds before computing, kv_both does both. `kv_connector_extra_config`: the connector's own
     settings (docs/kv-connector.md): `shared_storage_path` (SharedStorageConnector; a directory or file:// URI),
-    `redis_url` and `redis_key_prefix` (RedisConnector), `kv_store` (any object with get(key) -> bytes | None and
-    put(key, bytes), instead of the connector's own store), `namespace` (a string of the user's, added to the
-    model identity that keys every block)."""
+    `redis_url`, `redis_key_prefix` and `redis_timeout_s` (RedisConnector), `kv_store` (any object with get(key) ->
+    bytes | None and put(key, bytes), instead of the connector's own store), `namespace` (a string of the user's,
+    added to the model identity that keys every block), and `kv_secret` (required: the deployment's secret, at
+    least 16 bytes, that seals every block and keys its name; never shown by repr)."""
 
     kv_connector: str = "SharedStorageConnector"
     kv_role: str = "kv_both"
@@ -39,6 +42,12 @@ class KVTransferConfig:
                              "(a directory or file:// URI) or a 'kv_store' object")
         if store is None and self.kv_connector == "RedisConnector" and not extra.get("redis_url"):
             raise ValueError("RedisConnector needs kv_connector_extra_config['redis_url'], e.g. redis://localhost:6379/0")
+        secret_bytes(extra.get("kv_secret"))
+
+    def __repr__(self) -> str:
+        extra = {k: "***" if k == "kv_secret" else v for k, v in self.kv_connector_extra_config.items()}
+        return (f"KVTransferConfig(kv_connector={self.kv_connector!r}, kv_role={self.kv_role!r}, "
+                f"kv_connector_extra_config={extra!r})")
 
     @property
     def is_kv_producer(self) -> bool:

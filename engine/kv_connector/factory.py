@@ -1,9 +1,13 @@
-"""Builds an engine's KV connector from its `kv_transfer_config`, with the namespace of the model's identity."""
+"""Builds an engine's KV connector from its `kv_transfer_config`, with the namespace of the model's identity: a digest
+of its weights (not its name), keyed by the deployment's secret."""
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
+import os
+import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -11,6 +15,7 @@ from engine.kv_connector.base import KVConnector
 from engine.kv_connector.config import KVTransferConfig
 from engine.kv_connector.redis_connector import RedisConnector
 from engine.kv_connector.shared_storage import SharedStorageConnector
+from engine.kv_connector.store import secret_bytes
 
 if TYPE_CHECKING:
     from engine.block_pool import KVCacheManager
@@ -20,14 +25,63 @@ CONNECTORS: dict[str, type[KVConnector]] = {"SharedStorageConnector": SharedStor
                                             "RedisConnector": RedisConnector}
 
 
-def model_identity(model: str, model_dir: Path, runner: ModelRunner, extra_namespace: str | None = None) -> dict:
-    """What makes blocks interchangeable: the model (its name, or its directory's name, and its config.json), its
-    dtype, the pool's element type and layout, FP8 scales, and a namespace of the user's."""
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+WEIGHTS_DIGEST_CACHE = ".tokenmill-weights-digest.json"  # beside the weights: the digest and the files it covers
+_weights_digests: dict[tuple, str] = {}  # this process's: file list (name, size, mtime) -> digest
+
+
+def weights_digest(model_dir: Path) -> str:
+    """sha256 over the model directory's weight files: each one's name, size and content. Computed once per set of
+    files (name, size, mtime) and cached in this process and, where the directory is writable, beside the files."""
+    model_dir = Path(model_dir)
+    files = sorted(p for p in model_dir.iterdir() if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES))
+    if not files:
+        raise ValueError(f"the KV connector keys blocks on the model's weights, and {model_dir} holds no weight "
+                         f"files ({', '.join(WEIGHT_SUFFIXES)})")
+    stats = [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files]
+    signature = (str(model_dir.resolve()), *stats)
+    if signature in _weights_digests:
+        return _weights_digests[signature]
+    cache = model_dir / WEIGHTS_DIGEST_CACHE
+    try:
+        cached = json.loads(cache.read_text())
+        digest = cached["digest"] if [tuple(f) for f in cached["files"]] == stats else None
+    except (OSError, ValueError, KeyError, TypeError):
+        digest = None
+    if digest is None:
+        h = hashlib.sha256()
+        for path, (name, size, _) in zip(files, stats, strict=True):
+            h.update(f"{name}\0{size}\0".encode())
+            with open(path, "rb") as f:
+                h.update(hashlib.file_digest(f, "sha256").digest())
+        digest = h.hexdigest()
+        _write_quietly(cache, json.dumps({"files": stats, "digest": digest}))
+    _weights_digests[signature] = digest
+    return digest
+
+
+def _write_quietly(path: Path, text: str) -> None:
+    """Write path whole (a temporary file renamed), or not at all where the directory is read-only."""
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+    except OSError:
+        return
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except OSError:
+        Path(tmp).unlink(missing_ok=True)
+
+
+def model_identity(model_dir: Path, runner: ModelRunner, extra_namespace: str | None = None) -> dict:
+    """What makes blocks interchangeable: the model's weights (a digest of its files, whatever its name) and
+    config.json, its dtype, the pool's element type and layout, FP8 scales, and a namespace of the user's."""
     config_file = Path(model_dir) / "config.json"
     attention = runner.attention
     scales = [s.detach().cpu().numpy().tobytes() for s in (attention.k_scales, attention.v_scales) if s is not None]
     return {
-        "model": Path(model).name,
+        "weights": weights_digest(model_dir),
         "model_config": hashlib.sha256(config_file.read_bytes()).hexdigest() if config_file.is_file() else None,
         "dtype": str(runner.dtype),
         "kv_dtype": str(attention.k_caches[0].dtype),
@@ -42,15 +96,17 @@ def model_identity(model: str, model_dir: Path, runner: ModelRunner, extra_names
     }
 
 
-def namespace_of(identity: dict) -> str:
-    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:32]
+def namespace_of(identity: dict, secret: bytes) -> str:
+    """The identity's digest keyed by the deployment's secret: not computable without it."""
+    return hmac.new(secret, json.dumps(identity, sort_keys=True).encode(), hashlib.sha256).hexdigest()[:32]
 
 
-def create_kv_connector(config: KVTransferConfig | None, model: str, model_dir: Path, runner: ModelRunner,
+def create_kv_connector(config: KVTransferConfig | None, model_dir: Path, runner: ModelRunner,
                         kv: KVCacheManager) -> KVConnector | None:
     if config is None:
         return None
     cls = CONNECTORS[config.kv_connector]
     extra = config.kv_connector_extra_config
-    namespace = namespace_of(model_identity(model, model_dir, runner, extra.get("namespace")))
+    identity = model_identity(model_dir, runner, extra.get("namespace"))
+    namespace = namespace_of(identity, secret_bytes(extra.get("kv_secret")))
     return cls(config, cls.make_store(extra), namespace, kv, runner.transfer)

@@ -1,11 +1,12 @@
 """Where KV blocks are kept: any object with `get(key) -> bytes | None` and `put(key, data)` (`ByteStore`). A local
 directory and Redis are here; an object store plugs in the same way from outside the engine. Every value is
-sealed with a checksum over its key and bytes, so a block that was cut short, altered or filed under another key is
-never trusted."""
+sealed with an HMAC-SHA256 tag over its key and bytes under the deployment's secret (`kv_secret`), so a block that
+was cut short, altered, filed under another key or written by anyone without the secret is never trusted."""
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import os
 import re
 import tempfile
@@ -13,8 +14,10 @@ from pathlib import Path
 from typing import Protocol
 from urllib.parse import unquote, urlparse
 
-MAGIC = b"TMKV\x01"  # format tag and version
-DIGEST_SIZE = 32  # sha256
+MAGIC = b"TMKV\x02"  # format tag and version (1: an unkeyed sha256, no longer trusted)
+DIGEST_SIZE = 32  # HMAC-SHA256
+MIN_SECRET_BYTES = 16
+REDIS_TIMEOUT_S = 2.0  # connect and read: a Redis that hangs costs this, then the block is computed
 KEY_PATTERN = re.compile(r"[A-Za-z0-9._-]+(/[A-Za-z0-9._-]+)*")
 
 
@@ -24,22 +27,33 @@ class ByteStore(Protocol):
     def put(self, key: str, data: bytes) -> None: ...
 
 
-def seal(key: str, payload: bytes) -> bytes:
-    """The stored form of a block: tag, sha256(key, payload), payload."""
-    return MAGIC + _digest(key, payload) + payload
+def secret_bytes(secret: str | bytes) -> bytes:
+    """The deployment's KV secret as bytes; ValueError when it is missing or shorter than MIN_SECRET_BYTES."""
+    raw = secret.encode() if isinstance(secret, str) else secret if isinstance(secret, bytes) else b""
+    if len(raw) < MIN_SECRET_BYTES:
+        raise ValueError(f"the KV secret (kv_connector_extra_config['kv_secret']) must be at least "
+                         f"{MIN_SECRET_BYTES} bytes, e.g. secrets.token_urlsafe(32), the same on every engine that "
+                         f"shares blocks")
+    return raw
 
 
-def unseal(key: str, data: bytes | None, size: int) -> bytes | None:
-    """The payload of a stored block, or None when it is missing, of the wrong size or fails its checksum."""
+def seal(key: str, payload: bytes, secret: bytes) -> bytes:
+    """The stored form of a block: format tag, HMAC-SHA256(secret; key, payload), payload."""
+    return MAGIC + _tag(key, payload, secret) + payload
+
+
+def unseal(key: str, data: bytes | None, size: int, secret: bytes) -> bytes | None:
+    """The payload of a stored block, or None when it is missing, of the wrong size or its tag does not verify."""
     head = len(MAGIC) + DIGEST_SIZE
     if data is None or len(data) != head + size or not data.startswith(MAGIC):
         return None
     payload = memoryview(data)[head:]
-    return bytes(payload) if _digest(key, payload) == data[len(MAGIC):head] else None
+    return bytes(payload) if hmac.compare_digest(_tag(key, payload, secret), data[len(MAGIC):head]) else None
 
 
-def _digest(key: str, payload: bytes | memoryview) -> bytes:
-    h = hashlib.sha256(key.encode())
+def _tag(key: str, payload: bytes | memoryview, secret: bytes) -> bytes:
+    name = key.encode()
+    h = hmac.new(secret, len(name).to_bytes(4, "big") + name, hashlib.sha256)
     h.update(payload)
     return h.digest()
 
@@ -94,12 +108,14 @@ class DirectoryStore:
 
 class RedisStore:
     """Keys under `prefix` in a Redis database (redis-py, imported here only), for engines on different hosts.
-    `ttl`: seconds a block is kept (None: until Redis evicts it, under its own maxmemory policy)."""
+    `ttl`: seconds a block is kept (None: until Redis evicts it, under its own maxmemory policy). `timeout_s`: the
+    socket's connect and read limit, so a Redis that hangs raises (a store error) instead of stalling the step."""
 
-    def __init__(self, url: str, prefix: str = "tokenmill:kv:", ttl: int | None = None) -> None:
+    def __init__(self, url: str, prefix: str = "tokenmill:kv:", ttl: int | None = None,
+                 timeout_s: float = REDIS_TIMEOUT_S) -> None:
         import redis
 
-        self.client = redis.Redis.from_url(url)
+        self.client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
         self.prefix = prefix
         self.ttl = ttl
 

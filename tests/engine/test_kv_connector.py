@@ -1,6 +1,7 @@
 """KV connector (engine/kv_connector/): a producer engine saves the full blocks it computes, a fresh consumer engine
 loads them instead of computing and gives the same greedy tokens; blocks are keyed by the prefix cache's chain
-hashes under the model's identity, checked by a checksum, and never shared across salts or models."""
+hashes under the model's identity, sealed by an HMAC under the deployment's secret, and never shared across salts
+or models (tests/engine/test_kv_sealing.py: forged blocks, keys and namespaces without the secret)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from engine.kv_connector.store import DirectoryStore, seal, unseal
 from tokenmill.bench.tiny_model import save_random_model
 
 BLOCK = 8
+SECRET = "test-deployment-kv-secret"
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
 
@@ -38,7 +40,7 @@ def prompts():
 
 def shared(path, role="kv_both", **extra) -> dict:
     return {"kv_connector": "SharedStorageConnector", "kv_role": role,
-            "kv_connector_extra_config": {"shared_storage_path": str(path), **extra}}
+            "kv_connector_extra_config": {"shared_storage_path": str(path), "kv_secret": SECRET, **extra}}
 
 
 def tiny_llm(model_dir, kv_transfer_config=None, **settings) -> LLM:
@@ -67,9 +69,9 @@ def test_config_takes_vllms_names_and_refuses_what_it_cannot_do(tmp_path):
     with pytest.raises(ValueError, match="kv_role"):
         KVTransferConfig(kv_role="sender", kv_connector_extra_config={"shared_storage_path": str(tmp_path)})
     with pytest.raises(ValueError, match="shared_storage_path"):
-        KVTransferConfig("SharedStorageConnector")
+        KVTransferConfig("SharedStorageConnector", kv_connector_extra_config={"kv_secret": SECRET})
     with pytest.raises(ValueError, match="redis_url"):
-        KVTransferConfig("RedisConnector")
+        KVTransferConfig("RedisConnector", kv_connector_extra_config={"kv_secret": SECRET})
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         from engine.config import EngineConfig
 
@@ -81,14 +83,15 @@ def test_config_takes_vllms_names_and_refuses_what_it_cannot_do(tmp_path):
 
 def test_a_sealed_block_fails_its_check_when_altered_cut_or_moved():
     payload = bytes(range(256)) * 4
-    data = seal("ns/aa", payload)
-    assert unseal("ns/aa", data, len(payload)) == payload
+    secret = SECRET.encode()
+    data = seal("ns/aa", payload, secret)
+    assert unseal("ns/aa", data, len(payload), secret) == payload
     flipped = bytearray(data)
     flipped[-10] ^= 1
-    assert unseal("ns/aa", bytes(flipped), len(payload)) is None
-    assert unseal("ns/aa", data[:-1], len(payload)) is None
-    assert unseal("ns/bb", data, len(payload)) is None  # filed under another block's key
-    assert unseal("ns/aa", None, len(payload)) is None
+    assert unseal("ns/aa", bytes(flipped), len(payload), secret) is None
+    assert unseal("ns/aa", data[:-1], len(payload), secret) is None
+    assert unseal("ns/bb", data, len(payload), secret) is None  # filed under another block's key
+    assert unseal("ns/aa", None, len(payload), secret) is None
 
 
 def test_a_consumer_loads_the_producers_blocks_and_gives_the_same_tokens(tiny_dir, prompts, tmp_path):
@@ -160,7 +163,7 @@ def test_a_corrupt_block_is_computed_not_trusted(tiny_dir, prompts, tmp_path, da
     # damage the 4th block of the prompt: its key is its chain hash, so find it through a consumer's hashes
     consumer = tiny_llm(tiny_dir, shared(store, "kv_consumer"))
     seq_hashes = _block_hashes(consumer, prompt)
-    victim = store / producer_ns / seq_hashes[3].hex()
+    victim = store / consumer.engine.kv_connector.key(seq_hashes[3])
     data = victim.read_bytes()
     victim.write_bytes(data[:-1] if damage == "truncate" else data[:-5] + bytes([data[-5] ^ 0x40]) + data[-4:])
     tokens, cached = run(consumer, [prompt])
@@ -227,20 +230,21 @@ class DictStore:
 def test_any_get_put_store_plugs_in(tiny_dir, prompts):
     store = DictStore()
     config = {"kv_connector": "SharedStorageConnector", "kv_role": "kv_both",
-              "kv_connector_extra_config": {"kv_store": store}}
+              "kv_connector_extra_config": {"kv_store": store, "kv_secret": SECRET}}
     reference, _ = run(tiny_llm(tiny_dir, config), prompts)
     assert store.data
     tokens, cached = run(tiny_llm(tiny_dir, config), prompts)
     assert tokens == reference and cached == [loadable_tokens(p) for p in prompts]
 
 
+@pytest.mark.service  # the machine's Redis
 def test_redis_connector_round_trip(tiny_dir, prompts):
     import redis
 
     url, prefix = "redis://localhost:6379/15", f"tokenmill-test:{uuid.uuid4().hex}:"
     client = redis.Redis.from_url(url)
     config = {"kv_connector": "RedisConnector", "kv_role": "kv_producer",
-              "kv_connector_extra_config": {"redis_url": url, "redis_key_prefix": prefix}}
+              "kv_connector_extra_config": {"redis_url": url, "redis_key_prefix": prefix, "kv_secret": SECRET}}
     try:
         producer = tiny_llm(tiny_dir, config)
         reference, _ = run(producer, prompts)
@@ -263,7 +267,8 @@ torch.set_num_threads(2)
 from engine import LLM, SamplingParams
 role, store, prompts_file, out_file = sys.argv[1:5]
 config = None if role == "none" else {"kv_connector": "SharedStorageConnector", "kv_role": role,
-                                      "kv_connector_extra_config": {"shared_storage_path": store}}
+                                      "kv_connector_extra_config": {"shared_storage_path": store,
+                                                                    "kv_secret": "test-deployment-kv-secret"}}
 llm = LLM("smollm2-135m", dtype="float32", num_threads=2, kv_transfer_config=config)
 outs = llm.generate(json.load(open(prompts_file)), SamplingParams(max_tokens=16, temperature=0))
 stats = llm.engine.kv_connector.stats.__dict__ if config else {}

@@ -159,6 +159,7 @@ def test_disaggregation_names_models_and_roles_pick_queues_and_connectors(monkey
         monkeypatch.setenv("TOKENMILL_KV_DISAGGREGATION", value)
         assert disaggregated(MODEL) is expected, value
     monkeypatch.setenv("TOKENMILL_QUEUE_PREFIX", "t.")
+    monkeypatch.setenv("TOKENMILL_KV_SECRET", "test-deployment-kv-secret")
     config = ServiceConfig.from_env()
     producer = build_parser().parse_args(["worker", "--kv-role", "producer"])
     assert worker_nodes(producer, config)["engine"].queues == ["t.gpu.smollm2-135m.prefill"]
@@ -168,7 +169,8 @@ def test_disaggregation_names_models_and_roles_pick_queues_and_connectors(monkey
     redis = dataclasses.replace(config, result_backend="redis://broker:6379/0")
     assert role_engine_settings({}, "producer", redis)["kv_transfer_config"] == {
         "kv_connector": "RedisConnector", "kv_role": "kv_producer", "kv_connector_extra_config": {
-            "redis_url": "redis://broker:6379/0", "redis_key_prefix": "t.tokenmill:kv:", "redis_ttl": 3600}}
+            "redis_url": "redis://broker:6379/1", "redis_key_prefix": "t.tokenmill:kv:",  # not the broker's db
+            "redis_ttl": 3600}}  # its kv_secret ($TOKENMILL_KV_SECRET) is added where the engine is made
     own = {"kv_connector": "SharedStorageConnector", "kv_connector_extra_config": {"shared_storage_path": "/kv"}}
     rabbit = dataclasses.replace(config, result_backend=None)
     assert role_engine_settings({"kv_transfer_config": own}, "consumer", rabbit)["kv_transfer_config"] == {
@@ -179,6 +181,9 @@ def test_disaggregation_names_models_and_roles_pick_queues_and_connectors(monkey
     monkeypatch.setenv("TOKENMILL_KV_TTL_S", "0")
     assert role_engine_settings({}, "consumer", rabbit)["kv_transfer_config"]["kv_connector_extra_config"] == {
         "redis_url": "redis://kv:6379/3", "redis_key_prefix": "t.tokenmill:kv:"}
+    monkeypatch.delenv("TOKENMILL_KV_SECRET")
+    with pytest.raises(ValueError, match="TOKENMILL_KV_SECRET"):
+        role_engine_settings({}, "consumer", rabbit)
 
 
 # ---- on the stack --------------------------------------------------------------------------------------

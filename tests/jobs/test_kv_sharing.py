@@ -1,7 +1,9 @@
 """KV sharing across workers (`tokenmill worker --kv-sharing`, issue #43): the option expands to the engine's
 kv_transfer_config (RedisConnector, kv_both) over the service's own Redis, and two workers' engines, built by the
 worker's engine loader from those settings, share a long prefix through the real Redis: the rows of the second load
-the blocks the first computed, and their outputs equal a run without sharing."""
+the blocks the first computed, and their outputs equal a run without sharing. The blocks live in database 1 of the
+service's Redis, never the broker's, sealed under the deployment's TOKENMILL_KV_SECRET, without which a worker does
+not share (issue #56)."""
 
 from __future__ import annotations
 
@@ -21,6 +23,8 @@ from workers.engine_loader import load_engine
 from workers.inprocess import run_job
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
+KV_URL = "redis://127.0.0.1:6379/1"  # the service's Redis, database KV_DB: not the broker's
+KV_SECRET = "test-deployment-kv-secret"
 ENGINE_ARGS = ("--dtype", "float32", "--threads", "2", "--kv-cache-memory", "0.25", "--max-num-seqs", "16",
                "--batch-invariant", "on", "--no-enable-lora")
 
@@ -33,6 +37,7 @@ def service_env(monkeypatch) -> str:
     for name in ("TOKENMILL_RESULT_BACKEND", "TOKENMILL_KV_REDIS_URL", "TOKENMILL_KV_TTL_S"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("TOKENMILL_QUEUE_PREFIX", prefix)
+    monkeypatch.setenv("TOKENMILL_KV_SECRET", KV_SECRET)
     return prefix
 
 
@@ -45,17 +50,45 @@ def test_kv_sharing_expands_to_kv_both_over_the_service_redis(service_env, monke
     assert "kv_transfer_config" not in worker_settings()
     assert worker_settings("--kv-sharing")["kv_transfer_config"] == {
         "kv_connector": "RedisConnector", "kv_role": "kv_both",
-        "kv_connector_extra_config": {"redis_url": REDIS_URL, "redis_key_prefix": f"{service_env}tokenmill:kv:",
-                                      "redis_ttl": 600}}
+        "kv_connector_extra_config": {"redis_url": KV_URL, "redis_key_prefix": f"{service_env}tokenmill:kv:",
+                                      "redis_ttl": 600, "kv_secret": KV_SECRET}}
     own = worker_settings("--kv-sharing", "--kv-sharing-url", "redis://kv-host:6380/3", "--kv-sharing-ttl", "60")
     assert own["kv_transfer_config"]["kv_connector_extra_config"] == {
-        "redis_url": "redis://kv-host:6380/3", "redis_key_prefix": f"{service_env}tokenmill:kv:", "redis_ttl": 60}
+        "redis_url": "redis://kv-host:6380/3", "redis_key_prefix": f"{service_env}tokenmill:kv:",
+        "redis_ttl": 60, "kv_secret": KV_SECRET}
     never = worker_settings("--kv-sharing", "--kv-sharing-ttl", "0")["kv_transfer_config"]
     assert "redis_ttl" not in never["kv_connector_extra_config"]
     monkeypatch.setenv("TOKENMILL_KV_REDIS_URL", "redis://kv-host:6380/4")  # the disaggregated workers' KV Redis
     monkeypatch.setenv("TOKENMILL_KV_TTL_S", "0")
     assert worker_settings("--kv-sharing")["kv_transfer_config"]["kv_connector_extra_config"] == {
-        "redis_url": "redis://kv-host:6380/4", "redis_key_prefix": f"{service_env}tokenmill:kv:"}
+        "redis_url": "redis://kv-host:6380/4", "redis_key_prefix": f"{service_env}tokenmill:kv:",
+        "kv_secret": KV_SECRET}
+
+
+def test_kv_sharing_needs_the_deployments_secret_and_keeps_out_of_the_brokers_database(service_env,
+                                                                                     monkeypatch) -> None:
+    from workers.kv_sharing import default_kv_redis_url, without_kv_secret
+
+    for secret in ("", "short"):
+        monkeypatch.setenv("TOKENMILL_KV_SECRET", secret)
+        with pytest.raises(ValueError, match="KV secret"):
+            worker_settings("--kv-sharing")
+    monkeypatch.setenv("TOKENMILL_KV_SECRET", KV_SECRET)
+    own = '{"kv_connector": "RedisConnector", "kv_connector_extra_config": {"redis_url": "redis://h/2"}}'
+    settings = worker_settings("--kv-transfer-config", own)
+    assert settings["kv_transfer_config"]["kv_connector_extra_config"] == {
+        "redis_url": "redis://h/2", "kv_secret": KV_SECRET}  # the secret from the deployment, not the command line
+    assert without_kv_secret(settings)["kv_transfer_config"]["kv_connector_extra_config"] == {
+        "redis_url": "redis://h/2"}  # as a job's settings store it, or a worker's environment passes it on
+    with pytest.raises(ValueError, match="TOKENMILL_KV_SECRET, not in --kv-transfer-config"):
+        worker_settings("--kv-transfer-config", own.replace('"redis://h/2"', '"redis://h/2", "kv_secret": "x"'))
+    monkeypatch.setenv("TOKENMILL_BROKER_URL", "redis://:pw@127.0.0.1:6379/1")  # a broker in database 1
+    with pytest.raises(ValueError, match="TOKENMILL_KV_REDIS_URL"):
+        worker_settings("--kv-sharing")
+    monkeypatch.setenv("TOKENMILL_BROKER_URL", "redis://:pw@127.0.0.1:6379/0?health_check_interval=5")
+    from ingest.config import ServiceConfig
+
+    assert default_kv_redis_url(ServiceConfig.from_env()) == "redis://:pw@127.0.0.1:6379/1?health_check_interval=5"
 
 
 def test_kv_sharing_refuses_other_kv_settings_and_a_service_without_redis(service_env, monkeypatch,
@@ -106,12 +139,15 @@ def test_the_second_worker_loads_the_prefix_the_first_computed(service_env, sess
         assert errors == []
         return sorted(results, key=lambda r: r["custom_id"])
 
-    client = redis.Redis.from_url(REDIS_URL)
+    client = redis.Redis.from_url(KV_URL)
     try:
         job(first, "a", pool[:4])
         assert first.kv_connector.stats.blocks_saved >= shared_blocks and first.kv_connector.stats.blocks_loaded == 0
         stored = list(client.scan_iter(match=f"{service_env}tokenmill:kv:*"))
         assert len(stored) == first.kv_connector.stats.blocks_saved
+        broker = redis.Redis.from_url(REDIS_URL)
+        assert not list(broker.scan_iter(match=f"{service_env}tokenmill:kv:*"))  # none in the broker's database
+        broker.close()
         assert all(0 < client.ttl(key) <= 600 for key in stored[:8])
 
         second = load_engine(shared)

@@ -13,8 +13,8 @@ def test_a_second_stack_up_in_the_same_directory_is_refused(stack) -> None:
     again = stack.cli("stack", "up", check=False)
     assert again.returncode == 2
     assert f"a stack already runs from {stack.dir}" in again.stderr
-    assert set(stack.state["processes"]) == {"redis", "worker1", "worker2", "beat", "flower", "consumer", "watcher",
-                                             "api"}
+    assert set(stack.state["processes"]) == {"redis", "kv-redis", "worker1", "worker2", "beat", "flower", "consumer",
+                                             "watcher", "api"}
 
 
 def test_stack_env_exports_every_address_and_the_secrets_only_when_asked(stack) -> None:

@@ -91,7 +91,8 @@ def test_the_stack_runs_from_a_wheel_in_a_fresh_virtualenv(tmp_path_factory, pg_
          database, "--threads", "1", "--kv-cache-memory", "0.25", *mine], timeout=240, env=env, cwd=work)
     try:
         state = json.loads((state_dir / "stack.json").read_text())
-        assert set(state["processes"]) == {"redis", "worker1", "beat", "flower", "consumer", "watcher", "api"}
+        assert set(state["processes"]) == {"redis", "kv-redis", "worker1", "beat", "flower", "consumer", "watcher",
+                                           "api"}
         submitted = run([tokenmill, "submit", str(inputs), "--via", "kafka", "--max-tokens", "4", "--wait",
                          "--timeout", "180", *mine], timeout=240, env=env, cwd=work)
         job_id = submitted.stdout.strip().splitlines()[-1]

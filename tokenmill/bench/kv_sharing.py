@@ -10,9 +10,11 @@ tell tokens loaded from the store from tokens found in a worker's own prefix cac
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
+import secrets
 import signal
 import subprocess
 import sys
@@ -131,6 +133,16 @@ class WorkerSettings:
     shards_in_flight: int = 1
     redis_url: str = "redis://127.0.0.1:6379/0"
 
+    @property
+    def kv_redis_url(self) -> str:
+        """Where the workers keep their shared blocks: the broker's Redis, database KV_DB (workers.kv_sharing)."""
+        from ingest.config import ServiceConfig
+        from workers.kv_sharing import default_kv_redis_url
+
+        service = ServiceConfig.from_env()
+        return default_kv_redis_url(dataclasses.replace(service, broker_url=self.redis_url,
+                                                        result_backend=self.redis_url))
+
 
 class Workers:
     """Two `tokenmill worker` processes (each its own supervisor, engine node and control node) on queues of their
@@ -144,9 +156,10 @@ class Workers:
         self.processes: list[subprocess.Popen] = []
         env = {**os.environ, "TOKENMILL_DATABASE_URL": self.database_url, "TOKENMILL_BROKER_URL": settings.redis_url,
                "TOKENMILL_RESULT_BACKEND": settings.redis_url, "TOKENMILL_QUEUE_PREFIX": self.prefix,
-               "TOKENMILL_ENGINE_FACTORY": f"{__name__}:counting_engine", "TOKENMILL_DATA": str(workdir / "data")}
+               "TOKENMILL_ENGINE_FACTORY": f"{__name__}:counting_engine", "TOKENMILL_DATA": str(workdir / "data"),
+               "TOKENMILL_KV_REDIS_URL": settings.kv_redis_url, "TOKENMILL_KV_SECRET": secrets.token_urlsafe(32)}
         for name in ("TOKENMILL_KAFKA_BOOTSTRAP", "TOKENMILL_METRICS_PORT", "TOKENMILL_WORKER_CHILD",
-                     "TOKENMILL_KV_REDIS_URL", "TOKENMILL_KV_TTL_S", "TOKENMILL_KV_DISAGGREGATION"):
+                     "TOKENMILL_KV_TTL_S", "TOKENMILL_KV_DISAGGREGATION"):
             env.pop(name, None)
         for index, stats in enumerate(self.stats_files):
             command = [sys.executable, "-m", "tokenmill", "worker", "--name", f"{self.prefix}w{index}",
@@ -191,21 +204,23 @@ class Workers:
         """Remove this run's keys from Redis: its queues and their bindings, and its shared blocks."""
         import redis
 
-        client = redis.Redis.from_url(self.settings.redis_url)
-        try:
-            for pattern in (f"{self.prefix}*", f"_kombu.binding.{self.prefix}*"):
-                keys = list(client.scan_iter(match=pattern, count=1000))
-                if keys:
-                    client.unlink(*keys)
-        finally:
-            client.close()
+        for url, patterns in ((self.settings.redis_url, (f"{self.prefix}*", f"_kombu.binding.{self.prefix}*")),
+                              (self.settings.kv_redis_url, (f"{self.prefix}*",))):
+            client = redis.Redis.from_url(url)
+            try:
+                for pattern in patterns:
+                    keys = list(client.scan_iter(match=pattern, count=1000))
+                    if keys:
+                        client.unlink(*keys)
+            finally:
+                client.close()
 
     def stored_mib(self) -> float:
         import redis
 
         from workers.kv_sharing import KEY_PREFIX
 
-        client = redis.Redis.from_url(self.settings.redis_url)
+        client = redis.Redis.from_url(self.settings.kv_redis_url)
         try:
             keys = list(client.scan_iter(match=f"{self.prefix}{KEY_PREFIX}*", count=1000))
             return sum(client.strlen(key) for key in keys) / 2**20

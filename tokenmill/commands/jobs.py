@@ -223,7 +223,9 @@ def _new_job(args: argparse.Namespace):
 
     limits = Limits.from_env(max_rows=args.max_input_rows, max_uncompressed_bytes=args.max_input_bytes,
                              max_file_bytes=args.max_input_bytes)
-    engine = engine_kwargs(args)
+    from workers.kv_sharing import without_kv_secret
+
+    engine = without_kv_secret(engine_kwargs(args))  # a job's settings are stored: load_engine adds it back
     request = validate_request(dict(input_uri=args.input or sample_input(),
                                     output_uri=args.output or default_output(args.input), model=args.model,
                                     sampling=sampling_kwargs(args), engine=engine,

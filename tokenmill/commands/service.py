@@ -161,6 +161,9 @@ def _register_stack(commands: argparse._SubParsersAction) -> None:
     start.add_argument("--shards-in-flight", type=int, metavar="K",
                        help="shards each worker runs at once in its engine (default: `tokenmill worker`'s, from "
                             "its --max-num-seqs and --shard-rows)")
+    start.add_argument("--kv-store-memory", type=int, metavar="MIB",
+                       help="maxmemory of the stack's KV Redis (KV sharing, disaggregated workers), which then "
+                            "evicts the least recently used blocks (default: 512)")
     start.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                        help="extra environment for every component, e.g. TOKENMILL_SWEEP_INTERVAL_S=5 (default 30), "
                             "TOKENMILL_SWEEP_GRACE_S=60 (how long lost work waits before the sweep resends it; "
@@ -371,7 +374,8 @@ def stack_up(args: argparse.Namespace) -> int:
                    *_lora_module_args(lora_modules(args))]
     settings = local_stack.StackSettings(args.state_dir or default_state_dir(), workers, args.port_base,
                                          args.database_url or local_stack.DEFAULT_DATABASE, args.model, worker_args,
-                                         extra_env, args.postgres)
+                                         extra_env, args.postgres,
+                                         args.kv_store_memory or local_stack.KV_STORE_MEMORY_MIB)
     state = local_stack.up(settings)
     print(f"tokenmill stack is up (state: {settings.state_dir})")
     print(local_stack.describe(state, settings.state_dir))
@@ -411,6 +415,7 @@ def worker(args: argparse.Namespace) -> int:
     import socket
 
     from workers.disagg import role_engine_settings
+    from workers.kv_sharing import without_kv_secret
 
     role = os.environ.get(WORKER_ROLE_ENV)
     engine, adapters = engine_kwargs(args), worker_lora_modules(args)  # bad settings stop it before any node starts
@@ -419,7 +424,7 @@ def worker(args: argparse.Namespace) -> int:
         nodes = worker_nodes(args, _service_config())
         return _supervise({role: [sys.executable, "-m", "tokenmill", *args.argv] for role in nodes})
     os.environ["TOKENMILL_WORKER_MODEL"] = args.model
-    os.environ["TOKENMILL_WORKER_ENGINE"] = json.dumps(engine)
+    os.environ["TOKENMILL_WORKER_ENGINE"] = json.dumps(without_kv_secret(engine))  # load_engine adds it back
     os.environ["TOKENMILL_WORKER_LORA_MODULES"] = json.dumps(adapters)
     if args.kv_role:
         os.environ["TOKENMILL_WORKER_KV_ROLE"] = args.kv_role

