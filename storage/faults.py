@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib
 import os
 import signal
+from collections.abc import Callable
 
 THROTTLING_CODES = {"Throttling", "ThrottlingException", "SlowDown", "RequestTimeout", "RequestLimitExceeded",
                     "ServiceUnavailable", "InternalError"}
@@ -55,11 +56,16 @@ def _is_server_side(error: BaseException) -> bool:
     return status >= 500 or status == 429 or response.get("Error", {}).get("Code") in THROTTLING_CODES
 
 
+crash_hook: Callable[[str], None] | None = None
+
 CRASH_POINTS = ("after_part_upload", "during_finalize", "after_consumer_insert", "before_sweep_sends")
 
 
 def crash_point(name: str) -> None:
     """Fault-test hook: with TOKENMILL_CRASH_AT=<name> set, this process SIGKILLs itself here, so a test can
-    kill a worker, `tokenmill run` or the consumer at an exact step (no cleanup code runs, as after a power cut)."""
+    kill a worker, `tokenmill run` or the consumer at an exact step (no cleanup code runs, as after a power cut).
+    The fault explorer (`workers.sim`) sets `crash_hook` to decide there itself."""
+    if crash_hook is not None:
+        crash_hook(name)
     if os.environ.get("TOKENMILL_CRASH_AT") == name:
         os.kill(os.getpid(), signal.SIGKILL)

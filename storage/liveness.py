@@ -20,6 +20,7 @@ from datetime import UTC, datetime, timedelta
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
+from storage import clock
 from storage.models import Job, ServiceMarker, Shard, ShardStatus, utcnow
 
 LEASE = timedelta(seconds=float(os.environ.get("TOKENMILL_LEASE_S") or 120))  # renewed every quarter
@@ -95,7 +96,10 @@ def _pid_namespace() -> str:
 
 
 def db_now(session: Session) -> datetime:
-    """The database's clock (UTC): PostgreSQL's `now()`, the transaction's start; SQLite: this host's."""
+    """The database's clock (UTC): PostgreSQL's `now()`, the transaction's start; SQLite: this host's (a
+    simulated clock, `storage.clock`, stands in for both)."""
+    if (simulated := clock.database_now()) is not None:
+        return simulated
     if session.get_bind().dialect.name == "sqlite":
         return utcnow()
     return _utc(session.scalar(select(func.now())))

@@ -31,6 +31,7 @@ from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 from sqlalchemy.types import TypeDecorator
 
+from storage import clock
 from storage.job_settings import JobSettings, JobSettingsJSON
 
 NAMING_CONVENTION = {
@@ -77,7 +78,7 @@ class JobSource(enum.StrEnum):
 
 
 def utcnow() -> datetime:
-    return datetime.now(UTC)
+    return clock.utcnow()
 
 
 def _one_of(column: str, values: type[enum.StrEnum]) -> str:

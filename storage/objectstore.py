@@ -15,7 +15,7 @@ import re
 import shutil
 import tempfile
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -443,9 +443,15 @@ def s3_client(options: S3Options):
     return session.client("s3", endpoint_url=options.endpoint_url, config=config)
 
 
+# While set (by the fault explorer, `workers.sim`), every store is this one's: normalized URI -> store
+simulated_stores: Callable[[str], ObjectStore] | None = None
+
+
 def open_store(uri: str, s3: S3Options | None = None) -> ObjectStore:
     """The store rooted at uri (a folder or an S3 prefix)."""
     normalized = normalize_uri(uri)
+    if simulated_stores is not None:
+        return simulated_stores(normalized)
     if normalized.startswith("s3://"):
         parsed = urlparse(normalized)
         return S3Store(parsed.netloc, parsed.path, s3)

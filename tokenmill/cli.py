@@ -19,6 +19,7 @@ COMMAND_MODULES = [
     "tokenmill.commands.jobs",
     "tokenmill.commands.service",
     "tokenmill.commands.api",
+    "tokenmill.commands.sim",
 ]
 
 DESCRIPTION = """\

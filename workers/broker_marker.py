@@ -26,6 +26,15 @@ def _uses_marker(broker_url: str) -> bool:
     return broker_url.startswith(("redis://", "rediss://"))
 
 
+def _redis_client(broker_url: str):
+    import redis
+
+    return redis.Redis.from_url(broker_url, socket_timeout=5)
+
+
+broker_client = _redis_client  # the fault explorer (`workers.sim`) puts its simulated broker here
+
+
 def _read(marker: ServiceMarker) -> tuple[str, int | None]:
     """(deployment id, generation); no generation in a marker written before there were any."""
     deployment, _, generation = marker.value.partition(".")
@@ -37,10 +46,8 @@ def broker_lost(sessions: sessionmaker[Session], broker_url: str) -> bool:
     `restore_marker`. Unknown (the broker or the database down) counts as not lost: the grace period applies."""
     if not _uses_marker(broker_url):
         return False
-    import redis
-
     try:
-        with redis.Redis.from_url(broker_url, socket_timeout=5) as client, sessions.begin() as session:
+        with broker_client(broker_url) as client, sessions.begin() as session:
             marker = session.get(ServiceMarker, NAME, with_for_update=True)
             if marker is None:  # the first check of this database
                 deployment = uuid.uuid4().hex
@@ -65,10 +72,8 @@ def restore_marker(sessions: sessionmaker[Session], broker_url: str) -> None:
     """Put the database's marker back into the broker: call once the work resent after a loss was sent."""
     if not _uses_marker(broker_url):
         return
-    import redis
-
     try:
-        with redis.Redis.from_url(broker_url, socket_timeout=5) as client, sessions.begin() as session:
+        with broker_client(broker_url) as client, sessions.begin() as session:
             marker = session.get(ServiceMarker, NAME, with_for_update=True)
             if marker is not None:
                 deployment, generation = _read(marker)

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from typing import NamedTuple
 
 from sqlalchemy.orm import Session, sessionmaker
 
+from storage import clock
 from storage import repository as repo
 from storage.faults import is_transient
 from storage.liveness import LEASE, lease_until
@@ -69,9 +69,7 @@ class LeaseHeartbeat:
             self._users += 1
             if self._users == 1:
                 self._stop = threading.Event()
-                self._thread = threading.Thread(target=self._run, args=(self._stop,), name="lease-heartbeat",
-                                                daemon=True)
-                self._thread.start()
+                self._thread = clock.periodic(self.every_s, self.beat, self._stop, "lease-heartbeat")
         return self
 
     def __exit__(self, *exc) -> None:
@@ -83,10 +81,6 @@ class LeaseHeartbeat:
             thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join()
-
-    def _run(self, stop: threading.Event) -> None:
-        while not stop.wait(self.every_s):
-            self.beat()
 
     def beat(self) -> None:
         with self._lock:
@@ -118,7 +112,7 @@ class StatusWatch:
     def should_stop(self) -> bool:
         if self.claim is not None and not self.heartbeat.holds(self.claim):
             return True
-        now = time.monotonic()
+        now = clock.monotonic()
         if now - self.checked < STATUS_POLL_SECONDS:
             return False
         self.checked = now

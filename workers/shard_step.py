@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, NamedTuple, TypeVar
 
 from sqlalchemy import select
 
-from storage import claims
+from storage import claims, clock
 from storage import repository as repo
 from storage.faults import crash_point, is_transient
 from storage.formats import Request, part_key, write_part
@@ -288,14 +288,14 @@ def through_outages(step: Callable[[], T], wait_s: float | None = None) -> T:
     """Run one commit step, retrying it with backoff while the database or S3 is down (up to `wait_s`, default
     OUTAGE_WAIT_S). Each step is safe to repeat: the part key is the claim's own and the shard's commit replaces
     its rows."""
-    deadline, delay = time.monotonic() + (OUTAGE_WAIT_S if wait_s is None else wait_s), 1.0
+    deadline, delay = clock.monotonic() + (OUTAGE_WAIT_S if wait_s is None else wait_s), 1.0
     while True:
         try:
             return step()
         except Exception as error:
-            if not is_transient(error) or time.monotonic() + delay > deadline:
+            if not is_transient(error) or clock.monotonic() + delay > deadline:
                 raise
             log.warning("a service is down (%s: %s); trying again in %.0f s", type(error).__name__,
                         str(error).splitlines()[0][:200], delay)
-            time.sleep(delay)
+            clock.sleep(delay)
             delay = min(delay * 2, 15.0)
