@@ -81,9 +81,11 @@ def idempotency_key(input_uri: str, output_uri: str) -> str:
     return "cli-" + hashlib.sha256(canonical.encode()).hexdigest()[:40]
 
 
-def submit(sessions: sessionmaker[Session], new: NewJob, reopen: bool = True) -> Submission:
+def submit(sessions: sessionmaker[Session], new: NewJob, reopen: bool = True,
+           with_job: Callable[[Session, Job], None] | None = None) -> Submission:
     """Create the job, or find it again by its idempotency key. With `reopen` (the CLI's resubmission) a failed
-    or cancelled job is retried; without it (a redelivered message) the job found is left as it is."""
+    or cancelled job is retried; without it (a redelivered message) the job found is left as it is. `with_job`
+    writes what belongs with a created job (the API's batch row) in the transaction that creates it."""
     key = new.idempotency_key or idempotency_key(new.input_uri, new.output_uri)
     try:
         with sessions.begin() as session:
@@ -100,8 +102,11 @@ def submit(sessions: sessionmaker[Session], new: NewJob, reopen: bool = True) ->
                       source_ref=new.source_ref, status=S.VALIDATING.value, model=new.model,
                       input_uri=new.input_uri, output_uri=new.output_uri, settings=new.settings,
                       priority=new.priority, created_at=now, validating_at=now,
-                      output_claim=output_claim(new.output_uri), expires_at=deadline(new.settings, now))
+                      output_claim=output_claim(new.output_uri), expires_at=deadline(new.settings, db_now(session)))
             session.add(job)
+            if with_job is not None:
+                session.flush()
+                with_job(session, job)
             return Submission(job, "created")
     except IntegrityError:  # submitted concurrently by someone else: that one wins
         with sessions() as session:
@@ -115,6 +120,7 @@ def submit(sessions: sessionmaker[Session], new: NewJob, reopen: bool = True) ->
 
 
 def deadline(settings: JobSettings, start: datetime) -> datetime:
+    """`start` is on the database's clock (`db_now`), the one the sweep compares deadlines with."""
     return start + timedelta(seconds=window_seconds(settings.completion_window))
 
 
@@ -134,7 +140,7 @@ def _reopen(job: Job, new: NewJob) -> str:
             raise OutputClaimed(job.output_uri, owner)
         transition(job, S.VALIDATING)
         repo.fence(job)  # a cleanup of the ended attempt, still running late, must spare the retry's parts
-        job.expires_at = deadline(job.settings, utcnow())
+        job.expires_at = deadline(job.settings, db_now(object_session(job)))
         return "retried"
     return "resumed"
 
@@ -186,11 +192,11 @@ class Intake:
             new.settings = new.settings.model_copy(update={"inbox_pin": input_pin})
         return new
 
-    def record(self, new: NewJob) -> Submission:
-        """Store a prepared job (or find it again by its key) and hand it to the workers; SpecError for a job id
-        already taken."""
+    def record(self, new: NewJob, with_job: Callable[[Session, Job], None] | None = None) -> Submission:
+        """Store a prepared job (or find it again by its key) and, once that committed, hand it to the workers;
+        SpecError for a job id already taken. `with_job`: see `submit`."""
         try:
-            submission = submit(self.sessions, new, reopen=False)
+            submission = submit(self.sessions, new, reopen=False, with_job=with_job)
         except ValueError as error:
             raise SpecError(str(error)) from None
         if submission.job.status == JobStatus.VALIDATING:  # also when an earlier arrival was not handed out

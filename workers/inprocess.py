@@ -1,6 +1,7 @@
 """A job run in this process, without Celery: `run_job` takes it through its steps (`workers.job_steps`,
 `workers.shard_step`) to completed, failed or cancelled; `cancel_job` stops it; `LocalExecutor` runs jobs one
-after another on a background thread (the executor of `tokenmill api` when no Celery broker is configured).
+after another on a background thread (the executor of `tokenmill api` when no Celery broker is configured), and
+tries a job that another live process holds again once that process's lease lapsed.
 Jobs are made by `ingest.intake.submit`.
 
 The process holds the job by a lease on the database's clock for the whole run; its shards run K at a time
@@ -16,6 +17,7 @@ import queue
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import select
@@ -46,10 +48,16 @@ log = logging.getLogger("tokenmill.jobs")
 S = JobStatus
 VALIDATE_TRIES = 6  # a store that times out or throttles while validating: 1, 2, 4, 8, 16 s apart
 NO_ATTEMPT_LIMIT = 1 << 30  # in-process, an error fails the job at once; attempts only count
+BUSY_RETRY_MARGIN_S = 1.0  # a busy job is tried again this long after its holder's lease lapses
 
 
 class JobBusy(RuntimeError):
-    """Another live process is running this job."""
+    """Another live process is running this job; its lease (the longest of its holder's and its running shards')
+    lapses `lapses_in` from now unless renewed."""
+
+    def __init__(self, message: str, lapses_in: timedelta = timedelta(0)) -> None:
+        super().__init__(message)
+        self.lapses_in = lapses_in
 
 
 def run_job(sessions: sessionmaker[Session], job_id: str, engine_provider: EngineFactory,
@@ -116,9 +124,10 @@ class JobRunner:
             job = steps.job_row(session)
             if is_terminal(job.status):
                 return job
-            if job.worker != steps.worker and runner_alive(job, db_now(session)):
-                raise JobBusy(f"job {job.id} is being run by {job.worker}")
-            steps.take_step(job, db_now(session))
+            now = db_now(session)
+            if job.worker != steps.worker and runner_alive(job, now):
+                raise JobBusy(f"job {job.id} is being run by {job.worker}", _lease_left(job, now))
+            steps.take_step(job, now)
             reset = repo.reset_unfinished_shards(session, job.id)
             done = sum(1 for s in job.shards if s.status == ShardStatus.COMPLETED)
             if job.attempts > 1:
@@ -187,6 +196,11 @@ class JobRunner:
             raise failed[0]
 
 
+def _lease_left(job: Job, now: datetime) -> timedelta:
+    leases = [job.lease_expires_at, *(s.lease_expires_at for s in job.shards if s.status == ShardStatus.RUNNING)]
+    return max([lease - now for lease in leases if lease is not None], default=timedelta(0))
+
+
 class LocalExecutor:
     """Runs the jobs it is handed one after another on a background thread, with one engine (built from
     `engine_settings` on first use unless given) for all of them."""
@@ -196,6 +210,7 @@ class LocalExecutor:
         self.sessions, self.engine_settings = sessions, engine_settings
         self.jobs: queue.Queue[str | None] = queue.Queue()
         self._engine, self._owns_engine = engine, engine is None
+        self._retries: list[threading.Timer] = []
         self._thread = threading.Thread(target=self._run, name="tokenmill-jobs", daemon=True)
         self._thread.start()
 
@@ -213,6 +228,8 @@ class LocalExecutor:
         return len(live)
 
     def close(self, timeout_s: float = 30) -> None:
+        for retry in self._retries:
+            retry.cancel()
         self.jobs.put(None)
         self._thread.join(timeout_s)
         if self._owns_engine and self._engine is not None:
@@ -229,6 +246,16 @@ class LocalExecutor:
             try:
                 job = run_job(self.sessions, job_id, self.engine)
                 log.info("job %s %s", job_id, job.status)
+            except JobBusy as busy:  # e.g. held by this API's previous process, restarted within its lease
+                delay = busy.lapses_in.total_seconds() + BUSY_RETRY_MARGIN_S
+                log.info("%s; trying again in %.0f s, once its lease lapsed", busy, delay)
+                self._retry_later(job_id, delay)
             except Exception:
                 log.exception("job %s stopped with an error", job_id)
         log.info("in-process executor stopped")
+
+    def _retry_later(self, job_id: str, delay_s: float) -> None:
+        retry = threading.Timer(delay_s, self.dispatch, (job_id,))
+        retry.daemon = True
+        self._retries = [*(r for r in self._retries if r.is_alive()), retry]
+        retry.start()

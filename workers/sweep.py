@@ -10,14 +10,16 @@ database's clock:
   took shards from live workers and used an attempt each);
 - a cancel request whose shards' leases all ended finishes the job `cancelled`;
 - the reconciler: the database is the record, the broker only a hint. A shard `pending` or `failed` (to be
-  retried) for longer than the grace period while its model's queue is empty lost its task and is sent again;
-  so is a plan step that no one took. A finalize step that no one holds is sent again after `finalize_wait`
-  (about a sweep interval: its task may have been lost while the broker was down). When the broker lost its
-  state (a Redis FLUSHALL, restart or restore, seen by the broker marker, `workers.broker_marker`), there is no
-  wait: everything waiting for a task is sent at once. Tasks are idempotent, so a duplicate costs a claim,
-  never data. The wait is measured on the database's clock alone, never against times the hosts stamped (their
-  clocks may be off by an hour): the first sweep that sees a shard or step waiting with no holder stamps
-  `lease_expires_at` (with no holder: "waiting, seen at"), and a resend stamps it again.
+  retried) for longer than the grace period since it was last sent lost its task and is sent again, however
+  busy its model's queue (under steady work it is never empty); so is a plan step that no one took. A finalize
+  step that no one holds is sent again after `finalize_wait` (about a sweep interval: its task may have been
+  lost while the broker was down), or after the grace while the control queue holds tasks. When the broker lost
+  its state (a Redis FLUSHALL, restart or restore, seen by the broker marker, `workers.broker_marker`), there is
+  no wait: everything waiting for a task is sent at once. Tasks are idempotent, so a duplicate costs a claim,
+  never data; a task merely queued longer than the grace gets one duplicate per grace, no more. The wait is
+  measured on the database's clock alone, never against times the hosts stamped (their clocks may be off by an
+  hour): the first sweep that sees a shard or step waiting with no holder stamps `lease_expires_at` (with no
+  holder: "waiting, seen at"), and a resend stamps it again ("resent at").
 - a job past its deadline (`expires_at`, from the spec's `completion_window`) ends `expired`: its completed
   shards and their parts are kept, the others end cancelled and fenced.
 """
@@ -57,9 +59,9 @@ class SweepResult:
 def sweep(sessions: sessionmaker[Session], now: datetime | None = None, stale: timedelta = STALE,
           queued: Callable[[str | None], int] | None = None, broker_lost: bool = False,
           finalize_wait: timedelta = FINALIZE_WAIT) -> SweepResult:
-    """Find the work that was lost; the caller sends the tasks (after this commits). `queued(model)` is how
-    many tasks wait in that model's queue (`queued(None)`: the control queue); unknown counts as none.
-    `now` defaults to the database's clock."""
+    """Find the work that was lost; the caller sends the tasks (after this commits). `queued(None)` is how many
+    tasks wait in the control queue (unknown counts as none): a busy one makes a finalize step wait out the
+    grace. `now` defaults to the database's clock."""
     result = SweepResult()
     waiting = functools.cache(queued or (lambda model: 0))
     grace = timedelta(0) if broker_lost else stale
@@ -76,10 +78,12 @@ def sweep(sessions: sessionmaker[Session], now: datetime | None = None, stale: t
                 mark_cancelled(job)
                 result.cancelled.append(job.id)
             elif job.status != S.CANCELLING:
-                _resend_lost_shards(job, now, grace, waiting, result)
+                _resend_lost_shards(job, now, grace, result)
         for job in _service_jobs(session, (S.VALIDATING, S.FINALIZING)):
-            wait = grace if job.status == S.VALIDATING else min(grace, finalize_wait)
-            if not holder_alive(job.worker, job.lease_expires_at, lapsed_by) and _step_lost(job, now, wait, waiting):
+            if holder_alive(job.worker, job.lease_expires_at, lapsed_by):
+                continue
+            soon = job.status == S.FINALIZING and not waiting(None)  # else its task may be queued: wait the grace
+            if _step_lost(job, now, min(grace, finalize_wait) if soon else grace):
                 (result.plan if job.status == S.VALIDATING else result.finalize).append(job.id)
     if any((result.requeue, result.plan, result.finalize, result.cancelled, result.expired)):
         log.info("sweep: requeued shards %s, validating again %s, finalizing again %s, cancelled %s, expired %s%s",
@@ -102,10 +106,9 @@ def _service_jobs(session: Session, statuses) -> list[Job]:
             if job.settings.executor == CELERY]
 
 
-def _step_lost(job: Job, now: datetime, wait: timedelta, waiting: Callable[[str | None], int]) -> bool:
+def _step_lost(job: Job, now: datetime, wait: timedelta) -> bool:
     """(job row locked) Is the job's plan or finalize step lost: its holder's lease lapsed, or no one took it
-    for `wait` since a sweep first saw it so while the control queue is empty? Marks it resent (and fences a
-    lapsed holder)."""
+    for `wait` since a sweep first saw it so or last resent it? Marks it resent (and fences a lapsed holder)."""
     if holder_alive(job.worker, job.lease_expires_at, now):
         return False
     if job.worker is not None:
@@ -115,7 +118,7 @@ def _step_lost(job: Job, now: datetime, wait: timedelta, waiting: Callable[[str 
     else:
         if job.lease_expires_at is None:  # first seen with no holder (a claim's release clears the stamp)
             job.lease_expires_at = now
-        if now - job.lease_expires_at < wait or waiting(None):
+        if now - job.lease_expires_at < wait:
             return False
         log.warning("job %s: its %s step has had no holder since %s or earlier and no task; sending it again",
                     job.id, job.status, job.lease_expires_at)
@@ -123,17 +126,17 @@ def _step_lost(job: Job, now: datetime, wait: timedelta, waiting: Callable[[str 
     return True
 
 
-def _resend_lost_shards(job: Job, now: datetime, grace: timedelta, waiting: Callable[[str | None], int],
-                        result: SweepResult) -> None:
+def _resend_lost_shards(job: Job, now: datetime, grace: timedelta, result: SweepResult) -> None:
     """Shards waiting for a task (pending, or failed and to be retried) for `grace` since a sweep first saw them
-    so, while their model's queue is empty: their task was lost. The claim applies the attempt limit as usual."""
+    so or last resent them: their task was lost, or has waited in a queue that long. No queue depth holds this
+    back: other jobs' tasks keep a busy queue from ever emptying. The claim applies the attempt limit as usual."""
     sent = {shard_id for _, shard_id, _ in result.requeue}
     for shard in job.shards:
         if shard.status not in (ShardStatus.PENDING, ShardStatus.FAILED) or shard.id in sent:
             continue
         if shard.lease_expires_at is None:  # first seen waiting (a claim, failure or completion clears the stamp)
             shard.lease_expires_at = now
-        if now - shard.lease_expires_at < grace or waiting(job.model):
+        if now - shard.lease_expires_at < grace:
             continue
         log.warning("job %s: shard %d has been %s since %s or earlier with no task; sending it again", job.id,
                     shard.index, shard.status, shard.lease_expires_at)

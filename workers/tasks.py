@@ -308,6 +308,8 @@ def sweep() -> dict[str, Any]:
         discard_if_ended(sessions(), JobSteps(sessions(), job_id).load())
     remove_stray_parts(sessions())  # parts of lost claims whose own cleanup failed or never ran
     crash_point("before_sweep_sends")
+    for model in dict.fromkeys(model for _, _, model in found.requeue):
+        queued_tasks(model)  # declares the model's queue: bound again after the broker lost its state
     for job_id, shard_id, model in found.requeue:
         enqueue_shards(job_id, model, [shard_id], head=True)
     for job_id in found.plan:

@@ -31,7 +31,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.exceptions import HTTPException
 
-from ingest.intake import Intake, submit
+from ingest.intake import Intake
 from ingest.openai_api.guard import RequestGuard
 from ingest.openai_api.objects import ApiError, Deleted, FileObject, batch_object, file_object, not_found
 from ingest.openai_api.results import (
@@ -313,6 +313,15 @@ def create_batch(service: Service, owner: Tenant, body: BatchCreate) -> dict[str
     if not checked.rows:
         raise ApiError(400, "the input file has no requests", code="empty_file", param="input_file_id")
     job_id = str(uuid.uuid4())
+
+    def add_batch(writer: Session, job: Job) -> None:  # in the job's own transaction: no job without its batch
+        if checked.errors:  # refused: the batch exists, failed, with its lines listed (OpenAI's way)
+            transition(job, JobStatus.FAILED, error=checked.summary())
+        writer.add(ApiBatch(job_id=job.id, tenant=owner, endpoint=body.endpoint, created_at=utcnow(),
+                            completion_window=body.completion_window, input_file_id=source.id,
+                            metadata_=body.metadata, errors=checked.errors or None,
+                            output_expires_after=body.output_expires_after and body.output_expires_after.seconds))
+
     try:
         request = validate_request(dict(
             input_uri=source.uri, output_uri=f"{service.bucket_uri}/{API_RESULTS}/{job_id}", model=service.model,
@@ -320,16 +329,9 @@ def create_batch(service: Service, owner: Tenant, body: BatchCreate) -> dict[str
             idempotency_key=f"api-{job_id}", completion_window=body.completion_window, shard_size=service.shard_size))
         new = service.intake.prepare(request, source=JobSource.API.value, source_ref=source.id,
                                      default_key=request.idempotency_key, tenant=owner, executor=service.executor)
-        job = (service.intake.record(new) if not checked.errors else submit(service.sessions, new, False)).job
+        job = service.intake.record(new, with_job=add_batch).job  # a failed one is not handed out
     except SpecError as error:
         raise ApiError(400, str(error), code="invalid_value") from None
-    with service.sessions.begin() as writer:
-        if checked.errors:  # refused: the batch exists, failed, with its lines listed (OpenAI's way)
-            transition(writer.get(Job, job.id), JobStatus.FAILED, error=checked.summary())
-        writer.add(ApiBatch(job_id=job.id, tenant=owner, endpoint=body.endpoint, created_at=utcnow(),
-                            completion_window=body.completion_window, input_file_id=source.id,
-                            metadata_=body.metadata, errors=checked.errors or None,
-                            output_expires_after=body.output_expires_after and body.output_expires_after.seconds))
     return _batch(service, owner, job.id)
 
 

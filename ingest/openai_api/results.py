@@ -64,9 +64,8 @@ def add_result_files(sessions: sessionmaker[Session], s3: S3Options, batch: ApiB
                     kind = "batch_error" if json.loads(line).get("error") is not None else "batch_output"
                     counts[kind] += 1
                     sizes[kind] += len(line)
-    now = utcnow()
-    expires = None if batch.output_expires_after is None else batch.created_at + timedelta(
-        seconds=batch.output_expires_after)
+    now = utcnow()  # each file's lifetime counts from its own creation, as OpenAI's does
+    expires = None if batch.output_expires_after is None else now + timedelta(seconds=batch.output_expires_after)
     files = {kind: ApiFile(id=f"file-{uuid.uuid5(uuid.NAMESPACE_URL, f'{job.id}/{kind}').hex}", tenant=batch.tenant,
                            purpose="batch_output", kind=kind, uri=uri, bytes=sizes[kind], lines=counts[kind],
                            filename=f"{batch.job_id}_{'error' if errors else 'output'}.jsonl", created_at=now,

@@ -63,6 +63,7 @@ def test_a_writer_clock_an_hour_off_neither_hastens_nor_holds_back_a_resend(sqli
         assert GRACE <= first_sent.get(sent, timedelta.max) <= GRACE + INTERVAL, (sent, first_sent)
 
 
+@pytest.mark.service  # the machine's Redis
 def test_a_lost_broker_stays_lost_until_the_resend_is_sent(sqlite_sessions, broker) -> None:
     """Unit: the check does not put the marker back; only `restore_marker`, called once the resend went out."""
     assert broker_lost(sqlite_sessions, REDIS_URL) is False  # the first check of this database
@@ -73,6 +74,7 @@ def test_a_lost_broker_stays_lost_until_the_resend_is_sent(sqlite_sessions, brok
     assert broker_lost(sqlite_sessions, REDIS_URL) is False
 
 
+@pytest.mark.service  # the machine's Redis
 def test_a_redis_restored_from_a_snapshot_is_seen_as_lost(sqlite_sessions, tmp_path, broker) -> None:
     """The marker moves on at each check: a broker put back to an older snapshot holds an older marker and lost
     what was sent since. Another deployment on the same Redis keeps its own marker."""
@@ -103,6 +105,7 @@ def run_sweep_task(database_url: str, prefix: str, crash_at: str | None = None) 
     return subprocess.run([sys.executable, "-c", SWEEP_TASK], env=env, capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.service  # the machine's Redis
 def test_a_sweep_that_dies_before_its_resend_leaves_the_loss_to_the_next(sqlite_sessions, broker) -> None:
     """Redis flushed; the sweep that notices it commits its resend, then dies before sending (as when the broker
     goes down again): the next sweep still sees the loss and sends the pending shards at once, then puts the
@@ -130,3 +133,29 @@ def test_a_sweep_that_dies_before_its_resend_leaves_the_loss_to_the_next(sqlite_
     assert after["broker_lost"] is False and after["requeued"] == []  # the marker is back; the resend waits
     with sqlite_sessions() as session:
         assert all(session.get(Shard, shard).status == "pending" for shard in pending)
+
+
+def test_a_busy_queue_does_not_hold_back_lost_work(sqlite_sessions) -> None:
+    """#55 path 1: with work arriving all the time, the model's and the control queue are never empty. A shard, a
+    plan step and a finalize step that lost their tasks are sent again once their grace passed all the same, then
+    not again before another grace; right after the broker lost its state, at once."""
+    def busy(queue: str | None) -> int:
+        return 5
+
+    start = utcnow()
+    queued = make_job(sqlite_sessions, "s3://b/out", shards=1)
+    validating = make_job(sqlite_sessions, "s3://b/out2", shards=0, status="validating")
+    finalizing = make_job(sqlite_sessions, "s3://b/out3", shards=0, status="finalizing")
+    with sqlite_sessions() as session:
+        [shard] = [s.id for s in repo.shards(session, queued)]
+
+    def sent(after: timedelta, broker_lost: bool = False) -> list:
+        found = sweep(sqlite_sessions, now=start + after, stale=GRACE, queued=busy, broker_lost=broker_lost)
+        return [shard for _, shard, _ in found.requeue] + found.plan + found.finalize
+
+    assert sent(timedelta(0)) == []  # first seen waiting: perhaps the tasks are on their way
+    assert sent(INTERVAL) == []  # a busy control queue: finalize waits out the whole grace
+    assert sent(GRACE) == [shard, validating, finalizing]
+    assert sent(GRACE + INTERVAL) == []  # just resent: not again before another grace
+    assert sent(GRACE + 2 * INTERVAL, broker_lost=True) == [shard, validating, finalizing]
+    assert sent(2 * GRACE + 2 * INTERVAL) == [shard, validating, finalizing]

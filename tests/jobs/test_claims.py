@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import threading
 import uuid
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 
 import pytest
 
 from ingest.intake import Intake, OutputClaimed, submit
 from ingest.spec import SpecError, validate_request
+from storage import clock
 from storage import repository as repo
 from storage.job_settings import CELERY, JobSettings
 from storage.models import Job, Shard, ShardStatus, utcnow
@@ -187,12 +188,41 @@ def test_a_job_past_its_deadline_expires_keeping_its_completed_shards(sqlite_ses
 
 def test_completion_window_sets_the_deadline(sqlite_sessions, tmp_path) -> None:
     job = submit(sqlite_sessions, new_job(str(tmp_path / "a.jsonl"), str(tmp_path / "o"))).job
-    assert timedelta(hours=23, minutes=59) < job.expires_at - job.created_at <= timedelta(hours=24)
+    assert timedelta(hours=23, minutes=59) < job.expires_at - job.created_at < timedelta(hours=24, seconds=1)
     job = submit(sqlite_sessions, new_job(str(tmp_path / "b.jsonl"), str(tmp_path / "p"), completion_window="90s")).job
-    assert job.expires_at - job.created_at == timedelta(seconds=90)
+    assert abs(job.expires_at - job.created_at - timedelta(seconds=90)) < timedelta(seconds=1)  # two clocks' reads
     for bad in ("0h", "24", "31d", "1w", 24):
         with pytest.raises(SpecError, match="completion_window"):
             validate_request({"input_uri": "a.jsonl", "output_uri": "o", "completion_window": bad})
+
+
+class FrontDoorBehind(clock.SystemClock):
+    """The front door's host an hour behind the database's clock."""
+
+    def utcnow(self) -> datetime:
+        return datetime.now(UTC) - timedelta(hours=1)
+
+    def database_now(self) -> datetime:
+        return datetime.now(UTC)
+
+
+def test_the_deadline_is_stamped_on_the_databases_clock(sqlite_sessions, tmp_path) -> None:
+    """#55 path 7: the sweep compares deadlines with the database's clock, so they are stamped on it: a front door
+    whose clock is an hour behind neither expires a job at once nor a retried one early."""
+    previous = clock.install(FrontDoorBehind())
+    try:
+        new = new_job(str(tmp_path / "a.jsonl"), str(tmp_path / "o"), completion_window="90s")
+        job = submit(sqlite_sessions, new).job
+        assert abs(job.expires_at - (datetime.now(UTC) + timedelta(seconds=90))) < timedelta(seconds=5)
+        assert sweep(sqlite_sessions).expired == []
+        with sqlite_sessions.begin() as session:
+            transition(repo.get_job(session, job.id), "failed", error="boom")
+        assert submit(sqlite_sessions, new).outcome == "retried"
+        with sqlite_sessions() as session:
+            retried = repo.get_job(session, job.id).expires_at
+        assert abs(retried - (datetime.now(UTC) + timedelta(seconds=90))) < timedelta(seconds=5)
+    finally:
+        clock.install(previous)
 
 
 def test_an_input_replaced_mid_job_fails_it_with_that_reason(sqlite_sessions, llm_engine, tmp_path) -> None:

@@ -7,6 +7,7 @@ import json
 import socket
 import subprocess
 import sys
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -21,7 +22,8 @@ from storage.formats import Limits
 from storage.job_settings import JobSettings
 from storage.models import Job, Shard, utcnow
 from tests.jobs.jobhelpers import new_job, no_engine, prompt_rows, write_parquet
-from workers.inprocess import JobBusy, cancel_job, run_job
+from workers.inprocess import JobBusy, LocalExecutor, cancel_job, run_job
+from workers.job_steps import JobSteps
 
 
 def spec(input_path: Path, output: Path, **kwargs) -> NewJob:
@@ -155,6 +157,26 @@ def test_a_job_held_by_a_live_process_is_not_taken_over(sessions, tmp_path: Path
     assert submit(sessions, spec(path, tmp_path / "out")).outcome == "retried"
     with sessions() as session:
         assert session.scalar(select(func.count()).select_from(Shard)) == 0
+
+
+def test_the_in_process_executor_takes_a_job_over_once_its_holders_lease_lapses(sessions, tmp_path: Path) -> None:
+    """#55 path 3: `tokenmill api` restarted within the lease of its previous process (on another host here, so
+    only the lease counts) finds its job busy: it tries again once that lease lapsed, instead of dropping it."""
+    path = write_parquet(tmp_path / "empty.parquet", {"custom_id": [], "prompt": []},
+                         schema=pa.schema([("custom_id", pa.string()), ("prompt", pa.string())]))
+    job = submit(sessions, spec(path, tmp_path / "out")).job
+    with sessions.begin() as session:
+        held = repo.get_job(session, job.id)
+        held.worker, held.lease_expires_at = "another-host:7@b.n.x", utcnow() + timedelta(seconds=1)
+    executor = LocalExecutor(sessions, {})
+    try:
+        executor.dispatch(job.id)
+        deadline = time.monotonic() + 20
+        while (status := JobSteps(sessions, job.id).load().status) != "completed" and time.monotonic() < deadline:
+            time.sleep(0.2)
+    finally:
+        executor.close()
+    assert status == "completed"
 
 
 def test_an_empty_input_completes_without_loading_the_model(sessions, tmp_path: Path) -> None:

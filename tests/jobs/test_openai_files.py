@@ -12,11 +12,15 @@ from pathlib import Path
 import openai
 import pytest
 from openai.types.chat import ChatCompletion
+from sqlalchemy import event, select
+from sqlalchemy.exc import OperationalError
 
 from ingest.openai_api.results import delete_expired_files
 from storage import repository as repo
 from storage.claims import expire
-from storage.models import utcnow
+from storage.formats import BATCH_OUTPUT_KEY, write_jsonl
+from storage.models import ApiBatch, Job, utcnow
+from storage.objectstore import open_store
 from tests.jobs.test_openai_api import ALIAS, MODEL, TERMINAL, chat_line, client, jsonl, running_api, wait_for
 
 ENDPOINT = "/v1/chat/completions"
@@ -137,7 +141,7 @@ def test_the_sdk_drop_in_flow_and_no_id_crosses_tenants(sessions, tmp_path, llm_
         for line in finished:
             assert ChatCompletion.model_validate(line["response"]["body"]).choices[0].message.role == "assistant"
         output = sdk.files.retrieve(batch.output_file_id)
-        assert output.purpose == "batch_output" and output.expires_at == batch.created_at + 7200
+        assert output.purpose == "batch_output" and output.expires_at == output.created_at + 7200
 
         for file_id in (bad.id, source.id, batch.output_file_id):
             with pytest.raises(openai.NotFoundError):
@@ -178,3 +182,47 @@ def test_an_expired_batch_keeps_its_finished_rows(sessions, tmp_path, llm_engine
         assert len(finished) == batch.request_counts.completed and batch.request_counts.failed == 0
         assert {line["custom_id"] for line in finished} >= {"short-0", "short-1"}
         assert sdk.batches.retrieve(batch.id).output_file_id == batch.output_file_id  # made once
+
+
+def test_result_files_expire_from_their_own_creation(parked, sessions) -> None:
+    """#55 path 2: `output_expires_after` counts from each result file's creation (OpenAI's anchor), not from the
+    batch's: a batch that ran longer than the lifetime gets files that live the whole of it."""
+    base_url, key, _, service = parked
+    sdk = client(base_url, key)
+    batch = sdk.batches.create(input_file_id=upload(sdk, [chat_line("a")]).id, endpoint=ENDPOINT,
+                               completion_window="24h", output_expires_after={"anchor": "created_at", "seconds": 3600})
+    with sessions.begin() as session:  # it ran for two hours, and completed
+        session.get(ApiBatch, batch.id).created_at = utcnow() - timedelta(hours=2)
+        job = repo.get_job(session, batch.id)
+        job.status, job.completed_at, job.requests_total, job.requests_completed = "completed", utcnow(), 1, 1
+        write_jsonl(open_store(job.output_uri), BATCH_OUTPUT_KEY, [{"id": "r1", "custom_id": "a", "error": None,
+                                                                   "response": {"status_code": 200, "body": {}}}])
+    output = sdk.files.retrieve(sdk.batches.retrieve(batch.id).output_file_id)
+    assert output.expires_at == output.created_at + 3600
+    assert delete_expired_files(sessions, service.intake.s3) == 0
+    assert sdk.files.content(output.id).text.strip()
+
+
+def test_a_batch_whose_row_cannot_be_written_leaves_no_job(sessions, tmp_path) -> None:
+    """#55 path 8: a batch's job and its batch row are written in one transaction, and the job is handed to the
+    workers only once it committed: a database error on the batch row leaves no job running with no batch."""
+    dispatched: list[str] = []
+    with running_api(sessions, str(tmp_path / "bucket"), None, dispatch=dispatched.append) as (base_url, key, _, _):
+        sdk = client(base_url, key)
+        source = upload(sdk, [chat_line("a")])
+
+        def refuse(mapper, connection, target) -> None:
+            raise OperationalError("INSERT INTO api_batches", {}, ConnectionResetError("the database went away"))
+
+        event.listen(ApiBatch, "before_insert", refuse)
+        try:
+            with pytest.raises(openai.InternalServerError):
+                sdk.batches.create(input_file_id=source.id, endpoint=ENDPOINT, completion_window="24h")
+        finally:
+            event.remove(ApiBatch, "before_insert", refuse)
+        with sessions() as session:
+            assert session.scalars(select(Job.id)).all() == []
+        assert dispatched == []
+        sdk = client(base_url, key)  # uvicorn closes a connection whose request raised
+        batch = sdk.batches.create(input_file_id=source.id, endpoint=ENDPOINT, completion_window="24h")
+        assert dispatched == [batch.id] and sdk.batches.retrieve(batch.id).status == "validating"

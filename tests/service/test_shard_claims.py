@@ -114,8 +114,8 @@ def test_sweep_requeues_shards_of_dead_workers_and_finishes_cancels(sqlite_sessi
 
 
 def test_the_reconciler_resends_shards_whose_task_was_lost_once_per_grace_period(sqlite_sessions) -> None:
-    """Pending or failed shards waiting longer than the grace period while their queue is empty lost their task
-    (e.g. a Redis FLUSHALL): they are sent again, once per grace period; a full queue means wait."""
+    """Pending or failed shards waiting longer than the grace period lost their task (e.g. a Redis FLUSHALL): they
+    are sent again, once per grace period, however busy their queue (#55 path 1)."""
     job_id = make_job(sqlite_sessions, shards=4)
     pending, failed, running, done = shard_ids(sqlite_sessions, job_id)
     set_shard(sqlite_sessions, failed, status="failed", attempts=1, finished_at=utcnow())
@@ -125,8 +125,7 @@ def test_the_reconciler_resends_shards_whose_task_was_lost_once_per_grace_period
     set_shard(sqlite_sessions, done, status="completed", attempts=1)
     assert sweep(sqlite_sessions, now=now + timedelta(minutes=1), stale=grace).requeue == []  # within the grace
     later = now + timedelta(minutes=6)
-    assert sweep(sqlite_sessions, now=later, stale=grace, queued=lambda model: 3).requeue == []  # tasks wait
-    found = sweep(sqlite_sessions, now=later, stale=grace, queued=lambda model: 0)
+    found = sweep(sqlite_sessions, now=later, stale=grace, queued=lambda model: 3)  # a busy queue holds none back
     assert found.requeue == [(job_id, pending, "m"), (job_id, failed, "m")]
     assert sweep(sqlite_sessions, now=later + timedelta(minutes=1), stale=grace).requeue == []  # just resent
     again = sweep(sqlite_sessions, now=later + timedelta(minutes=6), stale=grace)
