@@ -1,7 +1,7 @@
 # tokenmill: `make demo` runs the sample job, `make test` runs the test suite, `make unit` its fast tier (no
 # service, no real model, nothing slow; see tests/conftest.py); all set up .venv first. The suite's OpenMP
 # threads sleep rather than spin while they wait: its stack runs several engines' processes on 2 cores. `make test`
-# runs two lanes (pytest-xdist; tests/lanes.py): tests/service, which shares one stack, in one, the rest beside it.
+# runs three lanes (pytest-xdist; tests/lanes.py): tests/service on two stacks, two lanes, the rest beside them.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
@@ -28,12 +28,12 @@ test: setup
 	./ops/ensure_services.sh
 	./ops/ensure_tools.sh
 	$(VENV)/bin/ruff check .
-	OMP_WAIT_POLICY=PASSIVE $(VENV)/bin/pytest -q -rs --durations=30 -n 2 --no-loadscope-reorder \
+	OMP_WAIT_POLICY=PASSIVE $(VENV)/bin/pytest -q -rs --durations=30 -n 3 --no-loadscope-reorder \
 		$(TESTS)
 
 unit: setup
 	./ops/ensure_tools.sh
-	$(VENV)/bin/pytest -q -m "not real_model and not service and not slow" $(TESTS)
+	$(VENV)/bin/pytest -q -n 2 -m "not real_model and not service and not slow" $(TESTS)
 
 lint: setup
 	$(VENV)/bin/ruff check .

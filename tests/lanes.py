@@ -1,10 +1,12 @@
-"""The suite's two lanes (`pytest -n 2`, as `make test` runs it) and its closing report.
+"""The suite's lanes (`pytest -n 3`, as `make test` runs it) and its closing report.
 
-Each test file is one unit of work, so its module fixtures (engines, stacks of its own) are built once, and
-tests/service is one unit, so the service stack it shares starts once. That unit goes first: it mostly waits on
-leases and sweeps, and the other lane computes meanwhile. (pytest-xdist's own `--dist loadgroup` cannot do this on
-pytest 9: the group it writes into a test's id is not kept.) The run ends with its wall time and the peak RSS of
-every pytest process (the controller and each xdist worker)."""
+Each test file is one unit of work, so its module fixtures (engines, stacks of its own) are built once, except the
+files of tests/service that use its shared stack: they form two units, each one pytest process with one stack for
+the whole unit (the `stack` fixture is scoped to the package, so each process builds its own). Those two go first,
+on two lanes: they mostly wait on leases and sweeps, and the third lane computes meanwhile; whichever lane frees
+up takes the next file. (pytest-xdist's own `--dist loadgroup` cannot do this on pytest 9: the group it writes into
+a test's id is not kept.) The run ends with its wall time and the peak RSS of every pytest process (the controller
+and each xdist worker)."""
 
 from __future__ import annotations
 
@@ -14,20 +16,35 @@ from pathlib import Path
 
 import pytest
 
-SERVICE_LANE = "tests/service/"
+SERVICE_DIR = "tests/service/"
+# tests/service files that start no shared stack (their own, or none): units of their own, run on any lane
+WITHOUT_SHARED_STACK = {"test_intake.py", "test_shard_claims.py", "test_wheel.py", "test_worker_metrics.py"}
+# the shared-stack files the second stack runs (about half the time; the rest go to the first)
+SECOND_STACK = {"test_faults.py", "test_soak.py", "test_workers.py", "test_sharing.py", "test_shared_hostname.py",
+                "test_front_doors.py", "test_embedding_stack.py", "test_fuzz_stack.py", "test_rabbitmq.py",
+                "test_stack.py"}
+STACK_UNITS = (f"{SERVICE_DIR} (stack 1)", f"{SERVICE_DIR} (stack 2)")
 _started = time.monotonic()
 _peaks: dict[str, int] = {}
 
 
 def unit_of(nodeid: str) -> str:
-    """The unit of work a test belongs to: tests/service as a whole, else its file."""
+    """The unit of work a test belongs to: one of the two shared-stack units, else its file."""
     path = nodeid.split("::", 1)[0]
-    return SERVICE_LANE if path.startswith(SERVICE_LANE) else path
+    name = path.removeprefix(SERVICE_DIR)
+    if not path.startswith(SERVICE_DIR) or name in WITHOUT_SHARED_STACK:
+        return path
+    return STACK_UNITS[name in SECOND_STACK]
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """tests/service first (order kept otherwise): it is the longest unit."""
-    items.sort(key=lambda item: unit_of(item.nodeid) != SERVICE_LANE)
+    """The stack units first (order kept otherwise): they are the longest."""
+    for item in items:
+        if "stack" in getattr(item, "fixturenames", ()) and item.nodeid.startswith(SERVICE_DIR) \
+                and unit_of(item.nodeid) not in STACK_UNITS:
+            raise pytest.UsageError(f"{item.nodeid} uses the shared stack: take {item.path.name} out of "
+                                    "tests/lanes.py's WITHOUT_SHARED_STACK")
+    items.sort(key=lambda item: unit_of(item.nodeid) not in STACK_UNITS)
 
 
 def pytest_xdist_make_scheduler(config, log):

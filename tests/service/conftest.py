@@ -1,4 +1,5 @@
-"""The service tests run against one real stack for the whole session, started the way a user starts it
+"""The service tests run against a real stack (one per pytest process: `make test` runs them on two lanes,
+tests/lanes.py), started the way a user starts it
 (`tokenmill stack up --workers 2`, in a subprocess) on free ports, with a PostgreSQL cluster of its own
 (`--postgres private`: the soak restarts and pauses it, never the machine's server), and stopped with
 `tokenmill stack down`, which must leave no process and no open port behind.
