@@ -43,29 +43,46 @@ _file_started: dict[Path, float] = {}
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    """After each test file (once its last test has let go of the file's fixtures): end the engine threads, drop
-    its engines and hand freed heap back to the OS (glibc keeps it otherwise), so the suite's RSS stays near one
-    file's peak; with TOKENMILL_TEST_RSS=FILE, log there the RSS and the seconds of each file."""
+    """After each test file (once its last test has let go of the file's fixtures), and after any test that leaves
+    RSS above TRIM_ABOVE_MIB: end the engine threads, drop its engines and hand freed heap back to the OS (glibc
+    keeps it otherwise), so the suite's RSS stays near one test's peak; with TOKENMILL_TEST_RSS=FILE, log there the
+    RSS and the seconds of each file."""
     _file_started.setdefault(item.path, time.monotonic())
     result = yield
     if nextitem is None or nextitem.path != item.path:
         _release_memory(item.path, time.monotonic() - _file_started.pop(item.path))
+    elif _rss_mib()[0] > TRIM_ABOVE_MIB:  # engines a test built and let go (`tokenmill run` in process) pile up
+        _release_heap()
     return result
 
 
-def _release_memory(path: Path, seconds: float) -> None:
+TRIM_ABOVE_MIB = 2048
+
+
+def _rss_mib() -> tuple[int, int]:
+    """(RSS, peak RSS) of this process, MiB."""
+    status = Path("/proc/self/status").read_text()
+    return tuple(int(re.search(rf"{key}:\s+(\d+)", status).group(1)) // 1024 for key in ("VmRSS", "VmHWM"))
+
+
+def _release_heap() -> None:
+    """End the engine threads (an engine thread keeps its engine alive; the next shard starts one) and hand the
+    freed heap back to the OS (engine/heap.py keeps it otherwise)."""
     if loops := sys.modules.get("workers.engine_loop"):
-        loops.release_loops()  # an engine thread keeps its engine alive; the next file's first shard starts one
-    if lora_reference := sys.modules.get("tests.engine.lora_reference"):
-        lora_reference.forget_merged_models()  # 0.55 GB each
+        loops.release_loops()
     gc.collect()
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):  # not glibc
         pass
+
+
+def _release_memory(path: Path, seconds: float) -> None:
+    if lora_reference := sys.modules.get("tests.engine.lora_reference"):
+        lora_reference.forget_merged_models()  # 0.55 GB each
+    _release_heap()
     if log := os.environ.get("TOKENMILL_TEST_RSS"):
-        status = Path("/proc/self/status").read_text()
-        rss, peak = (int(re.search(rf"{key}:\s+(\d+)", status).group(1)) // 1024 for key in ("VmRSS", "VmHWM"))
+        rss, peak = _rss_mib()
         with open(log, "a") as f:
             f.write(f"{path.relative_to(Path(__file__).parent.parent)} rss={rss} MiB peak={peak} MiB "
                     f"seconds={seconds:.1f}\n")
