@@ -7,6 +7,7 @@ not share (issue #56)."""
 
 from __future__ import annotations
 
+import gc
 import uuid
 
 import pytest
@@ -20,6 +21,7 @@ from tokenmill.bench.workload import questions, system_prompt
 from tokenmill.cli import build_parser, main
 from tokenmill.options import engine_kwargs
 from workers.engine_loader import load_engine
+from workers.engine_loop import release_loop
 from workers.inprocess import run_job
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -149,6 +151,9 @@ def test_the_second_worker_loads_the_prefix_the_first_computed(service_env, sess
         assert not list(broker.scan_iter(match=f"{service_env}tokenmill:kv:*"))  # none in the broker's database
         broker.close()
         assert all(0 < client.ttl(key) <= 600 for key in stored[:8])
+        release_loop(first)  # its engine thread holds it: freed before the next engine loads (three fill 5 GB)
+        del first
+        gc.collect()
 
         second = load_engine(shared)
         loaded = job(second, "b", pool[4:8])
@@ -156,7 +161,9 @@ def test_the_second_worker_loads_the_prefix_the_first_computed(service_env, sess
         assert all(row["cached_tokens"] >= shared_blocks * 16 for row in loaded), [r["cached_tokens"] for r in loaded]
         assert second.kv_connector.stats.store_errors == second.kv_connector.stats.blocks_rejected == 0
         second_computed = second.stats.computed_prefill_tokens
-        del first, second
+        release_loop(second)
+        del second
+        gc.collect()
 
         alone = load_engine(plain)
         assert alone.kv_connector is None
