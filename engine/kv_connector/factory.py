@@ -6,8 +6,6 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -15,7 +13,7 @@ from engine.kv_connector.base import KVConnector
 from engine.kv_connector.config import KVTransferConfig
 from engine.kv_connector.redis_connector import RedisConnector
 from engine.kv_connector.shared_storage import SharedStorageConnector
-from engine.kv_connector.store import secret_bytes
+from engine.kv_connector.store import secret_bytes, write_whole
 
 if TYPE_CHECKING:
     from engine.block_pool import KVCacheManager
@@ -61,17 +59,11 @@ def weights_digest(model_dir: Path) -> str:
 
 
 def _write_quietly(path: Path, text: str) -> None:
-    """Write path whole (a temporary file renamed), or not at all where the directory is read-only."""
+    """Write path whole, or not at all where the directory is read-only."""
     try:
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+        write_whole(path, text.encode())
     except OSError:
-        return
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except OSError:
-        Path(tmp).unlink(missing_ok=True)
+        pass
 
 
 def model_identity(model_dir: Path, runner: ModelRunner, extra_namespace: str | None = None) -> dict:

@@ -96,14 +96,7 @@ class DirectoryStore:
     def put(self, key: str, data: bytes) -> None:
         path = self.path(key)
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        write_whole(path, data)
 
 
 class RedisStore:
@@ -127,3 +120,15 @@ class RedisStore:
 
     def put(self, key: str, data: bytes) -> None:
         self.client.set(self.prefix + key, data, ex=self.ttl)
+
+
+def write_whole(path: Path, data: bytes) -> None:
+    """Write path whole or not at all: a temporary file beside it, renamed over it."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
