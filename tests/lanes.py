@@ -57,9 +57,14 @@ def pytest_xdist_make_scheduler(config, log):
     return Lanes(config, log)
 
 
-def peak_rss_mib() -> int:
+def rss_mib() -> tuple[int, int]:
+    """(RSS, peak RSS) of this process, MiB."""
     status = Path("/proc/self/status").read_text()
-    return int(re.search(r"VmHWM:\s+(\d+)", status).group(1)) // 1024
+    return tuple(int(re.search(rf"{key}:\s+(\d+)", status).group(1)) // 1024 for key in ("VmRSS", "VmHWM"))
+
+
+def peak_rss_mib() -> int:
+    return rss_mib()[1]
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
