@@ -43,6 +43,7 @@ from ingest.openai_api.results import (
     delete_expired_files,
     delete_file,
     result_counts,
+    settle_readers,
 )
 from ingest.openai_api.validation import TooManyRows, check_lines
 from ingest.policy import API_RESULTS, API_UPLOADS
@@ -279,6 +280,8 @@ def file_content(service: Service, owner: Tenant, file_id: str) -> StreamingResp
 
 @router.delete("/files/{file_id}")
 def remove_file(service: Service, owner: Tenant, file_id: str) -> Deleted:
+    _file(service, owner, file_id)
+    settle_readers(service.sessions, service.intake.s3, file_id)
     with service.sessions.begin() as db:
         row = _owned_file(db, owner, file_id)
         try:

@@ -1,8 +1,10 @@
 """A batch's output and error files, their content, their deletion and the cleanup of expired files.
 
 A completed job's files are the lines of its batch_output.jsonl without and with an error. A cancelled or
-expired job keeps its committed shards (`workers.finalize.discard_outputs`): their results and errors are merged
-here, once, into ENDED_OUTPUT_KEY beside them, which the job's own cleanup never touches."""
+expired job keeps its committed shards (`workers.finalize.discard_outputs`): their results and errors, and the rows
+of the shards that never committed as batch_cancelled / batch_expired errors, are merged here, once, into
+ENDED_OUTPUT_KEY beside them, which the job's own cleanup never touches. So an ended batch's input stays until its
+result files exist (`settle_readers`)."""
 
 from __future__ import annotations
 
@@ -19,7 +21,17 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from storage import repository as repo
-from storage.formats import BATCH_OUTPUT_KEY, batch_output_line, read_part, write_jsonl
+from storage.formats import (
+    BATCH_OUTPUT_KEY,
+    InputError,
+    InputReader,
+    Request,
+    RowError,
+    batch_output_line,
+    open_input,
+    read_part,
+    write_jsonl,
+)
 from storage.models import ApiBatch, ApiFile, Job, JobStatus, ShardStatus, utcnow
 from storage.objectstore import S3Options, open_file_store, open_store
 from storage.states import is_terminal
@@ -94,14 +106,33 @@ def result_counts(sessions: sessionmaker[Session], batch: ApiBatch) -> tuple[int
 
 
 def _write_ended_output(sessions: sessionmaker[Session], job: Job) -> str:
-    """The committed shards' results and errors, in input order, as OpenAI Batch output lines."""
+    """Every row of the input once, in input order, as OpenAI Batch output lines: a committed shard's results
+    and errors; a row of a shard that never committed, or of a job ended before it was planned, as a
+    `batch_cancelled` / `batch_expired` error (or its own input error), as OpenAI lists the requests a batch did
+    not run."""
     store = open_store(job.output_uri, job.settings.s3)
     with sessions() as db:
-        shards = sorted((s for s in repo.get_job(db, job.id).shards if s.status == ShardStatus.COMPLETED),
-                        key=lambda s: s.index)
+        shards = sorted(repo.get_job(db, job.id).shards, key=lambda s: s.index)
+    readers: list[InputReader] = []
+
+    def unrun(start: int, end: int | None) -> Iterator[dict]:
+        if not readers:
+            readers.append(open_input(*open_file_store(job.input_uri, job.settings.s3), job.settings.limits,
+                                      pin=job.settings.input_fingerprint, task=job.settings.task))
+        code, message = UNRUN_CODES[JobStatus(job.status)]
+        for row in readers[0].read(start, readers[0].num_rows if end is None else end):
+            yield batch_output_line(job.id, job.model, _unrun_record(row, code, message))
 
     def lines() -> Iterator[dict]:
+        if not shards:  # ended before it was planned: every row of its input (checked when the batch was made)
+            try:
+                yield from unrun(0, None)
+            except InputError:  # not readable as a batch input after all: nothing ran, nothing to list
+                pass
         for shard in shards:
+            if shard.status != ShardStatus.COMPLETED:
+                yield from unrun(shard.row_start, shard.row_end)
+                continue
             results = read_part(store, shard.output_key).to_pylist()
             with sessions() as db:
                 errors = [{"custom_id": e.custom_id, "row_index": e.row_index, "code": e.code, "message": e.message}
@@ -110,8 +141,22 @@ def _write_ended_output(sessions: sessionmaker[Session], job: Job) -> str:
             for _, records in itertools.groupby(merged, key=lambda r: r["row_index"]):
                 yield batch_output_line(job.id, job.model, list(records))
 
-    write_jsonl(store, ENDED_OUTPUT_KEY, lines())
+    try:
+        write_jsonl(store, ENDED_OUTPUT_KEY, lines())
+    finally:
+        for reader in readers:
+            reader.close()
     return store.uri_of(ENDED_OUTPUT_KEY)
+
+
+UNRUN_CODES = {JobStatus.CANCELLED: ("batch_cancelled", "the batch was cancelled before this request ran"),
+               JobStatus.EXPIRED: ("batch_expired", "the batch expired before this request ran")}
+
+
+def _unrun_record(row: Request | RowError, code: str, message: str) -> dict:
+    if isinstance(row, RowError):  # a row that could not have run either: its own error
+        return {"custom_id": row.custom_id, "row_index": row.row, "code": row.code, "message": row.message}
+    return {"custom_id": row.custom_id, "row_index": row.row, "code": code, "message": message}
 
 
 class FileInUse(ValueError):
@@ -122,9 +167,11 @@ def delete_file(db: Session, row: ApiFile, s3: S3Options) -> None:
     """Mark the file deleted and remove what only it used: an upload's object; with a batch's last live
     result file, the batch's results (its output prefix). FileInUse for the input of a running batch."""
     if row.kind == UPLOAD:
-        readers = db.scalars(select(Job).join(ApiBatch).where(ApiBatch.input_file_id == row.id)).all()
-        if any(not is_terminal(job.status) for job in readers):
+        readers = db.scalars(select(ApiBatch).where(ApiBatch.input_file_id == row.id)).all()
+        if any(not is_terminal(batch.job.status) for batch in readers):
             raise FileInUse(f"file {row.id} is the input of a batch still running")
+        if any(_results_pending(batch) for batch in readers):
+            raise FileInUse(f"file {row.id} is the input of an ended batch whose result files are being written")
     row.deleted_at = utcnow()
     if row.kind == UPLOAD:
         store, key = open_file_store(row.uri, s3)
@@ -139,6 +186,20 @@ def delete_file(db: Session, row: ApiFile, s3: S3Options) -> None:
             store.delete(key)
 
 
+def _results_pending(batch: ApiBatch) -> bool:
+    """An ended batch with rows whose result files are not written yet (they list its unrun rows from its input)."""
+    return JobStatus(batch.job.status) in ENDED and batch.output_file_id is None and batch.error_file_id is None
+
+
+def settle_readers(sessions: sessionmaker[Session], s3: S3Options, file_id: str) -> None:
+    """Before an upload is deleted: the result files of the ended batches that read it and lack them."""
+    with sessions() as db:
+        pending = [(batch, batch.job) for batch in db.scalars(select(ApiBatch).where(ApiBatch.input_file_id == file_id))
+                   if _results_pending(batch)]
+    for batch, job in pending:
+        add_result_files(sessions, s3, batch, job)
+
+
 def delete_expired_files(sessions: sessionmaker[Session], s3: S3Options, now: datetime | None = None) -> int:
     """Delete the files whose `expires_at` passed (an upload a running batch still reads waits for it to end).
     Returns how many were deleted."""
@@ -148,6 +209,7 @@ def delete_expired_files(sessions: sessionmaker[Session], s3: S3Options, now: da
     deleted = 0
     for file_id in due:
         try:
+            settle_readers(sessions, s3, file_id)
             with sessions.begin() as db:
                 row = db.get(ApiFile, file_id)
                 if row is not None and row.deleted_at is None:

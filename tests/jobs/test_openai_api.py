@@ -203,4 +203,8 @@ def test_cancel_during_a_run_keeps_finished_work_and_ends_cancelled(api) -> None
     assert {"short-0", "short-1"} <= {line["custom_id"] for line in finished}
     assert all(ChatCompletion.model_validate(line["response"]["body"]).usage.completion_tokens in (2, 1024)
                for line in finished)
-    assert len(finished) == batch.request_counts.completed and batch.request_counts.failed == 0
+    assert len(finished) == batch.request_counts.completed and batch.request_counts.failed == 8 - len(finished)
+    unrun = [json.loads(line) for line in sdk.files.content(batch.error_file_id).text.splitlines()]
+    assert {line["error"]["code"] for line in unrun} == {"batch_cancelled"}  # each row once, across the two files
+    assert sorted(line["custom_id"] for line in finished + unrun) == sorted(line["custom_id"]
+                                                                            for line in lines)

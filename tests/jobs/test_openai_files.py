@@ -136,7 +136,11 @@ def test_the_sdk_drop_in_flow_and_no_id_crosses_tenants(sessions, tmp_path, llm_
         batch = wait_for(sdk, batch.id, TERMINAL, timeout_s=120)
         assert batch.status == "cancelled" and 0 < batch.request_counts.completed < 12, batch.request_counts
         finished = [json.loads(line) for line in sdk.files.content(batch.output_file_id).text.splitlines()]
-        assert len(finished) == batch.request_counts.completed and batch.error_file_id is None
+        unrun = [json.loads(line) for line in sdk.files.content(batch.error_file_id).text.splitlines()]
+        assert len(finished) == batch.request_counts.completed and len(unrun) == batch.request_counts.failed
+        assert {line["error"]["code"] for line in unrun} == {"batch_cancelled"}  # the rows it never ran, as OpenAI
+        assert sorted(line["custom_id"] for line in finished + unrun) == sorted(line["custom_id"]
+                                                                                for line in lines)
         assert {line["custom_id"] for line in finished} >= {"short-0", "short-1"}
         for line in finished:
             assert ChatCompletion.model_validate(line["response"]["body"]).choices[0].message.role == "assistant"
@@ -161,7 +165,9 @@ def test_the_sdk_drop_in_flow_and_no_id_crosses_tenants(sessions, tmp_path, llm_
 
         results = Path(service.bucket_uri.removeprefix("file://")) / "results" / batch.id
         assert any(results.iterdir())
-        assert sdk.files.delete(batch.output_file_id).deleted  # its last result file: the results go
+        assert sdk.files.delete(batch.output_file_id).deleted
+        assert any(p.is_file() for p in results.rglob("*"))  # its error file still reads them
+        assert sdk.files.delete(batch.error_file_id).deleted  # its last result file: the results go
         assert not any(p.is_file() for p in results.rglob("*"))
         assert sdk.files.delete(source.id).deleted and sdk.files.delete(bad.id).deleted
         assert list(sdk.files.list()) == []
@@ -179,7 +185,10 @@ def test_an_expired_batch_keeps_its_finished_rows(sessions, tmp_path, llm_engine
         batch = sdk.batches.retrieve(batch.id)
         assert batch.status == "expired" and 0 < batch.request_counts.completed < 12, batch.request_counts
         finished = [json.loads(line) for line in sdk.files.content(batch.output_file_id).text.splitlines()]
-        assert len(finished) == batch.request_counts.completed and batch.request_counts.failed == 0
+        unrun = [json.loads(line) for line in sdk.files.content(batch.error_file_id).text.splitlines()]
+        assert len(finished) == batch.request_counts.completed and len(unrun) == batch.request_counts.failed
+        assert {line["error"]["code"] for line in unrun} == {"batch_expired"}
+        assert len({line["custom_id"] for line in finished + unrun}) == len(finished + unrun) == 12
         assert {line["custom_id"] for line in finished} >= {"short-0", "short-1"}
         assert sdk.batches.retrieve(batch.id).output_file_id == batch.output_file_id  # made once
 
@@ -226,3 +235,20 @@ def test_a_batch_whose_row_cannot_be_written_leaves_no_job(sessions, tmp_path) -
         sdk = client(base_url, key)  # uvicorn closes a connection whose request raised
         batch = sdk.batches.create(input_file_id=source.id, endpoint=ENDPOINT, completion_window="24h")
         assert dispatched == [batch.id] and sdk.batches.retrieve(batch.id).status == "validating"
+
+
+def test_a_batch_cancelled_before_it_ran_lists_every_row_even_once_its_input_is_deleted(parked) -> None:
+    """#55 path 5: a cancelled batch's output and error files hold each custom_id once, the rows it never ran as
+    `batch_cancelled` errors (OpenAI's); they are read from its input, so deleting the input writes them first."""
+    base_url, key, _, _ = parked
+    sdk = client(base_url, key)
+    source = upload(sdk, [chat_line(f"r{i}") for i in range(3)])
+    batch = sdk.batches.create(input_file_id=source.id, endpoint=ENDPOINT, completion_window="24h")
+    sdk.batches.cancel(batch.id)
+    assert sdk.files.delete(source.id).deleted  # before any poll wrote the result files
+    batch = sdk.batches.retrieve(batch.id)
+    assert batch.status == "cancelled" and batch.output_file_id is None
+    lines = [json.loads(line) for line in sdk.files.content(batch.error_file_id).text.splitlines()]
+    assert [(line["custom_id"], line["error"]["code"]) for line in lines] == [
+        (f"r{i}", "batch_cancelled") for i in range(3)]
+    assert (batch.request_counts.completed, batch.request_counts.failed) == (0, 3)

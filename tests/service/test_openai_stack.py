@@ -42,8 +42,10 @@ def test_the_sdk_runs_a_batch_on_the_stack_and_cancels_another(stack, monkeypatc
     sdk.batches.cancel(long.id)
     long = wait_for(sdk, long.id, TERMINAL, timeout_s=120)
     assert long.status == "cancelled" and long.request_counts.completed < 8
-    if long.output_file_id is not None:  # the rows finished before the cancel
-        assert len(sdk.files.content(long.output_file_id).text.splitlines()) == long.request_counts.completed
+    finished = sdk.files.content(long.output_file_id).text.splitlines() if long.output_file_id else []
+    unrun = [json.loads(text) for text in sdk.files.content(long.error_file_id).text.splitlines()]
+    assert len(finished) == long.request_counts.completed and len(unrun) == long.request_counts.failed
+    assert len(finished) + len(unrun) == 8 and {line["error"]["code"] for line in unrun} == {"batch_cancelled"}
 
     other_key = stack.cli("api", "key", "create", "--tenant", "other").stdout.strip()
     other = openai.OpenAI(api_key=other_key, max_retries=0)
