@@ -5,8 +5,6 @@ cancelling one of two jobs sharing a worker leaves the other to complete with ea
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-
 import pytest
 
 from tests.jobs.jobhelpers import assert_each_id_once, prompt_rows, write_parquet
@@ -54,10 +52,13 @@ def test_a_small_job_sent_during_a_large_one_of_equal_priority_starts_within_a_s
 
 
 def test_cancelling_one_of_two_jobs_sharing_a_worker_leaves_the_other_whole(stack, sessions, tmp_path) -> None:
-    with ThreadPoolExecutor(2) as pool:  # together: one `tokenmill submit` takes seconds
-        (kept, kept_ids), (doomed, _) = pool.map(lambda job: submit_rows(stack, tmp_path, *job), (
-            ("kept", 4, "--shard-size", "2", "--max-tokens", "64"),
-            ("doomed", 16, "--shard-size", "2", "--max-tokens", "400")))  # more rows than end within a cancel
+    # the doomed job first, on every slot; the kept job's one-row shards then take slots as the doomed job's shards
+    # end (fairness puts them before its queued ones), each beside a doomed shard still running on that worker
+    doomed, _ = submit_rows(stack, tmp_path, "doomed", 16, "--shard-size", "2", "--max-tokens", "400",
+                            min_tokens=300)  # long: its shards outlast the cancel
+    wait_until(lambda: any(s["status"] == "running" for s in shard_rows(sessions, doomed)), "the doomed job to start",
+               every=0.1)
+    kept, kept_ids = submit_rows(stack, tmp_path, "kept", 4, "--shard-size", "1", "--max-tokens", "64")
 
     def sharing() -> set[str]:  # a worker running shards of both jobs at once
         running = [s for s in shard_rows(sessions, kept) + shard_rows(sessions, doomed) if s["status"] == "running"]
