@@ -23,11 +23,16 @@ result never depends on how many rows came with it."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import hashlib
+import json
 import logging
 import os
+import platform
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -217,7 +222,17 @@ def fixed_float32_kernel(out_features: int, in_features: int) -> str:
 def fastest_float32_kernel(out_features: int, in_features: int, kinds: tuple[str, ...] = ("mkl", "onednn")) -> str:
     """"mkl", or another of `kinds` where it is clearly faster (`FAST_MARGIN`) on this CPU for a float32 weight of
     this shape, summed over `TIMED_ROWS`: best of three calls each on random data, about 0.3 s for a small model's
-    largest shape, once per shape and process."""
+    largest shape, once per shape and machine (the choice is kept in `$TOKENMILL_HOME/gemm-choices.json`, by CPU,
+    flags, torch version and thread count: a worker's next start reads it)."""
+    key = _choice_key(out_features, in_features, kinds)
+    if (kept := _kept_choices().get(key)) in kinds:
+        return kept
+    kind = _time_float32_kernels(out_features, in_features, kinds)
+    _keep_choice(key, kind)
+    return kind
+
+
+def _time_float32_kernels(out_features: int, in_features: int, kinds: tuple[str, ...]) -> str:
     weight = torch.randn(out_features, in_features)
     inputs = [torch.randn(rows, in_features) for rows in TIMED_ROWS]
     seconds = {}
@@ -237,6 +252,49 @@ def fastest_float32_kernel(out_features: int, in_features: int, kinds: tuple[str
     log.debug("float32 GEMM %dx%d: %s (%s)", out_features, in_features, kind,
               ", ".join(f"{name} {value * 1e3:.2f} ms" for name, value in seconds.items()))
     return kind
+
+
+def _choices_path() -> Path:
+    from engine.model_loader import tokenmill_home
+
+    return tokenmill_home() / "gemm-choices.json"
+
+
+@functools.cache
+def _machine() -> str:
+    """What a kernel's speed depends on besides the shape: the CPU, its flags, torch, and the threads."""
+    cpuinfo = ""
+    with contextlib.suppress(OSError):
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+    model = next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name")),
+                 platform.processor())
+    flags = hashlib.sha256(cpu_kernel._cpu_flags().encode()).hexdigest()[:12]
+    return f"{model}|{flags}|torch {torch.__version__}|{torch.get_num_threads()} threads"
+
+
+def _choice_key(out_features: int, in_features: int, kinds: tuple[str, ...]) -> str:
+    return f"{_machine()}|{out_features}x{in_features}|{','.join(kinds)}"
+
+
+def _kept_choices() -> dict[str, str]:
+    try:
+        kept = json.loads(_choices_path().read_text())
+    except (OSError, ValueError):
+        return {}
+    return kept if isinstance(kept, dict) else {}
+
+
+def _keep_choice(key: str, kind: str) -> None:
+    """Best effort, atomic: two processes may write at once (one's entry may then be timed again later)."""
+    path = _choices_path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        kept = {**_kept_choices(), key: kind}
+        temporary = path.with_name(f".{path.name}.{os.getpid()}")
+        temporary.write_text(json.dumps(kept, indent=0, sort_keys=True))
+        os.replace(temporary, path)
+    except OSError as error:
+        log.debug("could not keep the GEMM choice in %s: %s", path, error)
 
 
 class Linear(torch.nn.Linear):

@@ -2,6 +2,8 @@
 oneDNN, within float32 rounding through float32's oneDNN; our AMX and AVX-512 kernels within their dtype's
 rounding of the exact sum, and each row the same bits in any batch."""
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -109,6 +111,22 @@ def test_the_float32_kernel_is_timed_once_per_shape_and_can_be_forced(monkeypatc
     monkeypatch.setenv("TOKENMILL_FLOAT32_GEMM", "blas")
     with pytest.raises(ValueError, match="mkl, onednn or avx512"):
         float32_kernel(64, 32)
+
+
+def test_the_float32_choice_is_kept_for_the_next_process(monkeypatch, tmp_path):
+    """A worker's next start reads the timed choice from $TOKENMILL_HOME/gemm-choices.json instead of timing."""
+    from engine.models import cpu_gemm
+
+    monkeypatch.setenv("TOKENMILL_HOME", str(tmp_path))
+    timed = []
+    monkeypatch.setattr(cpu_gemm, "_time_float32_kernels", lambda *args: timed.append(args) or "onednn")
+    shape = (96, 40)
+    fastest_float32_kernel.__wrapped__(*shape)  # a fresh process: nothing in functools' cache
+    assert len(timed) == 1 and "96x40" in next(iter(json.loads((tmp_path / "gemm-choices.json").read_text())))
+    assert fastest_float32_kernel.__wrapped__(*shape) == "onednn" and len(timed) == 1  # read, not timed again
+    (tmp_path / "gemm-choices.json").write_text("{not json")  # a damaged file: timed again, and rewritten
+    assert fastest_float32_kernel.__wrapped__(*shape) == "onednn" and len(timed) == 2
+    assert len(json.loads((tmp_path / "gemm-choices.json").read_text())) == 1
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
