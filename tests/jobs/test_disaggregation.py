@@ -52,11 +52,10 @@ def rows(count: int, prefix: str, sentences: int) -> dict[str, list]:
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory) -> Iterator[RunningStack]:
-    """The stack with its own worker stopped: each test starts the workers it needs (as stack processes, so that
+    """The stack without workers of its own: each test starts the workers it needs (as stack processes, so that
     `stack down` stops them and checks they are gone)."""
     state_dir = tmp_path_factory.mktemp("disagg") / "stack"
-    with running_stack(state_dir, 1, SETTINGS) as running:
-        stack_module().stop_group(running.state["processes"]["worker1"])
+    with running_stack(state_dir, 0, SETTINGS) as running:
         yield running
 
 

@@ -140,7 +140,8 @@ def _register_stack(commands: argparse._SubParsersAction) -> None:
                                  description=STACK_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     actions = parser.add_subparsers(dest="stack_command", metavar="ACTION", required=True)
     start = actions.add_parser("up", help="start every component and print their addresses")
-    start.add_argument("--workers", type=int, default=1, metavar="N", help="Celery workers (default: 1)")
+    start.add_argument("--workers", type=int, default=1, metavar="N",
+                       help="Celery workers (default: 1; 0 starts none: run `tokenmill worker` yourself)")
     start.add_argument("--port-base", type=int, metavar="PORT",
                        help="Kafka on PORT, Redis +1, Flower +2, the OpenAI Batch API +3, a private PostgreSQL +4, "
                             "S3 +10..+17 (default: 9092, 6380, 5555, 8000, 5433, 8333)")
@@ -363,11 +364,13 @@ def schedule_remove(args: argparse.Namespace) -> int:
 def stack_up(args: argparse.Namespace) -> int:
     from tokenmill.stack import local_stack
 
-    workers = max(args.workers, 1)
+    if args.workers < 0:
+        raise local_stack.StackError(f"--workers must be 0 or more, got {args.workers}")
+    workers = args.workers
     if args.postgres == "private" and args.database_url:
         raise local_stack.StackError("--database-url names a server, --postgres private runs one of the stack's "
                                      "own: pass one of them")
-    threads = args.threads or max(1, (os.cpu_count() or 1) // workers)
+    threads = args.threads or max(1, (os.cpu_count() or 1) // max(workers, 1))
     extra_env = dict(item.split("=", 1) for item in args.env)
     worker_args = ["--threads", str(threads), "--kv-cache-memory", str(args.kv_cache_memory),
                    *(["--shards-in-flight", str(args.shards_in_flight)] if args.shards_in_flight else []),
