@@ -10,7 +10,9 @@ and each xdist worker)."""
 
 from __future__ import annotations
 
+import os
 import re
+import resource
 import time
 from pathlib import Path
 
@@ -55,6 +57,28 @@ def pytest_xdist_make_scheduler(config, log):
             return unit_of(nodeid)
 
     return Lanes(config, log)
+
+
+def _cpu_s() -> float:
+    """CPU seconds of this process and of the children it waited for (not the stacks' daemons)."""
+    return sum(u.ru_utime + u.ru_stime for u in map(resource.getrusage, (resource.RUSAGE_SELF,
+                                                                      resource.RUSAGE_CHILDREN)))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """With $TOKENMILL_TEST_CPU set to a file: each test's CPU seconds (setup to teardown), wall seconds, end time,
+    lane and id, appended."""
+    log = os.environ.get("TOKENMILL_TEST_CPU")
+    if not log:
+        return (yield)
+    cpu, wall = _cpu_s(), time.monotonic()
+    try:
+        return (yield)
+    finally:
+        with open(log, "a") as f:
+            f.write(f"{_cpu_s() - cpu:.1f}\t{time.monotonic() - wall:.1f}\t{time.time():.0f}\t"
+                    f"{os.environ.get('PYTEST_XDIST_WORKER', 'main')}\t{item.nodeid}\n")
 
 
 def rss_mib() -> tuple[int, int]:

@@ -128,7 +128,7 @@ TINY = {**FEATURES, "num_kv_blocks": 10}  # few blocks: preemption
 
 
 @pytest.mark.parametrize(("stages", "layer_ops", "preemption", "speculation"), [
-    (2, "fused", "recompute", None), (2, "torch", "swap", None), (3, "fused", "recompute", "draft")])
+    (2, "torch", "swap", None), (3, "fused", "recompute", "draft")])  # fused layer ops and recompute: with 3 stages
 def test_tiny_model_ppn_matches_pp1(tiny_dir, tokenizer, monkeypatch, stages, layer_ops, preemption, speculation):
     """Speculation's verify rows (several logits rows per sequence) come back from the last stage too: the model
     drafts for itself (whole, on rank 0)."""

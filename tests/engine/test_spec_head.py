@@ -100,7 +100,7 @@ def test_short_training_gives_a_head_that_keeps_greedy_tokens(model_dir, tokeniz
     flips), and some drafts are accepted (on the prompts it was trained on)."""
     from tokenmill.spec_head import TrainSettings, sharegpt_split, train_medusa_head
 
-    settings = TrainSettings(seconds=15, max_prompts=4, max_tokens=24, vocab_size=1024, min_steps=150)
+    settings = TrainSettings(seconds=6, max_prompts=4, max_tokens=24, vocab_size=1024, min_steps=150)
     summary = train_medusa_head(model_dir, tmp_path / "head", settings)
     assert summary["prompts"] == 4 and summary["steps"] >= 150
     assert json.loads((tmp_path / "head" / CONFIG_FILE).read_text())["training"] == summary
