@@ -327,6 +327,8 @@ class ApiFile(Base):
     deleted_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime, index=True)  # then the cleanup deletes it
     lines: Mapped[int | None] = mapped_column(Integer)  # a batch's output or error file: its lines
+    # None while an upload is written: its bytes are reserved, it is not served (migration 0008)
+    ready_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
 
 
 class ApiBatch(Base):

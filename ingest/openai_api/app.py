@@ -34,6 +34,7 @@ from starlette.exceptions import HTTPException
 from ingest.intake import Intake
 from ingest.openai_api.guard import RequestGuard
 from ingest.openai_api.objects import ApiError, Deleted, FileObject, batch_object, file_object, not_found
+from ingest.openai_api.quotas import CheckSlots, TooManyChecks, lock_tenant
 from ingest.openai_api.results import (
     ENDED,
     UPLOAD,
@@ -92,6 +93,7 @@ class ApiService:
     max_completion_window: str | None = None
     openapi: bool = True  # /openapi.json, behind a key like every path
     cleanup_interval_s: float = CLEANUP_INTERVAL_S
+    checks: CheckSlots = field(default_factory=CheckSlots)  # batch inputs being read, per tenant
 
     @property
     def served(self) -> set[str]:
@@ -132,11 +134,15 @@ def create_app(service: ApiService) -> RequestGuard:
     app.add_exception_handler(Exception, server_error)
     engine = service.sessions.kw["bind"]
     return RequestGuard(app, lambda method, path: body_limit(service, method, path),
-                        lambda token: tenant_of_token(engine, token))
+                        lambda token: tenant_of_token(engine, token), is_upload)
+
+
+def is_upload(method: str, path: str) -> bool:
+    return method == "POST" and path.rstrip("/") == "/v1/files"
 
 
 def body_limit(service: ApiService, method: str, path: str) -> tuple[int, str]:
-    if method == "POST" and path.rstrip("/") == "/v1/files":
+    if is_upload(method, path):
         return service.max_upload_bytes + MULTIPART_SLACK, "--max-upload-bytes"
     return service.max_request_bytes, "--max-request-bytes"
 
@@ -201,7 +207,7 @@ Service = Annotated[ApiService, Depends(service_of)]
 Tenant = Annotated[str, Depends(tenant_of_request)]
 
 
-@router.post("/files")
+@router.post("/files", form_limits={"max_files": 1, "max_fields": 3})  # purpose, expires_after[anchor|seconds]
 def create_file(service: Service, owner: Tenant, file: Annotated[UploadFile, File()],
                 purpose: Annotated[str, Form()],
                 expires_anchor: Annotated[str | None, Form(alias="expires_after[anchor]")] = None,
@@ -215,24 +221,47 @@ def create_file(service: Service, owner: Tenant, file: Annotated[UploadFile, Fil
     if size > service.max_upload_bytes:
         raise ApiError(413, f"file is larger than the limit of {service.max_upload_bytes:,} bytes "
                             f"(--max-upload-bytes)", code="file_too_large", param="file")
-    with service.sessions() as db:
-        stored = db.scalar(select(func.coalesce(func.sum(ApiFile.bytes), 0)).where(
-            ApiFile.tenant == owner, ApiFile.deleted_at.is_(None)))
-    if stored + size > service.max_tenant_bytes:
-        raise ApiError(403, f"storing this file would take your files to {stored + size:,} bytes, over the limit "
-                            f"of {service.max_tenant_bytes:,} (--max-tenant-bytes); delete some files first",
-                       code="storage_limit_exceeded", param="file")
     file_id = f"file-{uuid.uuid4().hex}"
     store, key = open_file_store(f"{service.bucket_uri}/{API_UPLOADS}/{file_id}.jsonl", service.intake.s3)
-    file.file.seek(0)
-    store.put_stream(key, file.file)
     now = utcnow()
     row = ApiFile(id=file_id, tenant=owner, purpose=purpose, kind=UPLOAD, bytes=size, created_at=now,
-                  filename=os.path.basename(file.filename or "input.jsonl")[:1024], uri=store.uri_of(key),
+                  filename=_clean_filename(file.filename), uri=store.uri_of(key), ready_at=None,
                   expires_at=None if lifetime is None else now + timedelta(seconds=lifetime))
-    with service.sessions.begin() as db:
+    with service.sessions.begin() as db:  # the bytes are reserved before they are written: nothing uncounted
+        lock_tenant(db, owner)
+        stored = db.scalar(select(func.coalesce(func.sum(ApiFile.bytes), 0)).where(
+            ApiFile.tenant == owner, ApiFile.deleted_at.is_(None)))
+        if stored + size > service.max_tenant_bytes:
+            raise ApiError(403, f"storing this file would take your files to {stored + size:,} bytes, over the "
+                                f"limit of {service.max_tenant_bytes:,} (--max-tenant-bytes); delete some files first",
+                           code="storage_limit_exceeded", param="file")
         db.add(row)
+    try:
+        file.file.seek(0)
+        store.put_stream(key, file.file)
+    except BaseException:
+        _drop_reservation(service, row)
+        raise
+    row.ready_at = utcnow()
+    with service.sessions.begin() as db:  # if this fails, the cleanup removes the reservation and its object
+        db.get(ApiFile, file_id).ready_at = row.ready_at
     return file_object(row)
+
+
+def _clean_filename(name: str | None) -> str:
+    """The upload's own name, without folders or characters a database or a terminal would refuse (NUL...)."""
+    cleaned = "".join(ch for ch in os.path.basename(name or "") if ch.isprintable())[:1024]
+    return cleaned or "input.jsonl"
+
+
+def _drop_reservation(service: ApiService, row: ApiFile) -> None:
+    """An upload that failed: its reservation is released and whatever part of it was written is removed (or,
+    with the database down too, the cleanup does both later)."""
+    try:
+        with service.sessions.begin() as db:
+            delete_file(db, db.get(ApiFile, row.id), service.intake.s3)
+    except Exception as error:
+        log.warning("could not release the reservation of failed upload %s: %s", row.id, error)
 
 
 def _expiry(service: ApiService, anchor: str | None, seconds: int | None) -> int | None:
@@ -249,7 +278,7 @@ def _expiry(service: ApiService, anchor: str | None, seconds: int | None) -> int
 def list_files(service: Service, owner: Tenant, purpose: str | None = None, after: str | None = None,
                limit: Annotated[int, Query(ge=1, le=10_000)] = 10_000,
                order: Literal["asc", "desc"] = "desc") -> dict[str, Any]:
-    query = select(ApiFile).where(ApiFile.tenant == owner, ApiFile.deleted_at.is_(None))
+    query = select(ApiFile).where(ApiFile.tenant == owner, ApiFile.deleted_at.is_(None), ApiFile.ready_at.is_not(None))
     if purpose is not None:
         query = query.where(ApiFile.purpose == purpose)
     newest_first = order == "desc"
@@ -283,7 +312,7 @@ def remove_file(service: Service, owner: Tenant, file_id: str) -> Deleted:
     _file(service, owner, file_id)
     settle_readers(service.sessions, service.intake.s3, file_id)
     with service.sessions.begin() as db:
-        row = _owned_file(db, owner, file_id)
+        row = _owned_file(db, owner, file_id, lock=True)  # a batch being made from it waits, or is waited for
         try:
             delete_file(db, row, service.intake.s3)
         except FileInUse as error:
@@ -300,24 +329,25 @@ def create_batch(service: Service, owner: Tenant, body: BatchCreate) -> dict[str
     source = _file(service, owner, body.input_file_id)
     if source.kind != UPLOAD:
         raise ApiError(400, f"file {source.id} is a batch's output, not an input", param="input_file_id")
-    with service.sessions() as db:
-        running = db.scalar(select(func.count()).select_from(ApiBatch).join(Job).where(
-            ApiBatch.tenant == owner, Job.status.not_in([status.value for status in TERMINAL])))
-    if running >= service.max_batches_in_progress:
-        raise ApiError(429, f"you have {running} batches in progress, the limit (--max-batches-in-progress); "
-                            f"wait for one to end", code="batch_limit_exceeded")
-    store, key = open_file_store(source.uri, service.intake.s3)
+    with service.sessions() as db:  # early, before the input is read; checked again where the batch is written
+        _check_batch_limit(service, db, owner)
     try:
-        with store.open(key) as lines:
-            checked = check_lines(lines, body.endpoint, service.served, service.max_batch_rows)
-    except TooManyRows:
-        raise ApiError(400, f"the input file has more than {service.max_batch_rows:,} requests, the limit per batch "
-                            f"(--max-batch-rows)", code="too_many_requests", param="input_file_id") from None
-    if not checked.rows:
-        raise ApiError(400, "the input file has no requests", code="empty_file", param="input_file_id")
+        with service.checks.slot(owner):
+            checked = _check_input(service, source, body.endpoint)
+    except TooManyChecks:
+        raise ApiError(429, f"{service.checks.limit} batches of yours are being checked; retry once one is made",
+                       code="rate_limit_exceeded") from None
     job_id = str(uuid.uuid4())
 
     def add_batch(writer: Session, job: Job) -> None:  # in the job's own transaction: no job without its batch
+        lock_tenant(writer, owner)
+        if not checked.errors:
+            _check_batch_limit(service, writer, owner)
+        # a DELETE (or the cleanup) of the input since `_file` above: it committed first, or it waits for this
+        # transaction and then finds the batch that reads the file (FileInUse)
+        source_row = writer.get(ApiFile, source.id, with_for_update=True)
+        if source_row is None or source_row.deleted_at is not None:
+            raise not_found("file", source.id)
         if checked.errors:  # refused: the batch exists, failed, with its lines listed (OpenAI's way)
             transition(job, JobStatus.FAILED, error=checked.summary())
         writer.add(ApiBatch(job_id=job.id, tenant=owner, endpoint=body.endpoint, created_at=utcnow(),
@@ -336,6 +366,28 @@ def create_batch(service: Service, owner: Tenant, body: BatchCreate) -> dict[str
     except SpecError as error:
         raise ApiError(400, str(error), code="invalid_value") from None
     return _batch(service, owner, job.id)
+
+
+def _check_batch_limit(service: ApiService, db: Session, owner: str) -> None:
+    running = db.scalar(select(func.count()).select_from(ApiBatch).join(Job).where(
+        ApiBatch.tenant == owner, Job.status.not_in([status.value for status in TERMINAL])))
+    if running >= service.max_batches_in_progress:
+        raise ApiError(429, f"you have {running} batches in progress, the limit (--max-batches-in-progress); "
+                            f"wait for one to end", code="batch_limit_exceeded")
+
+
+def _check_input(service: ApiService, source: ApiFile, endpoint: str):
+    """The input file's lines, checked (the rows and the lines refused with why)."""
+    store, key = open_file_store(source.uri, service.intake.s3)
+    try:
+        with store.open(key) as lines:
+            checked = check_lines(lines, endpoint, service.served, service.max_batch_rows)
+    except TooManyRows:
+        raise ApiError(400, f"the input file has more than {service.max_batch_rows:,} requests, the limit per batch "
+                            f"(--max-batch-rows)", code="too_many_requests", param="input_file_id") from None
+    if not checked.rows:
+        raise ApiError(400, "the input file has no requests", code="empty_file", param="input_file_id")
+    return checked
 
 
 def _check_window(service: ApiService, window: str) -> None:
@@ -386,9 +438,9 @@ def _file(service: ApiService, owner: str, file_id: str) -> ApiFile:
         return _owned_file(db, owner, file_id)
 
 
-def _owned_file(db: Session, owner: str, file_id: str) -> ApiFile:
-    row = db.get(ApiFile, file_id)
-    if row is None or row.tenant != owner or row.deleted_at is not None:
+def _owned_file(db: Session, owner: str, file_id: str, lock: bool = False) -> ApiFile:
+    row = db.get(ApiFile, file_id, with_for_update=lock)
+    if row is None or row.tenant != owner or row.deleted_at is not None or row.ready_at is None:
         raise not_found("file", file_id)
     return row
 

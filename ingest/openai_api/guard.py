@@ -1,10 +1,15 @@
 """The API's outer layer, pure ASGI, run before any route, dependency or body parser: a body over its cap is
 refused (413) from its Content-Length or as soon as the bytes streamed pass the cap, and a request without a live
-key is refused (401) before a byte of its body is read. The tenant goes to the routes as `request.state.tenant`."""
+key is refused (401) before a byte of its body is read. A tenant has at most UPLOADS_PER_TENANT uploads in flight
+in this process (429 beyond, before the body is read), and a body that stalls for BODY_IDLE_S, or takes longer
+than BODY_TOTAL_S in all, is cut (408). The tenant goes to the routes as `request.state.tenant`."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -13,9 +18,22 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ingest.openai_api.objects import ApiError
 
+UPLOADS_PER_TENANT = 2
+BODY_IDLE_S = 30.0  # no byte of the body for this long: a stalled or deliberately slow sender
+BODY_TOTAL_S = 900.0  # a whole body (200 MiB at under 250 kB/s takes longer)
+
 
 class BodyTooLarge(Exception):
     pass
+
+
+class BodyTooSlow(Exception):
+    pass
+
+
+def too_slow() -> ApiError:
+    return ApiError(408, f"the request body was not received in time (no byte for {BODY_IDLE_S:.0f} s, or over "
+                         f"{BODY_TOTAL_S:.0f} s in all)", code="request_timeout")
 
 
 def too_large(limit: int, flag: str) -> ApiError:
@@ -33,11 +51,12 @@ async def answer(send: Send, error: ApiError) -> None:
 
 class RequestGuard:
     """`body_limit(method, path)` -> (cap in bytes, the flag that sets it); `authenticate(token)` -> the tenant of
-    a live key or None (run in a thread: it reads the database)."""
+    a live key or None (run in a thread: it reads the database); `is_upload(method, path)`: a file upload."""
 
     def __init__(self, app: ASGIApp, body_limit: Callable[[str, str], tuple[int, str]],
-                 authenticate: Callable[[str], str | None]) -> None:
-        self.app, self.body_limit, self.authenticate = app, body_limit, authenticate
+                 authenticate: Callable[[str], str | None], is_upload: Callable[[str, str], bool]) -> None:
+        self.app, self.body_limit, self.authenticate, self.is_upload = app, body_limit, authenticate, is_upload
+        self.uploads: Counter[str] = Counter()  # a tenant's uploads in flight (one event loop: no lock needed)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -49,10 +68,34 @@ class RequestGuard:
             return await answer(send, too_large(limit, flag))
         if (error := await self._authenticate(headers.get(b"authorization"), scope)) is not None:
             return await answer(send, error)
-        state: dict[str, Any] = {"received": 0, "over": False, "started": False}
+        if not self.is_upload(scope["method"], scope["path"]):
+            return await self._guarded(scope, receive, send, limit, flag)
+        tenant = scope["state"]["tenant"]
+        if self.uploads[tenant] >= UPLOADS_PER_TENANT:
+            return await answer(send, ApiError(429, f"{UPLOADS_PER_TENANT} uploads of yours are in progress; "
+                                                    f"retry once one ends", code="rate_limit_exceeded"))
+        self.uploads[tenant] += 1
+        try:
+            await self._guarded(scope, receive, send, limit, flag)
+        finally:
+            self.uploads[tenant] -= 1
+            if not self.uploads[tenant]:
+                del self.uploads[tenant]
+
+    async def _guarded(self, scope: Scope, receive: Receive, send: Send, limit: int, flag: str) -> None:
+        state: dict[str, Any] = {"received": 0, "over": False, "slow": False, "started": False, "whole": False}
+        body_deadline = time.monotonic() + BODY_TOTAL_S
 
         async def counted_receive() -> Message:
-            message = await receive()
+            if state["whole"]:  # the body is in: what follows is a disconnect, however late
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, min(BODY_IDLE_S,
+                                                                          body_deadline - time.monotonic())))
+            except TimeoutError:
+                state["slow"] = True
+                raise BodyTooSlow() from None
+            state["whole"] = message["type"] != "http.request" or not message.get("more_body", False)
             if message["type"] == "http.request":
                 state["received"] += len(message.get("body", b""))
                 if state["received"] > limit:
@@ -61,7 +104,7 @@ class RequestGuard:
             return message
 
         async def guarded_send(message: Message) -> None:
-            if state["over"]:  # the app's answer to a cut body (a parse error, a 500) gives way to the 413
+            if state["over"] or state["slow"]:  # the app's answer to a cut body (a parse error, a 500) gives way
                 return
             state["started"] = state["started"] or message["type"] == "http.response.start"
             await send(message)
@@ -69,10 +112,14 @@ class RequestGuard:
         try:
             await self.app(scope, counted_receive, guarded_send)
         except Exception:
-            if not state["over"]:
+            if not (state["over"] or state["slow"]):
                 raise
-        if state["over"] and not state["started"]:
+        if state["started"]:
+            return
+        if state["over"]:
             await answer(send, too_large(limit, flag))
+        elif state["slow"]:
+            await answer(send, too_slow())
 
     async def _authenticate(self, authorization: bytes | None, scope: Scope) -> ApiError | None:
         scheme, _, token = (authorization or b"").decode("latin-1").partition(" ")

@@ -16,7 +16,7 @@ import uuid
 from collections.abc import Iterator
 from datetime import datetime, timedelta
 
-from sqlalchemy import or_, select
+from sqlalchemy import and_, or_, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -81,7 +81,7 @@ def add_result_files(sessions: sessionmaker[Session], s3: S3Options, batch: ApiB
     files = {kind: ApiFile(id=f"file-{uuid.uuid5(uuid.NAMESPACE_URL, f'{job.id}/{kind}').hex}", tenant=batch.tenant,
                            purpose="batch_output", kind=kind, uri=uri, bytes=sizes[kind], lines=counts[kind],
                            filename=f"{batch.job_id}_{'error' if errors else 'output'}.jsonl", created_at=now,
-                           expires_at=expires)
+                           ready_at=now, expires_at=expires)
              for kind, errors in OUTPUT_KINDS.items() if counts[kind]}
     try:
         with sessions.begin() as db:
@@ -200,18 +200,23 @@ def settle_readers(sessions: sessionmaker[Session], s3: S3Options, file_id: str)
         add_result_files(sessions, s3, batch, job)
 
 
+ABANDONED_UPLOAD_S = 3600  # an upload still not written this long after its reservation: its writer died
+
+
 def delete_expired_files(sessions: sessionmaker[Session], s3: S3Options, now: datetime | None = None) -> int:
-    """Delete the files whose `expires_at` passed (an upload a running batch still reads waits for it to end).
-    Returns how many were deleted."""
+    """Delete the files whose `expires_at` passed (an upload a running batch still reads waits for it to end),
+    and the reservations of uploads abandoned mid-write (with whatever of them was written). Returns how many."""
+    now = now or utcnow()
+    expired = and_(ApiFile.expires_at.is_not(None), ApiFile.expires_at <= now)
+    abandoned = and_(ApiFile.ready_at.is_(None), ApiFile.created_at <= now - timedelta(seconds=ABANDONED_UPLOAD_S))
     with sessions() as db:
-        due = db.scalars(select(ApiFile.id).where(ApiFile.deleted_at.is_(None), ApiFile.expires_at.is_not(None),
-                                                  ApiFile.expires_at <= (now or utcnow()))).all()
+        due = db.scalars(select(ApiFile.id).where(ApiFile.deleted_at.is_(None), or_(expired, abandoned))).all()
     deleted = 0
     for file_id in due:
         try:
             settle_readers(sessions, s3, file_id)
             with sessions.begin() as db:
-                row = db.get(ApiFile, file_id)
+                row = db.get(ApiFile, file_id, with_for_update=True)
                 if row is not None and row.deleted_at is None:
                     delete_file(db, row, s3)
                     deleted += 1

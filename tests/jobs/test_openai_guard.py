@@ -142,3 +142,75 @@ def test_key_checks_take_no_write_lock(api, sqlite_url) -> None:
     finally:
         writer.execute("ROLLBACK")
         writer.close()
+
+
+# ---- #56 item 5: one tenant cannot exhaust the API's memory or disk ------------------------------------
+
+def multipart(*parts: tuple[str, str | None, bytes]) -> bytes:
+    """A multipart/form-data body (boundary xyz) of (name, filename or None, content) parts."""
+    body = b""
+    for name, filename, content in parts:
+        disposition = f'form-data; name="{name}"' + (f'; filename="{filename}"' if filename else "")
+        body += f"--xyz\r\nContent-Disposition: {disposition}\r\n\r\n".encode() + content + b"\r\n"
+    return body + b"--xyz--\r\n"
+
+
+def post_upload(base_url: str, key: str, body: bytes) -> tuple[int, dict]:
+    request = urllib.request.Request(f"{base_url}/files", data=body, method="POST", headers={
+        "Authorization": f"Bearer {key}", "Content-Type": "multipart/form-data; boundary=xyz"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+def test_an_upload_carries_exactly_one_file_part(api) -> None:
+    base_url, key, _, _ = api
+    line = b'{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {"messages": []}}\n'
+    status, body = post_upload(base_url, key, multipart(("purpose", None, b"batch"), ("file", "a.jsonl", line),
+                                                        ("file", "b.jsonl", line)))
+    assert status == 400 and body["error"]["message"] == "Could not parse the request body.", body
+    assert json.loads(urllib.request.urlopen(urllib.request.Request(  # nothing was stored
+        f"{base_url}/files", headers={"Authorization": f"Bearer {key}"}), timeout=10).read())["data"] == []
+    status, body = post_upload(base_url, key, multipart(("purpose", None, b"batch"), ("file", "a.jsonl", line)))
+    assert status == 200 and body["bytes"] == len(line)
+
+
+def slow_upload(base_url: str, key: str) -> socket.socket:
+    """An upload whose body has begun and then stalls."""
+    sock = socket.create_connection(("127.0.0.1", port_of(base_url)), timeout=30)
+    sock.sendall(chunked_head("/v1/files", key) + chunk(first_part() + b"x" * 1024))
+    return sock
+
+
+def test_a_tenants_uploads_in_flight_are_bounded(api) -> None:
+    from ingest.openai_api.guard import UPLOADS_PER_TENANT
+
+    base_url, key, other_key, _ = api
+    stalled = [slow_upload(base_url, key) for _ in range(UPLOADS_PER_TENANT)]
+    try:
+        time.sleep(0.5)
+        with socket.create_connection(("127.0.0.1", port_of(base_url)), timeout=10) as sock:
+            sock.sendall(chunked_head("/v1/files", key) + chunk(first_part()))
+            status, body = read_response(sock)  # answered before its body is read
+        assert status == 429 and body["error"]["code"] == "rate_limit_exceeded", body
+        line = b'{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}}\n'
+        status, _ = post_upload(base_url, other_key, multipart(("purpose", None, b"batch"),
+                                                                ("file", "a.jsonl", line)))
+        assert status == 200  # another tenant's uploads go on
+    finally:
+        for sock in stalled:
+            sock.close()
+
+
+def test_a_stalled_body_is_cut_with_408(api, monkeypatch) -> None:
+    from ingest.openai_api import guard
+
+    monkeypatch.setattr(guard, "BODY_IDLE_S", 1.0)
+    base_url, key, _, _ = api
+    started = time.monotonic()
+    with slow_upload(base_url, key) as sock:
+        status, body = read_response(sock)
+    assert status == 408 and body["error"]["code"] == "request_timeout", body
+    assert time.monotonic() - started < 10

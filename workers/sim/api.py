@@ -48,7 +48,8 @@ class SimApi:
         store.objects[f"{file_id}.jsonl"] = (data, next(self.kernel.versions))
         with self.sessions.begin() as db:
             db.add(ApiFile(id=file_id, tenant=TENANT, purpose="batch", kind=UPLOAD, bytes=len(data),
-                           created_at=utcnow(), filename="input.jsonl", uri=store.uri_of(f"{file_id}.jsonl")))
+                           created_at=utcnow(), ready_at=utcnow(), filename="input.jsonl",
+                           uri=store.uri_of(f"{file_id}.jsonl")))
         return file_id
 
     def create(self, plan: JobPlan, file_id: str) -> str:
