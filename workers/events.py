@@ -26,6 +26,7 @@ from sqlalchemy import event, inspect
 from sqlalchemy.orm import Session
 
 from storage.models import Job, JobSource
+from storage.public_text import public_message
 
 if TYPE_CHECKING:
     from ingest.config import ServiceConfig
@@ -110,7 +111,8 @@ def _discard(session: Session) -> None:
 
 def job_event(job: Job, previous: str | None, status: str) -> dict[str, Any]:
     """The event of a status change. An OpenAI API batch's names no file and no URI (its tenant's, not the
-    topic readers'): no `source_ref` (the input file's id), no `output_uri`, and its error as the API shows it."""
+    topic readers'): no `source_ref` (the input file's id), no `output_uri`, and its error as the API shows it.
+    Every job's error is told without the service's inside (`storage.public_text`)."""
     at = getattr(job, f"{status}_at", None)
     payload = {
         "job_id": job.id, "status": status, "previous_status": previous, "at": at.isoformat() if at else None,
@@ -119,11 +121,9 @@ def job_event(job: Job, previous: str | None, status: str) -> dict[str, Any]:
         "requests": {"total": job.requests_total, "completed": job.requests_completed,
                      "failed": job.requests_failed},
         "tokens": {"prompt": job.prompt_tokens, "completion": job.completion_tokens, "cached": job.cached_tokens},
-        "error": job.error,
+        "error": public_message(job.error, uris=True) if job.error else None,  # no exception text, no worker
     }
     if job.source == JobSource.API:
-        from ingest.openai_api.objects import public_message  # FastAPI's import, only where the API's jobs run
-
         del payload["source_ref"], payload["output_uri"]
         payload["error"] = public_message(job.error) if job.error else None
     return payload

@@ -54,6 +54,7 @@ from storage.formats import ENDPOINTS
 from storage.job_settings import CELERY, DEFAULT_COMPLETION_WINDOW, DEFAULT_SHARD_SIZE, window_seconds
 from storage.models import ApiBatch, ApiFile, Job, JobSource, JobStatus, utcnow
 from storage.objectstore import open_file_store
+from storage.public_text import public_message
 from storage.states import TERMINAL, transition
 
 MAX_UPLOAD_BYTES = 200 << 20  # OpenAI: a batch input file is at most 200 MB
@@ -363,8 +364,8 @@ def create_batch(service: Service, owner: Tenant, body: BatchCreate) -> dict[str
         new = service.intake.prepare(request, source=JobSource.API.value, source_ref=source.id,
                                      default_key=request.idempotency_key, tenant=owner, executor=service.executor)
         job = service.intake.record(new, with_job=add_batch).job  # a failed one is not handed out
-    except SpecError as error:
-        raise ApiError(400, str(error), code="invalid_value") from None
+    except SpecError as error:  # told as a tenant may read it: no allow-list prefix, setting or path
+        raise ApiError(400, public_message(str(error)), code="invalid_value") from None
     return _batch(service, owner, job.id)
 
 

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import re
 from datetime import datetime
 from typing import Any
 
 from pydantic import BaseModel
 
 from storage.models import ApiBatch, ApiFile, Job, JobStatus
+from storage.public_text import public_message
 
 BATCH_STATUS = {JobStatus.QUEUED: "in_progress"}  # validated, waiting for a worker: OpenAI has no `queued`
 TIMESTAMPS = ("in_progress_at", "finalizing_at", "completed_at", "failed_at", "expired_at", "cancelling_at",
@@ -56,19 +56,6 @@ def unix(moment: datetime | None) -> int | None:
 def file_object(row: ApiFile) -> FileObject:
     return FileObject(id=row.id, bytes=row.bytes, created_at=unix(row.created_at), filename=row.filename,
                       purpose=row.purpose, expires_at=unix(row.expires_at))
-
-
-URI = re.compile(r"\b[a-zA-Z][a-zA-Z0-9+.-]*://\S+")
-PATH = re.compile(r"(?<![\w.:/])/(?:[\w.@+-]+/)+[\w.@+-]*")
-EXCEPTION = re.compile(r"^[A-Z]\w*(Error|Exception|Exit|Interrupt|Failure)\b")  # `ValueError: ...`: the server's
-MAX_MESSAGE = 1000
-
-
-def public_message(error: str) -> str:
-    """A job's error as a client may read it: no exception text from the workers, no URI or path."""
-    if EXCEPTION.match(error):
-        return "The server had an error while running this batch."
-    return PATH.sub("<path>", URI.sub("<uri>", error))[:MAX_MESSAGE]
 
 
 def batch_object(batch: ApiBatch, job: Job, counts: tuple[int, int] | None = None) -> dict[str, Any]:

@@ -130,6 +130,28 @@ def test_job_errors_reach_clients_without_exception_text_or_paths() -> None:
     assert public_message("duplicate custom_id 'a' on lines 1 and 2") == "duplicate custom_id 'a' on lines 1 and 2"
 
 
+def test_errors_tell_nothing_of_the_services_inside() -> None:
+    """#56 item 6: worker names, exception text after a shard's limit, database addresses and setting names stay
+    inside, for the API's tenants and for the events topic's readers (who keep their own URIs)."""
+    from storage.models import Job
+    from workers.events import job_event
+
+    failed = ("shard 3 (rows 6-7) failed 2 attempt(s), the limit; last: OperationalError: (psycopg.OperationalError) "
+              "connection to server at \"10.0.4.17\", port 5432 failed; TOKENMILL_DATABASE_URL=postgresql://tm:pw@db/x")
+    message = public_message(failed)
+    assert message == ("shard 3 (rows 6-7) failed 2 attempt(s), the limit; last: the server had an error while "
+                       "running it")
+    died = public_message("shard 0 (rows 0-1) failed 2 attempt(s), the limit; last: its worker (gpu-7@node-12) died "
+                          "while running it")
+    assert died.endswith("last: its worker died while running it") and "node-12" not in died
+    leaky = "output s3://team/out is outside $TOKENMILL_ALLOWED_OUTPUT_PREFIXES (redis at 127.0.0.1:6379)"
+    for shown, uris in ((public_message(leaky), False), (public_message(leaky, uris=True), True)):
+        assert "TOKENMILL_" not in shown and "127.0.0.1" not in shown and ("s3://team/out" in shown) is uris
+    kafka = Job(id="j", source="kafka", error=failed, status="failed", requests_total=0, requests_completed=0,
+                requests_failed=0, prompt_tokens=0, completion_tokens=0, cached_tokens=0)
+    assert job_event(kafka, "in_progress", "failed")["error"] == message
+
+
 def test_key_checks_take_no_write_lock(api, sqlite_url) -> None:
     base_url, key, _, _ = api
     writer = sqlite3.connect(sqlite_url.removeprefix("sqlite:///"), isolation_level=None)
