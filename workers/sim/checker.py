@@ -132,10 +132,15 @@ def check_completed(plan: JobPlan, job: Job, objects: dict[str, tuple[bytes, int
 
 
 def check_deadline(plan: JobPlan, status: str) -> list[str]:
+    """The job was made between its request's start and its answer: it expires no earlier than its window after
+    the one, and no later than its window and LATE_EXPIRY_S after the other."""
     if status != S.EXPIRED or plan.expired_at is None or plan.arrived_at is None:
         return []
-    lived, window = plan.expired_at - plan.arrived_at, window_seconds(plan.window)
-    if window <= lived <= window + LATE_EXPIRY_S:
+    window = window_seconds(plan.window)
+    requested = plan.arrived_at if plan.requested_at is None else plan.requested_at
+    earliest, latest = plan.expired_at - requested, plan.expired_at - plan.arrived_at
+    if earliest >= window and latest <= window + LATE_EXPIRY_S:
         return []
+    lived = earliest if earliest < window else latest
     return [f"invariant 6: job {plan.index} expired {lived:.0f} s after it arrived; its completion window is "
             f"{plan.window} ({window} s)"]

@@ -25,7 +25,8 @@ class JobPlan:
     output_expires_after: int | None = None  # the API batch's result files' lifetime
     prefix_of: int | None = None  # writes to this earlier job's output prefix
     rejected: str | None = None  # why the front door refused it
-    arrived_at: float | None = None  # true (database) time
+    requested_at: float | None = None  # true time its request began (an API call may pause before answering)
+    arrived_at: float | None = None  # true (database) time its request was answered
     expired_at: float | None = None  # true time of the sweep that expired it
 
     @property

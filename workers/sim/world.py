@@ -335,6 +335,8 @@ class World:
     def _settled(self) -> bool:
         if any(plan.job_id is None and not plan.rejected for plan in self.jobs):
             return False
+        if self.kernel.now < self.kernel.store_down_until:  # an outage still on: the cleanups it holds up wait
+            return False
         if any(actor is not None for inc in self.kernel.incarnations if inc.alive for actor in inc.slots.values()):
             return False
         return not self._unfinished()
@@ -445,6 +447,7 @@ class World:
     def _create_batch(self, plan: JobPlan) -> None:
         from ingest.openai_api.objects import ApiError
 
+        plan.requested_at = self.kernel.now
         try:
             plan.job_id = self.api.create(plan, self.api.upload(plan, self._rows(plan)))
         except SimCrash:
