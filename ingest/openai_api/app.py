@@ -302,7 +302,11 @@ def retrieve_file(service: Service, owner: Tenant, file_id: str) -> FileObject:
     return file_object(_file(service, owner, file_id))
 
 
-@router.get("/files/{file_id}/content")
+JSONL_CONTENT = {200: {"description": "The file's bytes (JSON Lines)",
+                       "content": {"application/jsonl": {"schema": {"type": "string"}}}}}
+
+
+@router.get("/files/{file_id}/content", response_class=StreamingResponse, responses=JSONL_CONTENT)
 def file_content(service: Service, owner: Tenant, file_id: str) -> StreamingResponse:
     return StreamingResponse(content(_file(service, owner, file_id), service.intake.s3),
                              media_type="application/jsonl")
