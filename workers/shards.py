@@ -138,7 +138,7 @@ class EmbeddingRow:
         outcome.records.extend({
             "custom_id": request.custom_id, "embedding": vector, "prompt_tokens": tokens, "latency_ms": latency,
             "row_index": request.row, "input_index": i, "endpoint": EMBEDDINGS,
-            "encoding_format": request.params.get("encoding_format", "float"),
+            "encoding_format": request.params.get("encoding_format", "float"), "model": request.model,
         } for i, (vector, tokens, latency) in sorted(self.vectors.items()))
         return True
 
@@ -229,6 +229,7 @@ def collect_row(outcome: ShardOutcome, request: Request, output: RequestOutput, 
         "endpoint": request.endpoint,
         "logprobs": None if top_k is None else openai_logprobs(completion, request.endpoint, top_k),
         "choice_index": completion.index,
+        "model": request.model,
     } for completion in output.outputs)
 
 

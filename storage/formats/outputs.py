@@ -35,6 +35,7 @@ PART_SCHEMA = pa.schema([
     pa.field("endpoint", pa.string()),  # /v1/chat/completions or /v1/completions
     pa.field("logprobs", pa.string()),  # when the row asked for logprobs: OpenAI's choice.logprobs as JSON text
     pa.field("choice_index", pa.int32()),  # which of the row's n completions (one part row each)
+    pa.field("model", pa.string()),  # the name the row asked for (an alias, an adapter); null: the job's model
 ])
 
 
@@ -51,6 +52,7 @@ def embedding_part_schema(size: int | None) -> pa.Schema:
         pa.field("input_index", pa.int32()),  # which of the row's inputs
         pa.field("endpoint", pa.string()),  # /v1/embeddings
         pa.field("encoding_format", pa.string()),  # float | base64: how batch_output.jsonl writes it
+        pa.field("model", pa.string()),  # the name the row asked for; null: the job's model
     ])
 
 
@@ -124,6 +126,7 @@ def batch_output_line(job_id: str, model: str, record: dict[str, Any] | list[dic
     if "code" in record:
         return {"id": line_id, "custom_id": record["custom_id"], "response": None,
                 "error": {"code": record["code"], "message": record["message"]}}
+    model = record.get("model") or model  # OpenAI's bodies name the model the request asked for
     body = _embeddings_body(model, records) if record["endpoint"] == EMBEDDINGS else _completion_body(model, records)
     return {"id": line_id, "custom_id": record["custom_id"], "error": None,
             "response": {"status_code": 200, "request_id": line_id, "body": body}}

@@ -116,6 +116,8 @@ def test_files_batches_poll_content_with_the_sdk(api) -> None:
         completion = ChatCompletion.model_validate(line["response"]["body"])
         assert completion.choices[0].message.role == "assistant" and line["error"] is None
     assert {len(ChatCompletion.model_validate(line["response"]["body"]).choices) for line in outputs} == {1, 2}
+    assert {line["custom_id"]: line["response"]["body"]["model"] for line in outputs} == {  # the name it asked for
+        "job-model": MODEL, "alias": ALIAS, "n-two": MODEL}
     errors = [json.loads(line) for line in sdk.files.content(batch.error_file_id).text.splitlines()]
     assert [(e["custom_id"], e["error"]["code"]) for e in errors] == [("bad", "invalid_parameter")]
     assert sdk.files.retrieve(batch.error_file_id).purpose == "batch_output"
