@@ -167,7 +167,9 @@ async def _cleanup_loop(app: FastAPI):
 
 
 def api_error(_request: Request, error: ApiError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status)
+    # OpenAI's SDKs retry a 409 unless told not to: ours (an ended batch, a file in use) do not clear by retrying
+    headers = {"x-should-retry": "false"} if error.status == 409 else None
+    return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
 
 def invalid_request(request: Request, error: RequestValidationError) -> JSONResponse:

@@ -193,3 +193,17 @@ def test_a_delete_racing_batch_creation_cannot_remove_its_input(parked, sessions
     with sessions() as db:
         assert db.scalar(select(func.count()).select_from(ApiBatch)) == 0
         assert db.scalar(select(func.count()).select_from(Job)) == 0
+
+
+def test_a_409_tells_the_sdk_not_to_retry(parked) -> None:
+    """#57 item 6: OpenAI's SDK retries a 409 unless `x-should-retry: false` says otherwise."""
+    base_url, key, _, _ = parked
+    sent = []
+    sdk = openai.OpenAI(base_url=base_url, api_key=key, max_retries=2, timeout=30,
+                        http_client=openai.DefaultHttpxClient(event_hooks={"request": [sent.append]}))
+    source = upload(sdk, [chat_line("r")])
+    sdk.batches.create(input_file_id=source.id, endpoint=ENDPOINT, completion_window="24h")
+    sent.clear()
+    with pytest.raises(openai.ConflictError) as refused:
+        sdk.files.delete(source.id)  # the input of a batch not yet ended
+    assert refused.value.response.headers["x-should-retry"] == "false" and len(sent) == 1
