@@ -10,8 +10,8 @@
    is deleted before its `output_expires_after` from its creation;
 6. (deadline) a job expires no earlier than its completion window after it arrived, and at most
    `LATE_EXPIRY_S` later, on the database's clock (whatever the hosts' clocks say);
-7. (lost work, checked by the run as it goes: `World._check_lost_work`) once the faults stopped, no shard waits
-   with no task for longer than the grace and two sweeps."""
+7. (lost work, checked by the run as it goes: `World._check_lost_work`) once the faults stopped and the last
+   pause or outage they drew ended, no shard waits with no task for longer than the grace and two sweeps."""
 
 from __future__ import annotations
 
