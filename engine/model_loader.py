@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import os
 import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from engine.home import tokenmill_home
 
 if TYPE_CHECKING:
     import torch
@@ -50,13 +51,6 @@ BUNDLED_MODELS = {
         ),
     ]
 }
-
-
-def tokenmill_home() -> Path:
-    """Root of tokenmill's caches ($TOKENMILL_HOME, default ~/.cache/tokenmill)."""
-    root = os.environ.get("TOKENMILL_HOME") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "tokenmill")
-    return Path(root)
 
 
 def models_dir() -> Path:

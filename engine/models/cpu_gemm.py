@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention import cpu_kernel
+from engine.home import tokenmill_home
 
 log = logging.getLogger("tokenmill.cpu_gemm")
 
@@ -255,8 +256,6 @@ def _time_float32_kernels(out_features: int, in_features: int, kinds: tuple[str,
 
 
 def _choices_path() -> Path:
-    from engine.model_loader import tokenmill_home
-
     return tokenmill_home() / "gemm-choices.json"
 
 
