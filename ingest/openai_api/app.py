@@ -34,7 +34,7 @@ from starlette.exceptions import HTTPException
 from ingest.intake import Intake
 from ingest.openai_api.guard import RequestGuard
 from ingest.openai_api.objects import ApiError, Deleted, FileObject, batch_object, file_object, not_found
-from ingest.openai_api.quotas import CheckSlots, TooManyChecks, lock_tenant
+from ingest.openai_api.quotas import CHECKS_PER_TENANT, NoSlot, TenantSlots, lock_tenant
 from ingest.openai_api.results import (
     ENDED,
     UPLOAD,
@@ -94,7 +94,7 @@ class ApiService:
     max_completion_window: str | None = None
     openapi: bool = True  # /openapi.json, behind a key like every path
     cleanup_interval_s: float = CLEANUP_INTERVAL_S
-    checks: CheckSlots = field(default_factory=CheckSlots)  # batch inputs being read, per tenant
+    checks: TenantSlots = field(default_factory=lambda: TenantSlots(CHECKS_PER_TENANT))  # inputs being read
 
     @property
     def served(self) -> set[str]:
@@ -341,7 +341,7 @@ def create_batch(service: Service, owner: Tenant, body: BatchCreate) -> dict[str
     try:
         with service.checks.slot(owner):
             checked = _check_input(service, source, body.endpoint)
-    except TooManyChecks:
+    except NoSlot:
         raise ApiError(429, f"{service.checks.limit} batches of yours are being checked; retry once one is made",
                        code="rate_limit_exceeded") from None
     job_id = str(uuid.uuid4())

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -17,6 +16,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ingest.openai_api.objects import ApiError
+from ingest.openai_api.quotas import NoSlot, TenantSlots
 
 UPLOADS_PER_TENANT = 2
 BODY_IDLE_S = 30.0  # no byte of the body for this long: a stalled or deliberately slow sender
@@ -56,7 +56,7 @@ class RequestGuard:
     def __init__(self, app: ASGIApp, body_limit: Callable[[str, str], tuple[int, str]],
                  authenticate: Callable[[str], str | None], is_upload: Callable[[str, str], bool]) -> None:
         self.app, self.body_limit, self.authenticate, self.is_upload = app, body_limit, authenticate, is_upload
-        self.uploads: Counter[str] = Counter()  # a tenant's uploads in flight (one event loop: no lock needed)
+        self.uploads = TenantSlots(UPLOADS_PER_TENANT)  # a tenant's uploads in flight
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -70,17 +70,12 @@ class RequestGuard:
             return await answer(send, error)
         if not self.is_upload(scope["method"], scope["path"]):
             return await self._guarded(scope, receive, send, limit, flag)
-        tenant = scope["state"]["tenant"]
-        if self.uploads[tenant] >= UPLOADS_PER_TENANT:
-            return await answer(send, ApiError(429, f"{UPLOADS_PER_TENANT} uploads of yours are in progress; "
-                                                    f"retry once one ends", code="rate_limit_exceeded"))
-        self.uploads[tenant] += 1
         try:
-            await self._guarded(scope, receive, send, limit, flag)
-        finally:
-            self.uploads[tenant] -= 1
-            if not self.uploads[tenant]:
-                del self.uploads[tenant]
+            with self.uploads.slot(scope["state"]["tenant"]):
+                await self._guarded(scope, receive, send, limit, flag)
+        except NoSlot:
+            await answer(send, ApiError(429, f"{UPLOADS_PER_TENANT} uploads of yours are in progress; retry once "
+                                             f"one ends", code="rate_limit_exceeded"))
 
     async def _guarded(self, scope: Scope, receive: Receive, send: Send, limit: int, flag: str) -> None:
         state: dict[str, Any] = {"received": 0, "over": False, "slow": False, "started": False, "whole": False}

@@ -26,21 +26,22 @@ def lock_tenant(db: Session, tenant: str) -> None:
         db.execute(select(func.pg_advisory_xact_lock(TENANT_QUOTA_LOCK, key)))
 
 
-class TooManyChecks(Exception):
+class NoSlot(Exception):
     pass
 
 
-class CheckSlots:
-    """At most `limit` batch checks per tenant at once in this process; TooManyChecks beyond."""
+class TenantSlots:
+    """At most `limit` of a tenant's requests of one kind at once in this process (batch checks, uploads); NoSlot
+    beyond."""
 
-    def __init__(self, limit: int = CHECKS_PER_TENANT) -> None:
+    def __init__(self, limit: int) -> None:
         self.limit, self._lock, self._running = limit, threading.Lock(), Counter()
 
     @contextmanager
     def slot(self, tenant: str) -> Iterator[None]:
         with self._lock:
             if self._running[tenant] >= self.limit:
-                raise TooManyChecks(tenant)
+                raise NoSlot(tenant)
             self._running[tenant] += 1
         try:
             yield
