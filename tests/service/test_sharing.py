@@ -54,8 +54,10 @@ def test_a_small_job_sent_during_a_large_one_of_equal_priority_starts_within_a_s
 def test_cancelling_one_of_two_jobs_sharing_a_worker_leaves_the_other_whole(stack, sessions, tmp_path) -> None:
     # the doomed job first, on every slot; the kept job's one-row shards then take slots as the doomed job's shards
     # end (fairness puts them before its queued ones), each beside a doomed shard still running on that worker
-    doomed, _ = submit_rows(stack, tmp_path, "doomed", 16, "--shard-size", "2", "--max-tokens", "400",
-                            min_tokens=300)  # long: its shards outlast the cancel
+    # long rows, and far more shards than slots: it is nowhere near done when the cancel comes (with 8 shards,
+    # on a loaded machine, the kept job's shards started beside its last ones and it completed before the cancel)
+    doomed, _ = submit_rows(stack, tmp_path, "doomed", 48, "--shard-size", "2", "--max-tokens", "400",
+                            min_tokens=300)
     wait_until(lambda: any(s["status"] == "running" for s in shard_rows(sessions, doomed)), "the doomed job to start",
                every=0.1)
     kept, kept_ids = submit_rows(stack, tmp_path, "kept", 4, "--shard-size", "1", "--max-tokens", "64")
