@@ -47,13 +47,15 @@ class EmbeddingEngine:
     spec = None  # no speculative decoding (`BatchEngine.spec`)
 
     def __init__(self, config: EngineConfig) -> None:
-        from transformers import AutoConfig, AutoTokenizer
+        from transformers import AutoTokenizer
+
+        from engine.hf_files import load_config
 
         if config.speculative_config:
             raise ValueError("speculative decoding does not apply to an embedding model")
         self.config = config
         self.model_dir = resolve_model(config.model)
-        hf_config = AutoConfig.from_pretrained(self.model_dir)
+        hf_config = load_config(self.model_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         self.pooling = PoolingConfig.from_model_dir(self.model_dir)
         positions = hf_config.max_position_embeddings

@@ -121,9 +121,9 @@ def calibration_ids(model_dir: str | Path | None, vocab_size: int, length: int) 
     ids: list[int] = []
     if model_dir:
         try:
-            from transformers import AutoTokenizer
+            from engine.hf_files import load_tokenizer
 
-            ids = AutoTokenizer.from_pretrained(model_dir).encode(CALIBRATION_TEXT)
+            ids = load_tokenizer(Path(model_dir)).encode(CALIBRATION_TEXT)
         except (OSError, ValueError):
             ids = []
     if not ids:

@@ -41,12 +41,12 @@ class LLMEngine:
     embedding_size: int | None = None  # it generates text
 
     def __init__(self, config: EngineConfig) -> None:
-        from transformers import AutoConfig, AutoTokenizer
+        from engine.hf_files import load_config, load_tokenizer
 
         self.config = config
         self.model_dir = resolve_model(config.model)
-        hf_config = AutoConfig.from_pretrained(self.model_dir)
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        hf_config = load_config(self.model_dir)
+        self.tokenizer = load_tokenizer(self.model_dir)
         model_len = getattr(hf_config, "max_position_embeddings", None) or 2048
         if config.max_model_len is not None and config.max_model_len > model_len:
             raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's context ({model_len})")

@@ -92,8 +92,7 @@ def draft_memory(settings: dict[str, Any] | None, runner) -> tuple[int, int]:
     n-gram lookups. Read before the proposer exists, so the memory plan can count it."""
     if not settings:
         return 0, 0
-    from transformers import AutoConfig
-
+    from engine.hf_files import load_config
     from engine.model_loader import resolve_model
     from engine.models.llama import LlamaForCausalLM
 
@@ -104,7 +103,7 @@ def draft_memory(settings: dict[str, Any] | None, runner) -> tuple[int, int]:
         return 0, kv_bytes_per_block(layers, runner.num_kv_heads, runner.block_size, runner.head_dim, element)
     if config.method != "draft":
         return 0, 0
-    hf_config = AutoConfig.from_pretrained(resolve_model(config.model))
+    hf_config = load_config(resolve_model(config.model))
     with torch.device("meta"):
         model = LlamaForCausalLM(hf_config, runner.max_model_len)
     weights = sum(p.numel() for p in model.parameters()) * element

@@ -30,12 +30,12 @@ def main(spec: dict) -> None:
     watch_parent(spec["parent"])
     import torch
     import torch.distributed as dist
-    from transformers import AutoConfig
 
     from engine.config import EngineConfig
     from engine.distributed.group import COLLECTIVE_TIMEOUT, RankFailure
     from engine.distributed.pipeline import rank_classes
     from engine.distributed.ranks import cpu_threads_per_rank, ranks_device
+    from engine.hf_files import load_config
 
     rank, world_size = spec["rank"], spec["world_size"]
     config = EngineConfig.from_kwargs(**spec["config"])
@@ -47,7 +47,7 @@ def main(spec: dict) -> None:
     group_class, runner_class = rank_classes(config)
     group = group_class(rank, world_size, store, device)
     model_dir = Path(spec["model_dir"])
-    runner = runner_class(config, model_dir, AutoConfig.from_pretrained(model_dir), spec["max_model_len"], tp=group)
+    runner = runner_class(config, model_dir, load_config(model_dir), spec["max_model_len"], tp=group)
     try:
         while (step := group.receive()) is not None:
             runner.run_remote(step)

@@ -137,16 +137,19 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.layer_range = range(config.num_hidden_layers) if layers is None else layers
         self.is_last_stage = self.layer_range.stop == config.num_hidden_layers  # ends with the final norm
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size) if self.layer_range.start == 0 else None
+        self.embed_tokens = None  # built on meta, weights loaded after: nothing random or computed here (on meta,
+        if self.layer_range.start == 0:  # those ops run as Python refs that import torch._dynamo, 1.7 s a process)
+            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
+                                             _weight=torch.empty(config.vocab_size, config.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(len(self.layer_range)))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = None
         if not self.tie_word_embeddings and self.embed_tokens is not None:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
-        cos, sin = rope_tables(config, max_positions)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
+        shape = (max_positions, head_dim_of(config))  # filled by model_loader.finish_loading (rope_tables)
+        self.register_buffer("rope_cos", torch.empty(shape), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(shape), persistent=False)
         self.packed_head: PackedWeight | None = None
         self.fused_ops: cpu_kernel.LayerOps | None = None  # set by pack_for_cpu where the C kernels build
         self.decode_layers: cpu_kernel.DecodeLayers | None = None  # the layers in one C call, where they run

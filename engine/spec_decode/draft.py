@@ -41,7 +41,7 @@ class DraftSetup(NamedTuple):
 
 class DraftProposer:
     def __init__(self, config: SpeculativeConfig, setup: DraftSetup) -> None:
-        from transformers import AutoConfig
+        from engine.hf_files import load_config
 
         self.setup = setup
         target = setup.model
@@ -51,7 +51,7 @@ class DraftProposer:
             hf_config = target.config
         else:
             draft_dir = resolve_model(config.model)
-            hf_config = AutoConfig.from_pretrained(draft_dir)
+            hf_config = load_config(draft_dir)
             if hf_config.vocab_size != target.config.vocab_size:
                 raise ValueError(f"the draft model's vocabulary ({hf_config.vocab_size}) differs from the "
                                  f"target's ({target.config.vocab_size}): it must share the target's tokenizer")

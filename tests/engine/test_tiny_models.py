@@ -70,3 +70,26 @@ def test_one_long_prompt_among_cached_short_ones_prefills_in_runs(tmp_path, toke
     assert any(len(r) > 1 for r in runs), f"no step split its prefills: {runs}"
     assert real([100, 5, 6, 5], [100, 105, 106, 105]) == [(0, 1), (1, 4)]
     assert real([50, 50], [50, 50]) == [(0, 2)]
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3"])
+def test_config_and_tokenizer_read_without_the_auto_classes_match_them(model_type, tmp_path, tokenizer, model_dir):
+    """engine/hf_files.py reads transformers-written files through the base classes: every field the Auto
+    classes give is there with the same value, and the tokenizer encodes and templates the same."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from engine.hf_files import load_config, load_tokenizer
+
+    save_tiny(tmp_path, tokenizer, model_type)
+    for directory in (tmp_path, model_dir):
+        full, light = AutoConfig.from_pretrained(directory), load_config(directory)
+        assert type(light).__name__ == "PreTrainedConfig"  # the light path was taken
+        fields = {key: value for key, value in vars(full).items()
+                  if not key.startswith("_") and key != "use_cache"}  # use_cache: HF's generate() flag only
+        assert len(fields) > 20 and {key: getattr(light, key, "missing") for key in fields} == fields
+        auto, light_tokenizer = AutoTokenizer.from_pretrained(directory), load_tokenizer(directory)
+        chat = [{"role": "user", "content": "Hi <|im_end|> there"}]
+        assert light_tokenizer("a b\nc <|im_start|>")["input_ids"] == auto("a b\nc <|im_start|>")["input_ids"]
+        assert light_tokenizer.apply_chat_template(chat, tokenize=False) == auto.apply_chat_template(chat,
+                                                                                                      tokenize=False)
+        assert (light_tokenizer.eos_token_id, len(light_tokenizer)) == (auto.eos_token_id, len(auto))
