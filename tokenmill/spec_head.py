@@ -78,7 +78,7 @@ def generate_answers(model_dir: Path, prompts: list[list[int]], settings: TrainS
     params = SamplingParams(max_tokens=settings.max_tokens, temperature=0)
     states, targets, answers = [], [], []
     for start in range(0, len(prompts), GENERATE_BATCH):
-        if time.monotonic() >= deadline:
+        if states and time.monotonic() >= deadline:  # one batch at least, however slow the start
             break
         rows.clear()
         for output in llm.generate(prompts[start:start + GENERATE_BATCH], params):
