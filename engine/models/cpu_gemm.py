@@ -311,6 +311,12 @@ class Linear(torch.nn.Linear):
         if self.packed is not None:
             self.packed.set_row_tile(tile)
 
+    def rows_computed(self, rows: int) -> int:
+        """The rows a call with `rows` rows multiplies: in batch-invariant tiles, whole tiles."""
+        packed = self.packed
+        tile = self.row_tile if packed is None else 0 if packed.invariant_kernel else packed.row_tile
+        return -(-rows // tile) * tile if tile else rows
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             return self.packed(x)
