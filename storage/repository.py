@@ -180,12 +180,32 @@ def note_upload(session: Session, job_id: str, key: str) -> None:
     session.merge(ServiceMarker(name=f"{UPLOAD_NOTE}{job_id}/{key}", value=job_id))
 
 
+def set_aside_upload(session: Session, job_id: str, key: str, removed_at: datetime) -> None:
+    """A noted part the sweep removed as stray: the note stays, marked with when (the database's clock), so later
+    sweeps remove it again should a paused upload land late (`workers.finalize.remove_stray_parts`). A note
+    forgotten meanwhile (committed, or removed by its own writer) stays forgotten."""
+    session.execute(update(ServiceMarker).where(ServiceMarker.name == f"{UPLOAD_NOTE}{job_id}/{key}")
+                    .values(value=f"{job_id} {removed_at.isoformat()}"))
+
+
 def forget_upload(session: Session, job_id: str, key: str) -> None:
     session.execute(delete(ServiceMarker).where(ServiceMarker.name == f"{UPLOAD_NOTE}{job_id}/{key}"))
 
 
+def upload_notes(session: Session, job_id: str | None = None) -> list[tuple[str, str, datetime | None]]:
+    """(job id, key, when the sweep removed it or None) of the recorded part uploads not yet committed or
+    forgotten; of one job with `job_id`."""
+    prefix = UPLOAD_NOTE + (f"{job_id}/" if job_id else "")
+    rows = session.execute(select(ServiceMarker.name, ServiceMarker.value)
+                           .where(ServiceMarker.name.startswith(prefix, autoescape=True)))
+    notes = []
+    for name, value in rows:
+        owner, key = name[len(UPLOAD_NOTE):].split("/", 1)
+        _, _, removed = value.partition(" ")
+        notes.append((owner, key, datetime.fromisoformat(removed) if removed else None))
+    return notes
+
+
 def noted_uploads(session: Session, job_id: str | None = None) -> list[tuple[str, str]]:
     """(job id, key) of the recorded part uploads not yet committed or removed; of one job with `job_id`."""
-    prefix = UPLOAD_NOTE + (f"{job_id}/" if job_id else "")
-    names = session.scalars(select(ServiceMarker.name).where(ServiceMarker.name.startswith(prefix, autoescape=True)))
-    return [tuple(name[len(UPLOAD_NOTE):].split("/", 1)) for name in names]
+    return [(owner, key) for owner, key, removed in upload_notes(session, job_id) if removed is None]

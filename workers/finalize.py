@@ -6,7 +6,7 @@ import heapq
 import itertools
 import logging
 from collections.abc import Iterator
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy.orm import Session, sessionmaker
@@ -21,10 +21,14 @@ from storage.formats import (
     read_part,
     write_jsonl,
 )
+from storage.liveness import db_now
 from storage.models import Job, Shard, ShardStatus
 from storage.objectstore import ObjectStore, open_store
 
 log = logging.getLogger("tokenmill.jobs")
+# how long a removed stray part's note is kept, its key deleted again by each sweep (`remove_stray_parts`): far
+# longer than a PUT and its client's retries take (5 tries of at most 70 s), and than a pause a lease outlives
+STRAY_QUARANTINE = timedelta(hours=6)
 
 
 class RowCountMismatch(RuntimeError):
@@ -115,16 +119,22 @@ def delete_uncommitted_parts(store: ObjectStore, job: Job, shards: list[Shard]) 
 
 def remove_stray_parts(sessions: sessionmaker[Session], job_id: str | None = None) -> int:
     """Parts recorded before their upload (`repo.note_upload`) whose claim neither committed nor can still
-    commit: a lost claim's, whose own cleanup failed or never ran. Removes them and their records (of one job
-    with `job_id`); a part its shard's current claim may still commit is left for later. Returns how many."""
+    commit: a lost claim's, whose own cleanup failed or never ran. Removes them (of one job with `job_id`); a part
+    its shard's current claim may still commit is left for later. Returns how many it removed.
+
+    A stray's note is kept `STRAY_QUARANTINE` after its removal, and each sweep deletes the key again meanwhile:
+    the claim's writer may be paused inside its upload (its client library retries it once it resumes), and the
+    part lands after the first delete. A writer that resumes later still removes its own part (it finds its claim
+    lost after the upload, notes the key again and deletes it); only a writer paused in its upload for longer
+    than the quarantine that then dies before that could leave one."""
     try:
         with sessions() as session:
-            noted = repo.noted_uploads(session, job_id)
+            notes, now = repo.upload_notes(session, job_id), db_now(session)
     except Exception as error:  # the database is down: the next sweep tries again
         log.warning("could not read the recorded part uploads: %s", error)
         return 0
     removed = 0
-    for owner, key in noted:
+    for owner, key, removed_at in notes:
         with sessions() as session:
             job = session.get(Job, owner)
             fate = "stray" if job is None else _fate(job, key)
@@ -133,9 +143,12 @@ def remove_stray_parts(sessions: sessionmaker[Session], job_id: str | None = Non
         try:
             if fate == "stray" and job is not None:
                 open_store(job.output_uri, job.settings.s3).delete(key)
-                removed += 1
+                removed += removed_at is None
             with sessions.begin() as session:
-                repo.forget_upload(session, owner, key)
+                if fate == "stray" and job is not None and removed_at is None:
+                    repo.set_aside_upload(session, owner, key, now)
+                elif fate != "stray" or removed_at is None or now >= removed_at + STRAY_QUARANTINE:
+                    repo.forget_upload(session, owner, key)
         except Exception as error:  # the store or the database is down: the next sweep tries again
             log.warning("job %s: could not remove the stray part %s: %s", owner, key, error)
     return removed
@@ -156,9 +169,15 @@ def _fate(job: Job, key: str) -> str:
 def discard_outputs(store: ObjectStore, job: Job, shards: list[Shard]) -> None:
     """A job that ended without completing (failed, cancelled, expired) keeps only its committed parts: no
     manifest, error file or batch output, and no part that nothing committed. A job that never passed
-    validation owned no file in the prefix: it touches none."""
+    validation owned no file in the prefix: it touches none.
+
+    The manifest, error file and batch output have fixed names, which a later job on the prefix writes too, and a
+    late cleanup (a zombie) may run at any time: they are deleted only for a job that reached `finalizing`, the
+    one step that writes them. Such a job committed every shard and keeps those parts, so no later job passes
+    validation on its prefix (`JobSteps._check_output_empty`): the files under those names can only be its own."""
     if job.queued_at is None:
         return
-    for key in (MANIFEST_KEY, ERRORS_KEY, BATCH_OUTPUT_KEY):
-        store.delete(key)
+    if job.finalizing_at is not None:
+        for key in (MANIFEST_KEY, ERRORS_KEY, BATCH_OUTPUT_KEY):
+            store.delete(key)
     delete_uncommitted_parts(store, job, shards)

@@ -133,8 +133,37 @@ def test_a_lost_claims_part_whose_delete_failed_is_removed_by_the_sweep(sqlite_s
     assert part_keys(store) != manifest_parts(store)  # the store was down: the stray part is still there
     remove_stray_parts(sqlite_sessions)
     assert part_keys(store) == manifest_parts(store), "a part outside the manifest"
-    remove_stray_parts(sqlite_sessions)  # nothing left to do: the record went with the part
+    remove_stray_parts(sqlite_sessions)  # deleted again (its note is kept through the quarantine): still gone
     assert part_keys(store) == manifest_parts(store)
+
+
+def test_a_part_that_lands_after_the_sweep_removed_it_is_removed_again(sqlite_sessions, tmp_path,
+                                                                       monkeypatch) -> None:
+    """#55 path 9: the worker paused inside its upload; meanwhile its claim was taken over, the job completed
+    and the sweep removed the noted part (not there yet). Its client library retries the upload once it resumes:
+    the part lands, and the worker dies before its own cleanup. The next sweep removes it again; the note is
+    forgotten only once the quarantine is over."""
+    from storage.formats import part_key, write_part
+    from workers import finalize as finalize_module
+    from workers.finalize import remove_stray_parts
+
+    job_id = make_job(sqlite_sessions, str(tmp_path / "out"), shards=1, status="in_progress")
+    store = open_store(str(tmp_path / "out"))
+    with sqlite_sessions() as session:
+        shard_id = repo.shards(session, job_id)[0].id
+    paused = ShardStep(JobSteps(sqlite_sessions, job_id)).claim_shard(shard_id, max_attempts=5)
+    key = part_key(0, job_id, paused.shard.claim_token)
+    with sqlite_sessions.begin() as session:  # noted before its upload, as `_write_part` does
+        repo.note_upload(session, job_id, key)
+    taken_over_and_completed(sqlite_sessions, job_id)(shard_id)
+    remove_stray_parts(sqlite_sessions)  # the part is not there yet
+    write_part(store, 0, [record("a", 0)], job_id, paused.shard.claim_token)  # the retried upload lands; it dies
+    remove_stray_parts(sqlite_sessions)
+    assert part_keys(store) == manifest_parts(store), "a part outside the manifest"
+    monkeypatch.setattr(finalize_module, "STRAY_QUARANTINE", timedelta(0))
+    remove_stray_parts(sqlite_sessions)
+    with sqlite_sessions() as session:
+        assert repo.upload_notes(session) == []
 
 
 def test_a_fenced_validator_cannot_fail_a_healthy_job(sqlite_sessions, tmp_path, monkeypatch) -> None:
@@ -190,6 +219,32 @@ def test_a_late_cleanup_spares_a_retried_jobs_parts(sqlite_sessions, tmp_path) -
     missing = sorted(set(manifest_parts(store)) - set(part_keys(store)))
     assert not missing, f"the manifest lists missing parts: {missing}"
     assert store.exists(MANIFEST_KEY)
+
+
+def test_a_late_cleanup_spares_a_later_jobs_files_on_its_prefix(sqlite_sessions, tmp_path) -> None:
+    """#55 path 6: a job is cancelled before it wrote anything; its cleanup is paused while a later job on the
+    same output prefix runs and completes. The late cleanup must not delete the later job's manifest, error
+    file or batch output (they have the same names)."""
+    from storage.formats import BATCH_OUTPUT_KEY, ERRORS_KEY
+
+    out = str(tmp_path / "out")
+    first = submit(sqlite_sessions, new_job(str(write_parquet(tmp_path / "a.parquet", prompt_rows(1))), out,
+                                            shard_size=1, openai_output=True)).job
+    assert JobSteps(sqlite_sessions, first.id).validate().status == "queued"
+    with sqlite_sessions.begin() as session:  # cancelled; its cleanup is paused before it starts
+        ended = repo.get_job(session, first.id, for_update=True)
+        claims.mark_cancelled(ended)
+    later = submit(sqlite_sessions, new_job(str(write_parquet(tmp_path / "b.parquet", prompt_rows(1))), out,
+                                            shard_size=1, openai_output=True)).job
+    assert JobSteps(sqlite_sessions, later.id).validate().status == "queued"
+    with sqlite_sessions() as session:
+        (shard,) = (s.id for s in repo.shards(session, later.id))
+    run_shard_to_commit(sqlite_sessions, later.id, shard, "row-0000")
+    assert finalize(sqlite_sessions, later.id).status == "completed"
+    discard_if_ended(sqlite_sessions, ended)  # the paused cleanup of the cancelled job resumes
+    store = open_store(out)
+    assert [key for key in (MANIFEST_KEY, ERRORS_KEY, BATCH_OUTPUT_KEY) if not store.exists(key)] == []
+    assert json.loads(store.get_bytes(MANIFEST_KEY))["job_id"] == later.id
 
 
 def test_a_finalizer_fenced_before_its_manifest_write_writes_none(sqlite_sessions, tmp_path, monkeypatch) -> None:

@@ -6,8 +6,9 @@
    that was cancelled or expired has result files that hold each custom_id exactly once (`workers.sim.api`);
 3. no job is left non-terminal (checked by the run: within `world.SETTLE_BOUND_S` after the faults stop);
 4. no object under a job's output prefix lies outside its manifest (completed) or its committed parts (others);
-5. nothing a job still needs was deleted: every committed part of a job is still there, and no API result file
-   is deleted before its `output_expires_after` from its creation;
+5. nothing a job still needs was deleted: every committed part of a job is still there, a completed job keeps its
+   manifest, error file and batch output, and no API result file is deleted before its `output_expires_after`
+   from its creation;
 6. (deadline) a job expires no earlier than its completion window after it arrived, and at most
    `LATE_EXPIRY_S` later, on the database's clock (whatever the hosts' clocks say);
 7. (lost work, checked by the run as it goes: `World._check_lost_work`) once the faults stopped and the last
@@ -23,7 +24,7 @@ from typing import TYPE_CHECKING
 import pyarrow.parquet as pq
 from sqlalchemy.orm import Session, sessionmaker
 
-from storage.formats import ERRORS_KEY, MANIFEST_KEY
+from storage.formats import BATCH_OUTPUT_KEY, ERRORS_KEY, MANIFEST_KEY
 from storage.job_settings import window_seconds
 from storage.models import Job, JobStatus, ShardStatus
 from storage.objectstore import normalize_uri
@@ -115,7 +116,7 @@ def id_problems(plan: JobPlan, rows: list[dict], errors: list[dict], complete: b
 def check_completed(plan: JobPlan, job: Job, objects: dict[str, tuple[bytes, int]], mine: set[str]) -> list[str]:
     label = f"job {plan.index} ({job.status})"
     if MANIFEST_KEY not in objects:
-        return [f"invariant 1: {label}: its manifest is gone"]
+        return [f"invariant 5: {label}: its manifest is gone"]
     manifest = json.loads(objects[MANIFEST_KEY][0])
     if manifest.get("job_id") != job.id:
         return [f"invariant 1: {label}: the manifest under its prefix is another job's"]
@@ -123,9 +124,16 @@ def check_completed(plan: JobPlan, job: Job, objects: dict[str, tuple[bytes, int
     problems = [f"invariant 4: {label}: {key} lies outside the manifest" for key in sorted(mine - listed)]
     problems += [f"invariant 5: {label}: {key} listed in the manifest is gone" for key in sorted(listed - mine)]
     if ERRORS_KEY not in objects:
-        problems.append(f"invariant 1: {label}: its error file is gone")
+        problems.append(f"invariant 5: {label}: its error file is gone")
     rows, errors = read_objects(objects, listed)
     problems += [f"invariant 1: {label}: {problem}" for problem in id_problems(plan, rows, errors, complete=True)]
+    if plan.openai_output and not plan.api:  # an API batch's output is checked by `check_batch`
+        if BATCH_OUTPUT_KEY not in objects:
+            problems.append(f"invariant 5: {label}: its batch output is gone")
+        else:
+            lines = [json.loads(line) for line in objects[BATCH_OUTPUT_KEY][0].decode().splitlines() if line.strip()]
+            problems += [f"invariant 1: {label}: batch output: {problem}" for problem in id_problems(
+                plan, [], [{"custom_id": line["custom_id"]} for line in lines], complete=True)]
     return problems
 
 

@@ -19,6 +19,7 @@ from storage.liveness import WorkerIdentity
 from storage.objectstore import ObjectStore
 
 EPOCH = datetime(2026, 1, 1, tzinfo=UTC)
+KILLED_AFTER_PAUSE = 0.3  # a process paused inside a PUT is killed as the PUT lands, this often
 _local = threading.local()
 
 
@@ -170,9 +171,9 @@ class SimStore(ObjectStore):
         self.objects = sim.objects.setdefault(uri, {})
 
     def _put(self, key: str, data: bytes) -> None:
-        self.sim.store_seam("put", self.uri, key)
+        paused = self.sim.store_seam("put", self.uri, key)
         self.objects[key] = (data, next(self.sim.versions))
-        self.sim.after_put(self.uri, key)
+        self.sim.after_put(self.uri, key, paused)
 
     def put_bytes(self, key: str, data: bytes) -> None:
         self._put(key, bytes(data))
@@ -285,12 +286,12 @@ class Kernel:
         actor = current_actor()
         return actor.incarnation if actor else beating()
 
-    def seam(self, name: str, duration: float | None = None) -> None:
+    def seam(self, name: str, duration: float | None = None) -> bool:
         """A step boundary of the job code: the worker may crash or pause here, and hands the turn over (unless
-        it holds a database connection: no other worker could then take its locks)."""
+        it holds a database connection: no other worker could then take its locks). True if it paused."""
         actor = current_actor()
         if actor is None:
-            return
+            return False
         incarnation = actor.incarnation
         if not incarnation.alive:
             raise SimCrash
@@ -298,14 +299,16 @@ class Kernel:
             self.crash(incarnation, f"at {name} ({actor.name})")
             raise SimCrash
         if actor.connections:
-            return
-        if self.faults_on and self.rng.random() < self.faults.pause:
+            return False
+        paused = self.faults_on and self.rng.random() < self.faults.pause
+        if paused:
             pause = self.rng.uniform(1.2, 3.0) * self.lease_s
             incarnation.paused_until = max(incarnation.paused_until, self.now + pause)
             self.note(f"{incarnation} paused {pause:.0f}s at {name} ({actor.name})")
         wait = self.rng.uniform(0.0, 2.0) if duration is None else duration
         self.schedule(wait, "resume", actor)
         actor.hand_over()
+        return paused
 
     lease_s = 120.0
 
@@ -340,19 +343,28 @@ class Kernel:
         self.note(f"{incarnation} lost a commit reply")
         raise OperationalError("simulated COMMIT", None, ConnectionError("connection lost after COMMIT (simulated)"))
 
-    def store_seam(self, op: str, uri: str, key: str) -> None:
-        self.seam(f"store {op}")
+    def store_seam(self, op: str, uri: str, key: str) -> bool:
+        """Before a store call; True if the process paused here (a PUT's request had left: it lands after)."""
+        paused = self.seam(f"store {op}")
         incarnation = self.acting()
         if incarnation is None:
-            return
+            return paused
         if self.now < self.store_down_until:
             raise TransientStoreError(f"object store unreachable (simulated outage) on {op} {key}")
         if self.faults_on and self.rng.random() < self.faults.store_error:
             self.note(f"{incarnation} store error on {op} {key}")
             raise TransientStoreError(f"object store error (simulated) on {op} {key}")
+        return paused
 
-    def after_put(self, uri: str, key: str) -> None:
+    def after_put(self, uri: str, key: str, paused: bool = False) -> None:
+        """The object landed: the process may die (or pause) before the reply reaches it, or the reply is lost.
+        A process that paused inside its PUT (the request left before, its client retried after) may be killed
+        as it lands: its supervisor gave up on it while it did not answer."""
         incarnation = self.acting()
+        if incarnation is not None and paused and self.rng.random() < KILLED_AFTER_PAUSE:
+            self.crash(incarnation, f"as its PUT {key} landed after a pause (killed by its supervisor)")
+            raise SimCrash
+        self.seam("store put landed")
         if incarnation is not None and self.faults_on and self.rng.random() < self.faults.ambiguous_put:
             self.note(f"{incarnation} ambiguous PUT {key} (stored, reported failed)")
             raise TransientStoreError(f"timeout waiting for the PUT of {key} (simulated; it landed)")

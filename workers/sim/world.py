@@ -25,7 +25,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from storage import clock, db, faults, liveness, migrate, objectstore
 from storage.faults import is_transient
 from storage.models import Job, ServiceMarker
-from storage.objectstore import S3Options
+from storage.objectstore import S3Options, normalize_uri
 from workers import broker_marker, engine_loop
 from workers.sim.api import SimApi
 from workers.sim.engine import ROW_SECONDS, SimEngine, SimEngineLoop
@@ -49,9 +49,10 @@ SWEEP_INTERVAL_S, SWEEP_GRACE_S = 120.0, 600.0
 VISIBILITY_S = 6 * 3600.0  # Redis hands a dead worker's unacknowledged task out again after this
 RETRY_S = 15.0  # a task that raised a transient error is retried after this (Celery's retry)
 API_CLEANUP_S, API_POLL_S = 600.0, 300.0  # the API's cleanup of expired files; a client's polls of its batch
-BUSY_SHARE, BUSY_ROW_S, BUSY_TAIL_S = 0.015, 60.0, 1000.0  # busy seeds: their share, engine s/row, arrivals after
+BUSY_SHARE, BUSY_ROW_S, BUSY_TAIL_S = 0.015, 120.0, 1000.0  # busy seeds: their share, engine s/row, arrivals after
 LOST_WORK_S = SWEEP_GRACE_S + 2 * SWEEP_INTERVAL_S  # invariant 7: the longest a shard may wait with no task
 SIM_MARKER = "tokenmill-sim"  # a database the explorer wrote (`Database`)
+PREFIX_WAIT_S = 3600.0  # a job refused for a live job on its output prefix is sent again until this passed
 FRONT = -1  # the API's process, in `Incarnation.worker`
 SLOT_OF = {"tokenmill.run_shard": "gpu", "tokenmill.plan_job": "control", "tokenmill.finalize_job": "control"}
 
@@ -81,9 +82,13 @@ def draw_jobs(kernel: Kernel, steady_arrivals: bool) -> list[JobPlan]:
         if rng.random() < 0.12:
             jobs[-1].api, jobs[-1].openai_output = True, True
             jobs[-1].output_expires_after = 3600 if rng.random() < 0.25 else None
-        elif index and rng.random() < 0.2 and not (earlier := rng.choice(jobs[:-1])).api:
-            # a later job on an earlier one's output prefix
-            jobs[-1].prefix_of, jobs[-1].arrives_at = earlier.index, max(at, earlier.arrives_at + 1)
+        elif index and rng.random() < 0.35 and not (earlier := rng.choice(jobs[:-1])).api:
+            # a later job on an earlier one's output prefix (it waits while a live job holds it)
+            jobs[-1].prefix_of = earlier.index if earlier.prefix_of is None else earlier.prefix_of
+            jobs[-1].arrives_at = max(at, earlier.arrives_at + 1)
+            if earlier.cancel_at is None and rng.random() < 0.5:  # a replacement: the earlier one cancelled soon
+                earlier.cancel_at = earlier.arrives_at + rng.uniform(0, 60)
+                jobs[-1].arrives_at = earlier.cancel_at + rng.uniform(0, 30)
         if rng.random() < 0.25:
             jobs[-1].cancel_at = at + rng.uniform(0, 900)
     return jobs
@@ -92,7 +97,7 @@ def draw_jobs(kernel: Kernel, steady_arrivals: bool) -> list[JobPlan]:
 def draw_busy_jobs(rng: random.Random, first: int) -> list[JobPlan]:
     jobs, at = [], 0.0
     while at < FAULTS_FOR_S + BUSY_TAIL_S:
-        at += rng.uniform(60, 180)
+        at += rng.uniform(120, 360)
         jobs.append(JobPlan(first + len(jobs), rng.randint(4, 8), 2, "24h", at, False))
     return jobs
 
@@ -342,12 +347,16 @@ class World:
         return not self._unfinished() and not self._cleanups_due()
 
     def _cleanups_due(self) -> bool:
-        """A part recorded before its upload and not yet committed or removed: the sweeps remove it (its own
-        cleanup failed), as they do forever in a real fleet; the run goes on until they did."""
+        """A part recorded before its upload and not yet committed or removed, or removed and there again (an
+        upload that landed late): the sweeps remove it (its own cleanup failed), as they do forever in a real
+        fleet; the run goes on until they did."""
         from storage import repository as repo
 
         with self.sessions() as session:
-            return bool(repo.noted_uploads(session))
+            notes = repo.upload_notes(session)
+        prefixes = {plan.job_id: normalize_uri(plan.output_uri) for plan in self.jobs if plan.job_id}
+        return any(removed is None or key in self.kernel.objects.get(prefixes.get(owner, ""), {})
+                   for owner, key, removed in notes)
 
     def _unfinished(self) -> dict[str, str]:
         from storage.states import is_terminal
@@ -453,6 +462,10 @@ class World:
             submission = intake.accept(request, source="cli", source_ref=f"sim-{plan.index}",
                                        default_key=f"sim-{self.kernel.seed}-{plan.index}")
         except SpecError as error:  # e.g. its output prefix belongs to a live job
+            if plan.prefix_of is not None and "taken by live job" in str(error) and \
+                    self.kernel.now < plan.arrives_at + PREFIX_WAIT_S:  # its client waits for the prefix
+                self.kernel.schedule(self.kernel.rng.uniform(5, 60), "arrival", plan)
+                return
             plan.rejected = str(error)
             self.kernel.note(f"job {plan.index} refused: {error}")
             return
@@ -479,21 +492,36 @@ class World:
         self.kernel.schedule(API_POLL_S, "poll", plan)
 
     def _on_cancel(self, plan: JobPlan) -> None:
-        from workers.inprocess import cancel_job
-
+        """A cancel request, handled in the API's process (which may pause or die in it, its cleanup too)."""
         if plan.job_id is None:
             if not plan.rejected:
                 self.kernel.schedule(60, "cancel", plan)
             return
-        if plan.api:
-            self.api.cancel(plan.job_id)
-            self.kernel.note(f"cancel batch {plan.index}")
+        front = self._front()
+        if front is None or front.slots["api"] is not None:
+            self.kernel.schedule(5, "cancel", plan)
             return
+        self._begin(front, "api", "cancel", lambda: self._cancel(plan), None)
+
+    def _cancel(self, plan: JobPlan) -> None:
+        from workers.inprocess import cancel_job
+
         try:
+            if plan.api:
+                self.api.cancel(plan.job_id)
+                self.kernel.note(f"cancel batch {plan.index}")
+                return
             cancel_job(self.sessions, plan.job_id)
             self.kernel.note(f"cancel job {plan.index}")
         except ValueError:
             pass  # no longer cancellable
+        except SimCrash:  # the client sees its request fail, and sends it again
+            self.kernel.schedule(30, "cancel", plan)
+            raise
+        except Exception as error:
+            if not is_transient(error):
+                raise
+            self.kernel.schedule(30, "cancel", plan)
 
     def _on_poll(self, plan: JobPlan) -> None:
         try:
