@@ -332,7 +332,8 @@ class ApiFile(Base):
 
 
 class ApiBatch(Base):
-    """A job made through the API: who owns it and what OpenAI's batch object carries beyond the job row."""
+    """A job made through the API: who owns it and what its batch object carries beyond the job row. OpenAI's
+    batches have their endpoint; Anthropic's message batches have `/v1/messages`."""
 
     __tablename__ = "api_batches"
 
@@ -347,5 +348,7 @@ class ApiBatch(Base):
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, index=True)
     output_expires_after: Mapped[int | None] = mapped_column(Integer)  # seconds its result files live
     errors: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON)  # lines refused at creation
+    # the error lines of its ended results by code ({"batch_cancelled": 3, ...}), counted when they were written
+    error_codes: Mapped[dict[str, int] | None] = mapped_column(JSON)
 
     job: Mapped[Job] = relationship()

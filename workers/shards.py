@@ -220,6 +220,7 @@ def collect_row(outcome: ShardOutcome, request: Request, output: RequestOutput, 
         "custom_id": request.custom_id,
         "text": completion.text,
         "finish_reason": completion.finish_reason,
+        "stop_reason": completion.stop_reason if isinstance(completion.stop_reason, str) else None,  # a stop string
         "prompt_tokens": len(output.prompt_token_ids),
         "completion_tokens": len(completion.token_ids),
         "cached_tokens": output.num_cached_tokens,

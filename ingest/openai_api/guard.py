@@ -41,21 +41,34 @@ def too_large(limit: int, flag: str) -> ApiError:
                     code="request_too_large")
 
 
-async def answer(send: Send, error: ApiError) -> None:
-    body = json.dumps(error.body()).encode()
+Render = Callable[[str, ApiError], tuple[dict[str, Any], dict[str, str]]]  # (path, error) -> (body, headers)
+
+
+def openai_error(_path: str, error: ApiError) -> tuple[dict[str, Any], dict[str, str]]:
+    return error.body(), {}
+
+
+async def answer(send: Send, error: ApiError, path: str = "", render: Render = openai_error) -> None:
+    shown, headers = render(path, error)
+    body = json.dumps(shown).encode()
     await send({"type": "http.response.start", "status": error.status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                            (b"connection", b"close")]})
+                            (b"connection", b"close"),
+                            *((name.encode(), value.encode()) for name, value in headers.items())]})
     await send({"type": "http.response.body", "body": body})
 
 
 class RequestGuard:
     """`body_limit(method, path)` -> (cap in bytes, the flag that sets it); `authenticate(token)` -> the tenant of
-    a live key or None (run in a thread: it reads the database); `is_upload(method, path)`: a file upload."""
+    a live key or None (run in a thread: it reads the database); `is_upload(method, path)`: a request whose body is
+    a batch's input (a file upload, a message batch); `render(path, error)`: the body and headers of an error in the
+    words of the API that owns the path. The key is `x-api-key` (Anthropic's) or `Authorization: Bearer`."""
 
     def __init__(self, app: ASGIApp, body_limit: Callable[[str, str], tuple[int, str]],
-                 authenticate: Callable[[str], str | None], is_upload: Callable[[str, str], bool]) -> None:
+                 authenticate: Callable[[str], str | None], is_upload: Callable[[str, str], bool],
+                 render: Render = openai_error) -> None:
         self.app, self.body_limit, self.authenticate, self.is_upload = app, body_limit, authenticate, is_upload
+        self.render = render
         self.uploads = TenantSlots(UPLOADS_PER_TENANT)  # a tenant's uploads in flight
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -65,17 +78,18 @@ class RequestGuard:
         limit, flag = self.body_limit(scope["method"], scope["path"])
         declared = headers.get(b"content-length", b"").strip()
         if declared and (not declared.isdigit() or int(declared) > limit):
-            return await answer(send, too_large(limit, flag))
-        if (error := await self._authenticate(headers.get(b"authorization"), scope)) is not None:
-            return await answer(send, error)
+            return await self._answer(send, scope, too_large(limit, flag))
+        if (error := await self._authenticate(headers, scope)) is not None:
+            return await self._answer(send, scope, error)
         if not self.is_upload(scope["method"], scope["path"]):
             return await self._guarded(scope, receive, send, limit, flag)
         try:
             with self.uploads.slot(scope["state"]["tenant"]):
                 await self._guarded(scope, receive, send, limit, flag)
         except NoSlot:
-            await answer(send, ApiError(429, f"{UPLOADS_PER_TENANT} uploads of yours are in progress; retry once "
-                                             f"one ends", code="rate_limit_exceeded"))
+            await self._answer(send, scope, ApiError(
+                429, f"{UPLOADS_PER_TENANT} uploads (or message batches) of yours are in progress; retry once one "
+                     f"ends", code="rate_limit_exceeded"))
 
     async def _guarded(self, scope: Scope, receive: Receive, send: Send, limit: int, flag: str) -> None:
         state: dict[str, Any] = {"received": 0, "over": False, "slow": False, "started": False, "whole": False}
@@ -112,15 +126,19 @@ class RequestGuard:
         if state["started"]:
             return
         if state["over"]:
-            await answer(send, too_large(limit, flag))
+            await self._answer(send, scope, too_large(limit, flag))
         elif state["slow"]:
-            await answer(send, too_slow())
+            await self._answer(send, scope, too_slow())
 
-    async def _authenticate(self, authorization: bytes | None, scope: Scope) -> ApiError | None:
-        scheme, _, token = (authorization or b"").decode("latin-1").partition(" ")
-        token = token.strip()
-        if scheme.lower() != "bearer" or not token:
-            return ApiError(401, "You didn't provide an API key (Authorization: Bearer <key>).",
+    async def _answer(self, send: Send, scope: Scope, error: ApiError) -> None:
+        await answer(send, error, scope["path"], self.render)
+
+    async def _authenticate(self, headers: dict[bytes, bytes], scope: Scope) -> ApiError | None:
+        scheme, _, token = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
+        token = token.strip() if scheme.lower() == "bearer" else ""
+        token = headers.get(b"x-api-key", b"").decode("latin-1").strip() or token
+        if not token:
+            return ApiError(401, "You didn't provide an API key (Authorization: Bearer <key>, or x-api-key: <key>).",
                             code="invalid_api_key")
         tenant = await run_in_threadpool(self.authenticate, token) if len(token) <= 512 else None
         if tenant is None:

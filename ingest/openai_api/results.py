@@ -13,6 +13,7 @@ import itertools
 import json
 import logging
 import uuid
+from collections import Counter
 from collections.abc import Iterator
 from datetime import datetime, timedelta
 
@@ -43,6 +44,8 @@ CHUNK = 1 << 20
 OUTPUT_KINDS = {"batch_output": False, "batch_error": True}  # kind -> holds the lines with an error
 ENDED_OUTPUT_KEY = "ended_batch_output.jsonl"
 ENDED = (JobStatus.CANCELLED, JobStatus.EXPIRED)
+MESSAGE_BATCHES = "/v1/messages"  # the endpoint of an Anthropic message batch (`ingest.anthropic_api`)
+OPENAI_PURPOSES = ("batch", "batch_output")  # the files OpenAI's /v1/files shows: a message batch's are its own
 
 
 def content(row: ApiFile, s3: S3Options) -> Iterator[bytes]:
@@ -60,8 +63,8 @@ def content(row: ApiFile, s3: S3Options) -> Iterator[bytes]:
 
 
 def add_result_files(sessions: sessionmaker[Session], s3: S3Options, batch: ApiBatch, job: Job) -> ApiBatch:
-    """The output and error files of a batch whose job completed, was cancelled or expired (once: a second
-    caller finds the first one's rows)."""
+    """The output and error files of a batch whose job completed, was cancelled or expired (or, for a message
+    batch, failed), once: a second caller finds the first one's rows. The batch keeps its error lines' codes."""
     if job.status == JobStatus.COMPLETED:
         uri = f"{job.output_uri.rstrip('/')}/{BATCH_OUTPUT_KEY}"
     else:
@@ -69,17 +72,22 @@ def add_result_files(sessions: sessionmaker[Session], s3: S3Options, batch: ApiB
     store, key = open_file_store(uri, s3)
     counts = {kind: 0 for kind in OUTPUT_KINDS}
     sizes = dict(counts)
+    codes: Counter[str] = Counter()
     if store.exists(key):
         with store.open(key) as source:
             for line in source:
                 if line.strip():
-                    kind = "batch_error" if json.loads(line).get("error") is not None else "batch_output"
+                    error = json.loads(line).get("error")
+                    kind = "batch_error" if error is not None else "batch_output"
                     counts[kind] += 1
                     sizes[kind] += len(line)
+                    if error is not None:
+                        codes[str(error.get("code"))] += 1
     now = utcnow()  # each file's lifetime counts from its own creation, as OpenAI's does
     expires = None if batch.output_expires_after is None else now + timedelta(seconds=batch.output_expires_after)
+    purpose = "message_batch_results" if batch.endpoint == MESSAGE_BATCHES else "batch_output"
     files = {kind: ApiFile(id=f"file-{uuid.uuid5(uuid.NAMESPACE_URL, f'{job.id}/{kind}').hex}", tenant=batch.tenant,
-                           purpose="batch_output", kind=kind, uri=uri, bytes=sizes[kind], lines=counts[kind],
+                           purpose=purpose, kind=kind, uri=uri, bytes=sizes[kind], lines=counts[kind],
                            filename=f"{batch.job_id}_{'error' if errors else 'output'}.jsonl", created_at=now,
                            ready_at=now, expires_at=expires)
              for kind, errors in OUTPUT_KINDS.items() if counts[kind]}
@@ -89,6 +97,7 @@ def add_result_files(sessions: sessionmaker[Session], s3: S3Options, batch: ApiB
             batch = db.get(ApiBatch, batch.job_id)
             batch.output_file_id = files["batch_output"].id if "batch_output" in files else None
             batch.error_file_id = files["batch_error"].id if "batch_error" in files else None
+            batch.error_codes = dict(codes)
     except IntegrityError:  # another request added them first
         with sessions() as db:
             batch = db.get(ApiBatch, batch.job_id)
@@ -150,7 +159,8 @@ def _write_ended_output(sessions: sessionmaker[Session], job: Job) -> str:
 
 
 UNRUN_CODES = {JobStatus.CANCELLED: ("batch_cancelled", "the batch was cancelled before this request ran"),
-               JobStatus.EXPIRED: ("batch_expired", "the batch expired before this request ran")}
+               JobStatus.EXPIRED: ("batch_expired", "the batch expired before this request ran"),
+               JobStatus.FAILED: ("batch_failed", "the batch failed before this request ran")}
 
 
 def _unrun_record(row: Request | RowError, code: str, message: str) -> dict:

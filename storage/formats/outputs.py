@@ -36,6 +36,7 @@ PART_SCHEMA = pa.schema([
     pa.field("logprobs", pa.string()),  # when the row asked for logprobs: OpenAI's choice.logprobs as JSON text
     pa.field("choice_index", pa.int32()),  # which of the row's n completions (one part row each)
     pa.field("model", pa.string()),  # the name the row asked for (an alias, an adapter); null: the job's model
+    pa.field("stop_reason", pa.string()),  # the stop string that ended it; null: end of sequence, length, or unknown
 ])
 
 
@@ -151,6 +152,8 @@ def _embeddings_body(model: str, records: list[dict[str, Any]]) -> dict[str, Any
 
 def _choice(record: dict[str, Any], chat: bool) -> dict[str, Any]:
     choice: dict[str, Any] = {"index": record.get("choice_index") or 0, "finish_reason": record["finish_reason"]}
+    if record.get("stop_reason"):  # which stop string ended it, as vLLM's server says it
+        choice["stop_reason"] = record["stop_reason"]
     logprobs = json.loads(record["logprobs"]) if record.get("logprobs") else None
     if chat:
         choice.update(message={"role": "assistant", "content": record["text"]}, logprobs=logprobs)

@@ -1,4 +1,5 @@
-"""`tokenmill api`: the OpenAI Batch REST API (files, batches) as a front door; `tokenmill api key ...`: its keys."""
+"""`tokenmill api`: the OpenAI Batch REST API (files, batches) and Anthropic's Message Batches API as a front
+door; `tokenmill api key ...`: their keys."""
 
 from __future__ import annotations
 
@@ -17,21 +18,28 @@ from tokenmill.options import (
 )
 
 API_DESCRIPTION = """\
-Serve OpenAI's Batch API (POST/GET/DELETE /v1/files, /v1/files/{id}/content, POST/GET /v1/batches,
-/v1/batches/{id}/cancel), so code written for OpenAI's Batch API runs here unchanged:
+Serve two batch APIs on one port, so code written for either runs here unchanged:
 
-  tokenmill api key create --tenant me            # prints a key, once
+- OpenAI's Batch API: POST/GET/DELETE /v1/files, /v1/files/{id}/content, POST/GET /v1/batches,
+  /v1/batches/{id}/cancel (the `openai` SDK);
+- Anthropic's Message Batches API: POST/GET /v1/messages/batches, GET/DELETE /v1/messages/batches/{id},
+  /v1/messages/batches/{id}/cancel and /results (the `anthropic` SDK).
+
+  tokenmill api key create --tenant me            # prints a key, once; both APIs take it
   export OPENAI_BASE_URL=http://127.0.0.1:8000/v1 OPENAI_API_KEY=<the key>
-  tokenmill api                                   # then OpenAI() finds it
+  export ANTHROPIC_BASE_URL=http://127.0.0.1:8000 ANTHROPIC_API_KEY=<the key>
+  tokenmill api                                   # then OpenAI() and Anthropic() find it
 
-Batches are jobs (see `tokenmill jobs`, `tokenmill status BATCH_ID`). Alone it uses the configured database
-and bucket (SQLite and a folder under $TOKENMILL_DATA by default) and runs the jobs in this process; with a
-Celery broker configured (`tokenmill stack up` starts it so) the stack's workers run them."""
+A tenant sees only its own batches, and each API only its own. Batches of both are jobs (see `tokenmill
+jobs`, `tokenmill status ID`; a message batch msgbatch_<hex> is the job with that UUID). Alone it uses the
+configured database and bucket (SQLite and a folder under $TOKENMILL_DATA by default) and runs the jobs in this
+process; with a Celery broker configured (`tokenmill stack up` starts it so) the stack's workers run them."""
 DEFAULT_PORT = 8000
 
 
 def register(commands: argparse._SubParsersAction) -> None:
-    parser = commands.add_parser("api", help="serve the OpenAI Batch API (files, batches); manage its keys",
+    parser = commands.add_parser("api", help="serve OpenAI's Batch API and Anthropic's Message Batches API; "
+                                             "manage their keys",
                                  description=API_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default: {DEFAULT_PORT})")
@@ -45,14 +53,18 @@ def register(commands: argparse._SubParsersAction) -> None:
     limits.add_argument("--max-upload-bytes", type=int, default=None, metavar="BYTES",
                         help="largest file a client may upload (default: 200 MiB, OpenAI's)")
     limits.add_argument("--max-batch-rows", type=int, default=None, metavar="ROWS",
-                        help="most requests in one batch (default: 50,000, OpenAI's)")
+                        help="most requests in one OpenAI batch (default: 50,000, OpenAI's)")
+    limits.add_argument("--max-message-batch-requests", type=int, default=None, metavar="N",
+                        help="most requests in one Anthropic message batch (default: 100,000, Anthropic's)")
+    limits.add_argument("--max-message-batch-bytes", type=int, default=None, metavar="BYTES",
+                        help="largest body of POST /v1/messages/batches (default: 256 MiB, Anthropic's 256 MB)")
     limits.add_argument("--max-tenant-bytes", type=int, default=None, metavar="BYTES",
                         help="most bytes of files a tenant may store (default: 100 GiB)")
     limits.add_argument("--max-batches-in-progress", type=int, default=None, metavar="N",
-                        help="most batches of a tenant not yet ended (default: 100)")
+                        help="most batches of a tenant not yet ended, of both APIs (default: 100)")
     limits.add_argument("--max-request-bytes", type=int, default=None, metavar="BYTES",
-                        help="largest body of any request but an upload, refused before its key is checked "
-                             "(default: 1 MiB)")
+                        help="largest body of any request but an upload or a message batch, refused before its "
+                             "key is checked (default: 1 MiB)")
     limits.add_argument("--file-expiry", type=int, default=None, metavar="SECONDS",
                         help="lifetime of an upload that gives no expires_after; 0: never expires (default: 30 "
                              "days, OpenAI's); expired files are deleted every minute")
@@ -69,8 +81,9 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.set_defaults(handler=serve)
     actions = parser.add_subparsers(dest="api_command", metavar="ACTION")
     keys = actions.add_parser("key", help="create, list or revoke API keys",
-                              description="API keys are bearer tokens stored hashed in the job database, each "
-                                          "acting for one tenant: a tenant sees only its own files and batches.")
+                              description="API keys are stored hashed in the job database, each acting for one "
+                                          "tenant in both APIs (OpenAI's `Authorization: Bearer`, Anthropic's "
+                                          "`x-api-key`): a tenant sees only its own files and batches.")
     key_actions = keys.add_subparsers(dest="key_command", metavar="ACTION", required=True)
     create = key_actions.add_parser("create", help="make a key for a tenant and print it (shown only once)")
     create.add_argument("--tenant", required=True, help="who the key acts for")
@@ -111,7 +124,8 @@ def key_create(args: argparse.Namespace) -> int:
         token = create_key(session, args.tenant, args.name)
     print(token)
     print(f"a key for tenant {args.tenant!r} in {db.describe(url)}; it is shown only now:\n"
-          f"  export OPENAI_API_KEY={token} OPENAI_BASE_URL=http://127.0.0.1:{DEFAULT_PORT}/v1", file=sys.stderr)
+          f"  export OPENAI_API_KEY={token} OPENAI_BASE_URL=http://127.0.0.1:{DEFAULT_PORT}/v1\n"
+          f"  export ANTHROPIC_API_KEY={token} ANTHROPIC_BASE_URL=http://127.0.0.1:{DEFAULT_PORT}", file=sys.stderr)
     return 0
 
 
@@ -172,10 +186,13 @@ def serve(args: argparse.Namespace) -> int:
     service = api_service(sessions, args.bucket, dispatch, executor, args.model, args.served_model_name,
                           max_upload_bytes=args.max_upload_bytes, shard_size=args.shard_size,
                           max_batch_rows=args.max_batch_rows, max_tenant_bytes=args.max_tenant_bytes,
+                          max_message_batch_requests=args.max_message_batch_requests,
+                          max_message_batch_bytes=args.max_message_batch_bytes,
                           max_batches_in_progress=args.max_batches_in_progress,
                           max_request_bytes=args.max_request_bytes, max_completion_window=args.max_completion_window,
                           file_expiry_s=args.file_expiry, openapi=args.openapi)
-    print(f"OpenAI Batch API on http://{args.host}:{args.port}/v1 (database {db.describe(url)}, bucket "
+    print(f"OpenAI Batch API on http://{args.host}:{args.port}/v1, Anthropic Message Batches API on "
+          f"http://{args.host}:{args.port}/v1/messages/batches (database {db.describe(url)}, bucket "
           f"{service.bucket_uri}; batches run {'here' if executor == LOCAL else 'on the Celery workers'})",
           file=sys.stderr, flush=True)
     uvicorn.run(create_app(service), host=args.host, port=args.port, log_level="warning")
