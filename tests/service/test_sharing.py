@@ -38,7 +38,9 @@ def test_the_higher_priority_job_finishes_first(stack, sessions, tmp_path) -> No
 def test_a_small_job_sent_during_a_large_one_of_equal_priority_starts_within_a_shard(stack, sessions,
                                                                                       tmp_path) -> None:
     # 4 shard slots: the large job's first four shards start; the small job's one shard goes before its others
-    large, _ = submit_rows(stack, tmp_path, "large", 24, "--shard-size", "2", "--max-tokens", "96")
+    # each row runs its 96 tokens (answers ending early let the whole large job start before the small one was
+    # planned on a slow 2-core machine)
+    large, _ = submit_rows(stack, tmp_path, "large", 24, "--shard-size", "2", "--max-tokens", "96", min_tokens=96)
     wait_until(lambda: any(s["status"] == "running" for s in shard_rows(sessions, large)), "the large job to start",
                every=0.1)
     small, _ = submit_rows(stack, tmp_path, "small", 1, "--max-tokens", "16")
@@ -60,17 +62,19 @@ def test_cancelling_one_of_two_jobs_sharing_a_worker_leaves_the_other_whole(stac
                             min_tokens=300)
     wait_until(lambda: any(s["status"] == "running" for s in shard_rows(sessions, doomed)), "the doomed job to start",
                every=0.1)
-    kept, kept_ids = submit_rows(stack, tmp_path, "kept", 4, "--shard-size", "1", "--max-tokens", "64")
+    # the kept rows run 192 tokens at least: a shard that ends in a second can start and finish between two polls
+    kept, kept_ids = submit_rows(stack, tmp_path, "kept", 4, "--shard-size", "1", "--max-tokens", "256",
+                                 min_tokens=192)
 
     def sharing() -> set[str]:  # a worker running shards of both jobs at once
         running = [s for s in shard_rows(sessions, kept) + shard_rows(sessions, doomed) if s["status"] == "running"]
         of = {job_id: {s["worker"] for s in running if s["job_id"] == job_id} for job_id in (kept, doomed)}
         return of[kept] & of[doomed]
 
-    wait_until(sharing, "a worker running shards of both jobs", timeout=120, every=0.05)
+    wait_until(sharing, "a worker running shards of both jobs", timeout=240, every=0.05)
     tokenmill("cancel", doomed, "--database-url", stack.database_url, env=stack.env)
     assert wait_for_job(sessions, doomed, 60)["status"] == "cancelled"
-    job = wait_for_job(sessions, kept, 120)
+    job = wait_for_job(sessions, kept, 240)
     assert job["status"] == "completed", job["error"]
     assert all(s["attempts"] == 1 for s in shard_rows(sessions, kept)), "the kept job's shards must run once"
     assert_each_id_once(stack.store(job["output_uri"]), kept_ids)

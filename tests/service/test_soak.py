@@ -21,7 +21,7 @@ FAULTS = ("redis-restart", "postgres-restart", "pause-worker-upload", "kill-work
 
 def test_a_short_soak_under_faults_loses_and_duplicates_nothing(stack) -> None:
     run = subprocess.run([sys.executable, str(REPO / "ops" / "soak_faults.py"), "--state-dir", str(stack.dir),
-                          "--jobs", "2", "--rows", "6", "--fault-list", ",".join(FAULTS), "--seed", "3",
+                          "--jobs", "2", "--rows", "12", "--fault-list", ",".join(FAULTS), "--seed", "3",
                           "--min-hits", str(len(FAULTS)), "--timeout", "400"],
                          cwd=REPO, env=stack.env, capture_output=True, text=True, timeout=900)
     print(run.stdout)
