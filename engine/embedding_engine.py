@@ -47,16 +47,14 @@ class EmbeddingEngine:
     spec = None  # no speculative decoding (`BatchEngine.spec`)
 
     def __init__(self, config: EngineConfig) -> None:
-        from transformers import AutoTokenizer
-
-        from engine.hf_files import load_config
+        from engine.hf_files import load_config, load_tokenizer
 
         if config.speculative_config:
             raise ValueError("speculative decoding does not apply to an embedding model")
         self.config = config
         self.model_dir = resolve_model(config.model)
         hf_config = load_config(self.model_dir)
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        self.tokenizer = load_tokenizer(self.model_dir)
         self.pooling = PoolingConfig.from_model_dir(self.model_dir)
         positions = hf_config.max_position_embeddings
         self.max_model_len = config.max_model_len or min(self.pooling.max_seq_length or positions, positions)

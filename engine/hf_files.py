@@ -12,7 +12,7 @@ from typing import Any
 LIGHT_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
 
 
-def load_config(model_dir: Path) -> Any:
+def load_config(model_dir: str | Path) -> Any:
     """The model's config. A config.json that transformers wrote holds every field of its family's config class
     (only the base class's defaults are left out), so the base class reads it whole."""
     raw = json.loads((Path(model_dir) / "config.json").read_text())
@@ -28,7 +28,7 @@ def load_config(model_dir: Path) -> Any:
     return config
 
 
-def load_tokenizer(model_dir: Path) -> Any:
+def load_tokenizer(model_dir: str | Path) -> Any:
     """The model's tokenizer: the tokenizers-backed class its tokenizer_config.json names, else `AutoTokenizer`."""
     import transformers
 

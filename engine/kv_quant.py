@@ -123,7 +123,7 @@ def calibration_ids(model_dir: str | Path | None, vocab_size: int, length: int) 
         try:
             from engine.hf_files import load_tokenizer
 
-            ids = load_tokenizer(Path(model_dir)).encode(CALIBRATION_TEXT)
+            ids = load_tokenizer(model_dir).encode(CALIBRATION_TEXT)
         except (OSError, ValueError):
             ids = []
     if not ids:

@@ -103,9 +103,14 @@ class PackedWeight:
         self.packed = _pack(weight.detach(), self.kind)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.row_tile and x.dim() == 2 and not self.invariant_kernel:
-            return row_tiled(self._linear, x, self.row_tile)
+        if self.tile and x.dim() == 2:
+            return row_tiled(self._linear, x, self.tile)
         return self._linear(x)
+
+    @property
+    def tile(self) -> int:
+        """Rows per GEMM call in batch-invariant mode (0: untiled, also where the kernel is invariant itself)."""
+        return 0 if self.invariant_kernel else self.row_tile
 
     @property
     def invariant_kernel(self) -> bool:
@@ -313,8 +318,7 @@ class Linear(torch.nn.Linear):
 
     def rows_computed(self, rows: int) -> int:
         """The rows a call with `rows` rows multiplies: in batch-invariant tiles, whole tiles."""
-        packed = self.packed
-        tile = self.row_tile if packed is None else 0 if packed.invariant_kernel else packed.row_tile
+        tile = self.row_tile if self.packed is None else self.packed.tile
         return -(-rows // tile) * tile if tile else rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
