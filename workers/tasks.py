@@ -88,7 +88,7 @@ def send_finalize(job_id: str) -> None:
 
 def enqueue_shards(job_id: str, model: str, shard_ids: Iterable[int], countdown: float | None = None,
                    head: bool = False, job_priority: int | None = None, prefill: bool = False) -> None:
-    """Send shards' tasks. `head`: at the front of the job's priority band (a retry or a resend), whatever the
+    """Send shards' tasks. `head`: at the front of the job's priority band (a retry after a failure), whatever the
     shard's index; then, with `job_priority` given, the database is not asked (it may be down). `prefill`: to the
     model's producer workers first (`workers.disagg`), else to its queue."""
     indices: dict[int, int] = {}
@@ -310,8 +310,8 @@ def sweep() -> dict[str, Any]:
     crash_point("before_sweep_sends")
     for model in dict.fromkeys(model for _, _, model in found.requeue):
         queued_tasks(model)  # declares the model's queue: bound again after the broker lost its state
-    for job_id, shard_id, model in found.requeue:
-        enqueue_shards(job_id, model, [shard_id], head=True)
+    for job_id, shard_id, model in found.requeue:  # at the shard's own rank: one merely waiting, not lost, keeps
+        enqueue_shards(job_id, model, [shard_id])  # its place behind other jobs' first shards
     for job_id in found.plan:
         dispatch_job(job_id)
     for job_id in found.finalize:

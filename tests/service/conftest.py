@@ -25,6 +25,7 @@ import pyarrow.parquet as pq
 import pytest
 from sqlalchemy import text
 
+from engine.config import DEFAULT_MODEL
 from ingest.intake import Intake
 from storage import db
 from storage.faults import is_transient
@@ -240,6 +241,51 @@ def wait_for_workers(stack: RunningStack, count: int = 2, timeout: float = 120) 
 
     try:
         wait_until(answered, f"{count} workers", timeout, every=0.5)
+    finally:
+        app.close()
+
+
+class HeldShardQueue:
+    """A model's shard queue that the stack's workers take nothing from (`shards_held`): the shards they run go on,
+    the messages sent meanwhile wait in the broker's lists (Redis, one list per priority level)."""
+
+    def __init__(self, broker_url: str, queue: str) -> None:
+        import redis
+
+        self.redis, self.queue = redis.Redis.from_url(broker_url), queue
+
+    def messages(self) -> int:
+        keys = [self.queue, *self.redis.scan_iter(match=f"{self.queue}\x06\x16*")]
+        return sum(self.redis.llen(key) for key in keys)
+
+    def wait_for(self, more: int, since: int) -> None:
+        """Until `more` messages were sent to it after it held `since`."""
+        wait_until(lambda: self.messages() >= since + more, f"{more} more messages in {self.queue}", every=0.1)
+
+
+@contextlib.contextmanager
+def shards_held(stack: RunningStack, model: str = DEFAULT_MODEL) -> Iterator[HeldShardQueue]:
+    """While inside, the workers consuming `model`'s shard queue take no new shard (Celery's cancel_consumer); they
+    consume it again on leaving. Lets a test queue a job's shards behind or ahead of another's, whatever the speed
+    of the machine."""
+    from celery import Celery
+
+    from ingest.config import model_slug
+
+    broker_url = stack.state["env"]["TOKENMILL_BROKER_URL"]
+    queue = f"{stack.state['env'].get('TOKENMILL_QUEUE_PREFIX', '')}gpu.{model_slug(model)}"
+    app = Celery(broker=broker_url)
+    try:
+        consumers = app.control.inspect(timeout=1).active_queues() or {}
+        nodes = [node for node, queues in consumers.items() if any(q["name"] == queue for q in queues)]
+        assert nodes, f"no worker consumes {queue}: {consumers}"
+        replies = app.control.cancel_consumer(queue, destination=nodes, reply=True, timeout=5)
+        assert len(replies) == len(nodes), f"not every worker stopped consuming {queue}: {replies}"
+        try:
+            yield HeldShardQueue(broker_url, queue)
+        finally:
+            replies = app.control.add_consumer(queue, destination=nodes, reply=True, timeout=5)
+            assert len(replies) == len(nodes), f"not every worker consumes {queue} again: {replies}"
     finally:
         app.close()
 
