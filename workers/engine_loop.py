@@ -103,11 +103,12 @@ class TextRow:
     row: Request
     top_k: int | None  # the row's logprobs top-k
     beams: int | None = None  # a beam search row: how many of its beams, best first, are its choices
+    params: Any = None  # the sampling it runs with
 
     def collect(self, output: RequestOutput) -> None:
         if self.beams is not None:
             output.outputs = output.outputs[:self.beams]
-        collect_row(self.ticket.outcome, self.row, output, self.top_k)
+        collect_row(self.ticket.outcome, self.row, output, self.top_k, self.params)
         self.ticket.rows_done += 1
         self.ticket.tokens += _tokens(output)
 
@@ -291,7 +292,7 @@ class EngineLoop:
             ticket.bad_adapters[name] = str(problem)
             return RowError(item.row, item.custom_id, "invalid_adapter", str(problem))
         beams = kept_beams(params, item.params, settings.defaults)
-        self.pending[request_id] = TextRow(ticket, item, None if beams else params.logprobs, beams)
+        self.pending[request_id] = TextRow(ticket, item, None if beams else params.logprobs, beams, params)
         ticket.request_ids.add(request_id)
         return None
 

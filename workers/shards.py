@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from ingest.sampling import ALLOW_BEAM_SEARCH, ResponseFormatError, check_for_model, sampling_params
 from storage.formats import CHAT, EMBEDDINGS, Request, RowError
+from storage.formats.responses import request_echo
 
 if TYPE_CHECKING:
     from engine import EmbeddingRequestOutput, LLMEngine, RequestOutput, SamplingParams
@@ -86,7 +87,7 @@ def prepare_row(engine: LLMEngine, defaults: dict[str, Any], request: Request, m
         if token_ids is None:
             token_ids = _tokenize(engine, request)
     except Exception as problem:  # a chat template or tokenizer refusing this row's content
-        code = "invalid_messages" if request.endpoint == CHAT else "invalid_prompt"
+        code = "invalid_messages" if request.messages is not None else "invalid_prompt"
         return error(code, f"could not tokenize the row: {problem}")
     from engine.sampling_params import context_length_error  # the engine's own check, imported lazily
 
@@ -209,13 +210,15 @@ def _tokenize(engine: LLMEngine, request: Request) -> list[int]:
     return engine.encode(request.prompt)
 
 
-def collect_row(outcome: ShardOutcome, request: Request, output: RequestOutput, top_k: int | None) -> None:
-    """The engine's output of one row into the shard's outcome: a record per choice, or the row's error."""
+def collect_row(outcome: ShardOutcome, request: Request, output: RequestOutput, top_k: int | None,
+                params: Any = None) -> None:
+    """The engine's output of one row into the shard's outcome: a record per choice, or the row's error. `params`:
+    the sampling it ran with, which a /v1/responses row's records keep for its Response to echo."""
     if output.error or not output.outputs:
         message = output.error or "the engine returned no completion"
         outcome.errors.append(RowError(request.row, request.custom_id, "engine_error", message))
         return
-    metrics = output.metrics
+    metrics, echo = output.metrics, request_echo(request, params)
     outcome.records.extend({
         "custom_id": request.custom_id,
         "text": completion.text,
@@ -231,6 +234,7 @@ def collect_row(outcome: ShardOutcome, request: Request, output: RequestOutput, 
         "logprobs": None if top_k is None else openai_logprobs(completion, request.endpoint, top_k),
         "choice_index": completion.index,
         "model": request.model,
+        "request_echo": echo,
     } for completion in output.outputs)
 
 

@@ -1,5 +1,5 @@
 """OpenAI Batch JSONL input: one `{"custom_id", "method": "POST", "url", "body"}` object per line; `url` is
-/v1/chat/completions, /v1/completions or /v1/embeddings.
+/v1/chat/completions, /v1/completions, /v1/embeddings or /v1/responses.
 
 One streaming pass (`validate`) counts the rows, enforces the size limits, rejects duplicate custom_ids and
 remembers where each row starts, so a shard later seeks straight to its first row.
@@ -12,10 +12,12 @@ from array import array
 from collections.abc import Iterator
 from typing import IO, Any
 
+from storage.formats.responses import parse_responses_body
 from storage.formats.rows import (
     CHAT,
     EMBEDDINGS,
     ENDPOINTS,
+    RESPONSES,
     InputError,
     Limits,
     Request,
@@ -144,6 +146,8 @@ def parse_value(row: int, value: Any) -> Request | RowError:
         return RowError(row, custom_id, "invalid_request", "body must be a JSON object")
     if url == EMBEDDINGS:
         return parse_embedding_body(row, custom_id, body)
+    if url == RESPONSES:
+        return parse_responses_body(row, custom_id, body)
     if unsupported := check_unsupported(row, custom_id, body):
         return unsupported
     params, model = pick_params(body), body.get("model")

@@ -15,7 +15,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from storage.formats.rows import CHAT, EMBEDDINGS, RowError
+from storage.formats.responses import responses_body
+from storage.formats.rows import CHAT, EMBEDDINGS, RESPONSES, RowError
 from storage.objectstore import ObjectStore
 
 ERRORS_KEY = "errors.jsonl"
@@ -32,11 +33,12 @@ PART_SCHEMA = pa.schema([
     pa.field("ttft_ms", pa.float64()),  # time to first token, from when the request entered the engine
     pa.field("latency_ms", pa.float64()),  # from entering the engine to the last token
     pa.field("row_index", pa.int64()),  # 0-based row of the input
-    pa.field("endpoint", pa.string()),  # /v1/chat/completions or /v1/completions
+    pa.field("endpoint", pa.string()),  # /v1/chat/completions, /v1/completions or /v1/responses
     pa.field("logprobs", pa.string()),  # when the row asked for logprobs: OpenAI's choice.logprobs as JSON text
     pa.field("choice_index", pa.int32()),  # which of the row's n completions (one part row each)
     pa.field("model", pa.string()),  # the name the row asked for (an alias, an adapter); null: the job's model
     pa.field("stop_reason", pa.string()),  # the stop string that ended it; null: end of sequence, length, or unknown
+    pa.field("request_echo", pa.string()),  # /v1/responses rows: the request fields its Response repeats (JSON text)
 ])
 
 
@@ -128,7 +130,10 @@ def batch_output_line(job_id: str, model: str, record: dict[str, Any] | list[dic
         return {"id": line_id, "custom_id": record["custom_id"], "response": None,
                 "error": {"code": record["code"], "message": record["message"]}}
     model = record.get("model") or model  # OpenAI's bodies name the model the request asked for
-    body = _embeddings_body(model, records) if record["endpoint"] == EMBEDDINGS else _completion_body(model, records)
+    if record["endpoint"] == EMBEDDINGS:
+        body = _embeddings_body(model, records)
+    else:
+        body = (responses_body if record["endpoint"] == RESPONSES else _completion_body)(model, records)
     return {"id": line_id, "custom_id": record["custom_id"], "error": None,
             "response": {"status_code": 200, "request_id": line_id, "body": body}}
 

@@ -10,7 +10,8 @@ from typing import Any
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 EMBEDDINGS = "/v1/embeddings"
-ENDPOINTS = (CHAT, COMPLETIONS, EMBEDDINGS)
+RESPONSES = "/v1/responses"  # OpenAI's Responses API: a chat row underneath (`storage.formats.responses`)
+ENDPOINTS = (CHAT, COMPLETIONS, EMBEDDINGS, RESPONSES)
 ENCODING_FORMATS = ("float", "base64")
 MAX_EMBEDDING_INPUTS = 2048  # inputs in one embeddings row, as OpenAI
 PARAM_NAMES = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n", "response_format", "logprobs",
@@ -21,7 +22,7 @@ PARAM_NAMES = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n
 UNSUPPORTED_PARAMS = ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "audio",
                       "modalities", "prediction", "web_search_options", "echo", "best_of", "suffix", "stream",
                       "reasoning_effort")
-NO_OP_VALUES = {"tool_choice": "none", "best_of": 1, "modalities": ["text"]}
+NO_OP_VALUES = {"tool_choice": ("none",), "best_of": (1,), "modalities": (["text"],)}
 MAX_CUSTOM_ID = 512  # characters
 MAX_MESSAGES = 1024  # messages in one chat row
 MAX_ROLE = 64  # characters of a message's role
@@ -71,13 +72,14 @@ class Limits:
 class Request:
     row: int  # 0-based position in the input
     custom_id: str
-    endpoint: str  # CHAT, COMPLETIONS or EMBEDDINGS
+    endpoint: str  # CHAT, COMPLETIONS, EMBEDDINGS or RESPONSES
     prompt: str | list[int] | None = None
     messages: list[dict[str, str]] | None = None
     params: dict[str, Any] = field(default_factory=dict)  # per-row overrides of the job's sampling defaults
     inputs: list[str | list[int]] | None = None  # EMBEDDINGS: the texts (or token ids) to embed, one vector each
     model: str | None = None  # the row's `model` (OpenAI body, Parquet column): the job's model, an alias or an adapter
     openai: bool = False  # an OpenAI Batch line (JSONL): fields beyond OpenAI's (beam_width) need the job's consent
+    response_echo: dict[str, Any] | None = None  # RESPONSES: fields its Response repeats (instructions, text)
 
 
 @dataclass(slots=True)
@@ -88,10 +90,11 @@ class RowError:
     message: str
 
 
-def check_unsupported(row: int, custom_id: str, source: dict[str, Any]) -> RowError | None:
-    """The row's error when it sets a field tokenmill does not honour (tools, audio, logprobs...)."""
-    used = [name for name in UNSUPPORTED_PARAMS
-            if source.get(name) not in (None, False, 0, [], {}, "", NO_OP_VALUES.get(name))]
+def check_unsupported(row: int, custom_id: str, source: dict[str, Any], names: tuple[str, ...] = UNSUPPORTED_PARAMS,
+                      no_ops: dict[str, tuple] = NO_OP_VALUES) -> RowError | None:
+    """The row's error when it sets one of `names`, fields tokenmill does not honour (tools, audio, logprobs...),
+    to anything but an empty value or one of its `no_ops`."""
+    used = [name for name in names if source.get(name) not in (None, False, 0, [], {}, "", *no_ops.get(name, ()))]
     if not used:
         return None
     return RowError(row, custom_id, "unsupported_parameter",
