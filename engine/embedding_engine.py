@@ -18,7 +18,7 @@ import torch
 from engine import heap
 from engine.attention import cpu_kernel
 from engine.config import EngineConfig
-from engine.model_loader import pick_device, pick_dtype, resolve_model
+from engine.model_loader import materialize, pick_device, pick_dtype, resolve_model
 from engine.models.bert import SUPPORTED_MODEL_TYPES, BertEncoder, PackedBatch
 from engine.outputs import EmbeddingOutput, EmbeddingRequestOutput
 from engine.pooling import PoolingConfig, PoolingParams
@@ -217,7 +217,7 @@ def load_encoder(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.d
 
     with torch.device("meta"):
         model = BertEncoder(hf_config)
-    model = model.to_empty(device=device)
+    materialize(model, device)
 
     def weights():
         for file in sorted(model_dir.glob("*.safetensors")):

@@ -221,7 +221,7 @@ def load_model(model_dir: Path, hf_config, max_positions: int, dtype: torch.dtyp
 
     with torch.device("meta"):
         model = LlamaForCausalLM(hf_config, max_positions)
-    model = model.to_empty(device=device)
+    materialize(model, device)
     files = sorted(model_dir.glob("*.safetensors"))
 
     def weights():
@@ -232,6 +232,27 @@ def load_model(model_dir: Path, hf_config, max_positions: int, dtype: torch.dtyp
 
     model.load_hf_weights(weights())
     return finish_loading(model, hf_config, max_positions, dtype, device)
+
+
+def materialize(model: torch.nn.Module, device: torch.device) -> None:
+    """Uninitialised storage on `device` for a meta-device model's parameters and buffers (a tied parameter stays
+    one). `Module.to_empty` does the same through torch's Python reference ops, which import sympy: 0.5 s of CPU
+    in every process that loads a model."""
+    import torch
+
+    made: dict[int, torch.Tensor] = {}
+
+    def empty(tensor: torch.Tensor, parameter: bool) -> torch.Tensor:
+        if id(tensor) not in made:
+            fresh = torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
+            made[id(tensor)] = torch.nn.Parameter(fresh, tensor.requires_grad) if parameter else fresh
+        return made[id(tensor)]
+
+    for module in model.modules():
+        for table, parameter in ((module._parameters, True), (module._buffers, False)):
+            for name, tensor in table.items():
+                if tensor is not None and tensor.is_meta:
+                    table[name] = empty(tensor, parameter)
 
 
 def finish_loading(model: LlamaForCausalLM, hf_config, max_positions: int, dtype: torch.dtype,

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from engine.batch import BatchItem, build_step_batch
 from engine.config import EngineConfig
 from engine.distributed.group import RankFailure, TensorParallelGroup
-from engine.model_loader import finish_loading
+from engine.model_loader import finish_loading, materialize
 from engine.model_runner import ModelRunner, collectives
 from engine.models.llama import LlamaForCausalLM
 from engine.step_types import StepInput
@@ -136,7 +136,7 @@ def load_stage(model_dir: Path, hf_config, max_positions: int, dtype: torch.dtyp
 
     with torch.device("meta"):
         model = LlamaForCausalLM(hf_config, max_positions, layers)
-    model = model.to_empty(device=device)
+    materialize(model, device)
 
     def weights():
         for file in sorted(model_dir.glob("*.safetensors")):

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.distributed.group import TensorParallelGroup
-from engine.model_loader import finish_loading
+from engine.model_loader import finish_loading, materialize
 from engine.models.cpu_gemm import Linear
 from engine.models.llama import LlamaForCausalLM, head_dim_of
 
@@ -136,7 +136,7 @@ def load_shard(model_dir: Path, hf_config, max_positions: int, dtype: torch.dtyp
     with torch.device("meta"):
         model = LlamaForCausalLM(config, max_positions, layers)
     swap_parallel_modules(model, group)
-    model = model.to_empty(device=device)
+    materialize(model, device)
     files = sorted(model_dir.glob("*.safetensors"))
     model.load_hf_weights(shard_weights(files, hf_config, group.rank, group.world_size,
                                         lambda name: model.stage_name(name) is not None))
