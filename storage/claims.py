@@ -41,11 +41,16 @@ def _stop_unfinished(job: Job, statuses, fence_also: list[Shard] | None = None) 
     fence(job, stopped + list(fence_also or ()))
 
 
-def give_up(job: Job, shard: Shard) -> None:
-    """The shard used all its attempts: it fails, and the job with it."""
+def attempts_used(shard: Shard) -> str:
+    """Why a shard stopped for good: the attempts it used, and the last one's cause."""
     cause = shard.error or f"its worker ({shard.worker}) died while running it"
-    message = (f"shard {shard.index} (rows {shard.row_start}-{shard.row_end - 1}) failed {shard.attempts} "
-               f"attempt(s), the limit; last: {cause}")
+    return (f"shard {shard.index} (rows {shard.row_start}-{shard.row_end - 1}) failed {shard.attempts} "
+            f"attempt(s), the limit; last: {cause}")
+
+
+def give_up(job: Job, shard: Shard) -> None:
+    """The shard used all its attempts and cannot end otherwise: it fails, and the job with it."""
+    message = attempts_used(shard)
     shard.status, shard.error, shard.lease_expires_at, shard.finished_at = (
         ShardStatus.FAILED.value, message, None, utcnow())
     log.error("job %s: %s", job.id, message)

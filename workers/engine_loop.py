@@ -6,9 +6,10 @@ engine (ordered by their request priority when the engine's `scheduling_policy` 
 
 The waiting thread asks the database once a second whether the job still runs (`StatusWatch`) and reports
 progress; the shard's lease is renewed by a `LeaseHeartbeat` thread. A cancel aborts only that shard's requests.
-The engine thread survives any one shard's error: a row that cannot be prepared or collected fails its shard
-alone. An engine step that raises is pinned on a shard by running the shards that were in the engine again one
-at a time: the one that raises alone fails; the others finish as if nothing happened. A watchdog ends the
+The engine thread survives any one shard's error. An engine step that raises is pinned on a shard by running the
+shards that were in the engine again one at a time; the others finish as if nothing happened. A shard whose rows
+raise while it is alone in the engine (a step, or adding or collecting a row) runs again alone, its unfinished
+rows one at a time: the row that raises alone fails with `engine_error`, its other rows finish. A watchdog ends the
 process when the engine makes no progress for `TOKENMILL_ENGINE_WATCHDOG_S` (its leases then lapse and other
 workers take its shards over); time the engine thread spends admitting a shard (switching its speculative or
 batch-invariant setting, loading a draft model, adding its rows) counts as no progress too."""
@@ -90,9 +91,17 @@ class Ticket:
     suspect: bool = False  # it was in the engine when a step raised: it runs again alone
     request_ids: set[str] = field(default_factory=set)  # its requests still in the engine
     bad_adapters: dict[str, str] = field(default_factory=dict)  # adapters the engine refused: name -> why
+    solo: deque | None = None  # its rows raised in the engine: the rows still to run, one at a time
+    solo_row: Request | RowError | None = None  # while `solo`: the row in the engine
 
     def restart(self) -> None:
         self.outcome, self.rows_done, self.tokens, self.fed, self.suspect = ShardOutcome(), 0, 0, False, True
+        self.solo = self.solo_row = None
+
+    @property
+    def finished(self) -> bool:
+        """None of its rows is in the engine, and none is left to add."""
+        return not self.request_ids and (self.fed if self.solo is None else not self.solo)
 
 
 @dataclass(eq=False)
@@ -252,18 +261,30 @@ class EngineLoop:
                 self.active.append(ticket)  # first: the watchdog counts a hang while it is admitted (a draft load)
                 self.engine.set_speculative_config(ticket.settings.speculative)
                 self.engine.set_batch_invariant(ticket.settings.batch_invariant)
-                self._feed(ticket)
-            except Exception as error:  # this shard alone fails
+            except Exception as error:  # this shard alone fails: its settings, not its rows
                 self._fail(ticket, error)
+                continue
+            self._feed(ticket)
 
     def _feed(self, ticket: Ticket) -> None:
+        """Add the ticket's rows to the engine (isolating: its next row); ended at once if none is left running."""
+        if ticket.solo is None:
+            try:
+                self._add_rows(ticket, ticket.rows)
+            except Exception as error:
+                self._rows_failed(ticket, error)
+                return
+            ticket.fed = True
+        self._finish_if_done(ticket)
+
+    def _add_rows(self, ticket: Ticket, rows: list[Request | RowError]) -> None:
         if self.engine.embedding_size is not None:
-            self._feed_embeddings(ticket)
+            self._add_embedding_rows(ticket, rows)
             return
         settings = ticket.settings
         adapter_names = settings.adapter_names or settings.adapters.keys()
-        token_ids = tokenize_rows(self.engine, ticket.rows)
-        for item in ticket.rows:
+        token_ids = tokenize_rows(self.engine, rows)
+        for item in rows:
             prepared = item if isinstance(item, RowError) else prepare_row(
                 self.engine, settings.defaults, item, settings.models, adapter_names, token_ids.get(item.row))
             if not isinstance(prepared, RowError):
@@ -271,8 +292,6 @@ class EngineLoop:
             if isinstance(prepared, RowError):
                 ticket.outcome.errors.append(prepared)
                 ticket.rows_done += 1
-        ticket.fed = True
-        self._finish_if_done(ticket)
 
     def _add_text_row(self, ticket: Ticket, item: Request, token_ids: list[int], params) -> RowError | None:
         """Add a prepared row to the engine, with its LoRA adapter if it names one; the row's error when the
@@ -296,13 +315,13 @@ class EngineLoop:
         ticket.request_ids.add(request_id)
         return None
 
-    def _feed_embeddings(self, ticket: Ticket) -> None:
+    def _add_embedding_rows(self, ticket: Ticket, rows: list[Request | RowError]) -> None:
         """Embedding rows: one engine request per input (request id: prefix, row, '.', input index), added
         shortest first, so that each engine step holds inputs of like lengths."""
         ticket.outcome.embedding_size = self.engine.embedding_size
         settings = ticket.settings
         inputs = []
-        for item in ticket.rows:
+        for item in rows:
             prepared = item if isinstance(item, RowError) else prepare_embedding_row(
                 self.engine, item, settings.truncate_inputs, settings.models)
             if isinstance(prepared, RowError):
@@ -316,8 +335,6 @@ class EngineLoop:
             self.engine.add_request(request_id, token_ids, prepared.params)
             self.pending[request_id] = EmbeddingInput(ticket, prepared, index)
             ticket.request_ids.add(request_id)
-        ticket.fed = True
-        self._finish_if_done(ticket)
 
     def _step(self) -> None:
         try:
@@ -335,13 +352,14 @@ class EngineLoop:
             ticket.request_ids.discard(output.request_id)
             try:
                 entry.collect(output)
-                self._finish_if_done(ticket)
             except Exception as error:
-                self._fail(ticket, error)
+                self._rows_failed(ticket, error)
+                continue
+            self._finish_if_done(ticket)
 
     def _step_failed(self, error: BaseException) -> None:
-        """A step raised. Alone in the engine, the shard fails (its task counts the attempt). With others, no one
-        can tell whose row did it: every shard in the engine starts over, one at a time, without an attempt. A
+        """A step raised. Alone in the engine, the shard's rows did it (`_rows_failed`). With others, no one can
+        tell whose row did it: every shard in the engine starts over, one at a time, without an attempt. A
         tensor-parallel rank that died leaves no engine: the process ends, so other workers take its shards over."""
         from engine.distributed.group import RankFailure
 
@@ -351,8 +369,9 @@ class EngineLoop:
             self.on_stuck()
             return
         if len(self.active) == 1:
-            log.exception("engine step failed; failing the one shard in the engine", exc_info=error)
-            self._fail(self.active[0], error)
+            log.warning("engine step failed with one shard in the engine (%s: %s)", type(error).__name__, error,
+                        exc_info=error)
+            self._rows_failed(self.active[0], error)
             return
         log.warning("engine step failed with %d shards in the engine (%s: %s); running them again one at a time "
                     "to find the one that fails", len(self.active), type(error).__name__, error)
@@ -372,8 +391,46 @@ class EngineLoop:
             outcome.spec_accepted_tokens += seen[1] - self._spec_seen[1]
         self._spec_seen = seen
 
+    def _rows_failed(self, ticket: Ticket, error: BaseException) -> None:
+        """The ticket's rows raised in the engine (a step it had alone, or adding or collecting a row). Isolating
+        already: the row in the engine fails alone with `engine_error`, and the next one goes in. Else the shard
+        runs again alone, its unfinished rows one at a time; its finished rows stay as they are."""
+        self._abort(ticket)
+        if ticket.solo is not None:
+            self._solo_row_failed(ticket, error)
+            self._finish_if_done(ticket)
+            return
+        outcome = ticket.outcome
+        finished = {r["row_index"] for r in outcome.records} | {e.row for e in outcome.errors}
+        ticket.solo = deque(row for row in ticket.rows if row.row not in finished)
+        log.warning("shard %s: its rows raised in the engine (%s: %s); running its %d unfinished row(s) again one "
+                    "at a time, alone in the engine", ticket.prefix, type(error).__name__, error, len(ticket.solo))
+        ticket.suspect = True
+        if ticket in self.active:
+            self.active.remove(ticket)
+        self.waiting.appendleft(ticket)
+
+    def _solo_row_failed(self, ticket: Ticket, error: BaseException) -> None:
+        """The one row an isolating ticket had in the engine raised: it fails alone (what it had collected goes)."""
+        row, outcome = ticket.solo_row, ticket.outcome
+        outcome.records = [r for r in outcome.records if r["row_index"] != row.row]
+        outcome.errors = [e for e in outcome.errors if e.row != row.row]
+        outcome.errors.append(RowError(row.row, row.custom_id, "engine_error",
+                                       f"the engine raised {type(error).__name__} while running this request"))
+        ticket.rows_done += 1
+        log.warning("shard %s: row %d raised in the engine alone (%s: %s); it fails with engine_error",
+                    ticket.prefix, row.row, type(error).__name__, error)
+
     def _finish_if_done(self, ticket: Ticket) -> None:
-        if ticket.fed and not ticket.request_ids:
+        """End the ticket once its rows finished; an isolating one first adds its next row, once the last left."""
+        while ticket.solo and not ticket.request_ids:
+            ticket.solo_row = ticket.solo.popleft()
+            try:
+                self._add_rows(ticket, [ticket.solo_row])
+            except Exception as error:
+                self._abort(ticket)
+                self._solo_row_failed(ticket, error)
+        if ticket.finished:
             self._end(ticket)
 
     def _fail(self, ticket: Ticket, error: BaseException) -> None:

@@ -47,7 +47,7 @@ log = logging.getLogger("tokenmill.jobs")
 
 S = JobStatus
 VALIDATE_TRIES = 6  # a store that times out or throttles while validating: 1, 2, 4, 8, 16 s apart
-NO_ATTEMPT_LIMIT = 1 << 30  # in-process, an error fails the job at once; attempts only count
+SHARD_TRIES = 3  # a shard that fails this often in one run ends with its rows as errors (`workers.shard_step`)
 BUSY_RETRY_MARGIN_S = 1.0  # a busy job is tried again this long after its holder's lease lapses
 
 
@@ -172,28 +172,44 @@ class JobRunner:
 
     def _stream_shards(self, job: Job, todo: list[Shard], engine: LLMEngine) -> None:
         """The unfinished shards, K at a time, each claimed, run in the engine loop, written and committed as
-        soon as its own last row finishes. The first error stops new shards from starting and is raised once
-        the shards in flight ended."""
+        soon as its own last row finishes. A shard whose work fails is tried again, SHARD_TRIES times in this run,
+        then its rows end as errors. Any other error (the input, a service down) stops new shards from starting and
+        is raised once the shards in flight ended."""
         in_flight = shards_in_flight(engine.config.max_num_seqs, job.settings.shard_size)
         failed: list[BaseException] = []
         stop = threading.Event()
 
         def run_one(shard: Shard) -> None:
-            if stop.is_set():
-                return
-            claim = self.shard_step.claim_shard(shard.id, NO_ATTEMPT_LIMIT)
-            if claim.decision != "run":
-                return
-            try:
-                self.shard_step.execute_shard(claim.job, claim.shard, lambda: engine)
-            except BaseException as error:
-                stop.set()
-                failed.append(error)
+            limit = shard.attempts + SHARD_TRIES  # the attempts of runs before this one (interrupted) do not count
+            while not stop.is_set():
+                claim = self.shard_step.claim_shard(shard.id, limit)
+                if claim.decision not in ("run", "exhausted"):
+                    return
+                try:
+                    self.shard_step.execute_shard(claim.job, claim.shard, lambda: engine, claim.exhausted)
+                    return
+                except Exception as error:
+                    if not _shards_fault(error):
+                        stop.set()
+                        failed.append(error)
+                        return
+                    log.warning("job %s: shard %d failed (attempt %d of %d): %s: %s", job.id, shard.index,
+                                claim.shard.attempts, limit, type(error).__name__, error)
+                except BaseException as error:
+                    stop.set()
+                    failed.append(error)
+                    return
 
         with ThreadPoolExecutor(max_workers=in_flight, thread_name_prefix="shard") as pool:
             list(pool.map(run_one, todo))
         if failed:
             raise failed[0]
+
+
+def _shards_fault(error: Exception) -> bool:
+    """Did the shard's own work fail (its rows, the engine on them), so that trying it again may help and its rows
+    may end as errors? Not for a bad or replaced input, nor for a service that is down."""
+    return not isinstance(error, (InputError, InputChanged)) and not is_transient(error)
 
 
 def _lease_left(job: Job, now: datetime) -> timedelta:

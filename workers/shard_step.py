@@ -4,7 +4,12 @@ The Celery task `run_shard` runs one; `tokenmill run` (`workers.inprocess`) runs
 A claim is a lease on the database's clock, renewed by the job's `LeaseHeartbeat` from claim to commit (through
 the part write), and a fencing token that each write is conditional on: a worker whose claim was taken over
 writes nothing. The shard that completes a job's last row range moves it to `finalizing` in the same
-transaction that holds the job row's lock, so exactly one finisher sees it."""
+transaction that holds the job row's lock, so exactly one finisher sees it.
+
+A shard that used its attempts (its rows raised or killed its workers each time) does not fail the job: its next
+claim writes each of its rows as a `server_error` error, through the same part write and commit as a run, so the
+job completes with the rows that could not run in its error file, as OpenAI's batches do. Only a shard whose
+engine could not load, or whose errors could not be written either, fails the job."""
 
 from __future__ import annotations
 
@@ -20,7 +25,7 @@ from sqlalchemy import select
 from storage import claims, clock
 from storage import repository as repo
 from storage.faults import crash_point, is_transient
-from storage.formats import Request, part_key, write_part
+from storage.formats import Request, RowError, part_key, write_part
 from storage.liveness import LEASE, db_now
 from storage.models import FailedRow, Job, JobStatus, Shard, ShardStatus, utcnow
 from storage.objectstore import InputChanged, open_store
@@ -39,6 +44,7 @@ log = logging.getLogger("tokenmill.jobs")
 OUTAGE_WAIT_S = float(os.environ.get("TOKENMILL_OUTAGE_WAIT_S") or 300)
 # how long a shard stopped by an outage waits for the database to give its attempt back (past it, the attempt counts)
 REFUND_WAIT_S = 3600.0
+ERROR_WRITE_ATTEMPTS = 3  # claims past the attempt limit that may try to write a shard's rows as errors
 
 S = JobStatus
 RUNNING_HERE: set[int] = set()  # the shards this process is running now
@@ -46,13 +52,33 @@ _running_lock = threading.Lock()
 
 
 class ShardClaim(NamedTuple):
-    """What `ShardStep.claim_shard` decided: `run` (the shard is ours now), `done` (completed before), `busy`
-    (a live worker runs it), `stopped` (the job is not running: cancelled, failed...) or `gave_up` (out of
-    attempts: the shard and the job are now failed)."""
+    """What `ShardStep.claim_shard` decided: `run` (the shard is ours now), `exhausted` (ours, but out of attempts:
+    its rows are to be written as errors with the message `exhausted`), `done` (completed before), `busy` (a live
+    worker runs it), `stopped` (the job is not running: cancelled, failed...) or `gave_up` (out of attempts and
+    not the rows' fault, or its errors could not be written: the shard and the job are now failed)."""
 
     decision: str
     shard: Shard | None = None
     job: Job | None = None
+    exhausted: str | None = None
+
+
+class EngineUnavailable(RuntimeError):
+    """The worker's engine could not load: the whole job cannot run here, whatever its rows hold."""
+
+
+def exhausted_message(shard: Shard) -> str:
+    """The error of each row of a shard that used its attempts; it names no worker and no exception text."""
+    last = f"it raised {shard.error.split(':', 1)[0]}" if shard.error else "its worker stopped while running it"
+    return (f"The server had an error while processing this request: its shard was tried {shard.attempts} "
+            f"time(s), the limit (last: {last})")
+
+
+def cannot_end_with_errors(shard: Shard, max_attempts: int) -> bool:
+    """Must a shard out of attempts fail its job? When its engine could not load (not its rows' fault), or when
+    writing its rows as errors failed ERROR_WRITE_ATTEMPTS times too."""
+    engine_down = (shard.error or "").startswith(f"{EngineUnavailable.__name__}:")
+    return engine_down or shard.attempts >= max_attempts + ERROR_WRITE_ATTEMPTS
 
 
 def engine_priority(job: Job) -> int:
@@ -76,10 +102,10 @@ class ShardStep:
 
     def claim_shard(self, shard_id: int, max_attempts: int, count_attempt: bool = True) -> ShardClaim:
         """Take the shard unless it is done, a live lease holds it, or its job is not running. A shard that
-        already used `max_attempts` (its workers died, or it raised) fails the job. `count_attempt` False: a claim
-        that uses none (a prefill, `workers.disagg`)."""
+        already used `max_attempts` (its workers died, or it raised) is claimed `exhausted` (see `ShardClaim`).
+        `count_attempt` False: a claim that uses none and applies no limit (a prefill, `workers.disagg`)."""
         steps = self.steps
-        gave_up = None
+        gave_up, exhausted = None, None
         with steps.sessions.begin() as session:
             job = steps.job_row(session)
             shard = repo.get_shard_by_id(session, shard_id, for_update=True)
@@ -92,25 +118,32 @@ class ShardStep:
             if shard.status == ShardStatus.RUNNING and steps.held_by_another(
                     shard.worker, shard.lease_expires_at, shard.id in RUNNING_HERE, now):
                 return ShardClaim("busy", shard, job)
-            if shard.attempts >= max_attempts:
+            if count_attempt and shard.attempts >= max_attempts and cannot_end_with_errors(shard, max_attempts):
                 claims.give_up(job, shard)
                 gave_up = ShardClaim("gave_up", shard, job)
             else:
+                if count_attempt and shard.attempts >= max_attempts:
+                    exhausted, cause = exhausted_message(shard), shard.error
+                    log.warning("job %s: %s; its rows end as errors", job.id, claims.attempts_used(shard))
                 if job.status == S.QUEUED:
                     transition(job, S.IN_PROGRESS)
                 repo.start_shard(shard, steps.worker, now + LEASE)
                 if not count_attempt:  # start_shard counted one
                     shard.attempts -= 1
+                if exhausted is not None:
+                    shard.error = cause  # why its rows end as errors, kept beside them
         if gave_up is not None:
             discard_if_ended(steps.sessions, gave_up.job)
             return gave_up
-        return ShardClaim("run", shard, job)
+        return ShardClaim("run" if exhausted is None else "exhausted", shard, job, exhausted)
 
-    def execute_shard(self, job: Job, shard: Shard, engine: Callable[[], LLMEngine]) -> ShardOutcome:
+    def execute_shard(self, job: Job, shard: Shard, engine: Callable[[], LLMEngine],
+                      exhausted: str | None = None) -> ShardOutcome:
         """Run a shard this process has claimed (status running, its lease ours) in the process's engine loop,
         write its part file and mark it completed, renewing its lease until the commit. A stop request ends it
         `cancelled`; a lost claim writes nothing (and, not being the work's fault, gives its attempt back); an
-        error (loading the engine included) ends it `failed` and is raised."""
+        error (loading the engine included, as `EngineUnavailable`) ends it `failed` and is raised. `exhausted`
+        (an exhausted claim's message): its rows are not run but each written as a `server_error` error."""
         started = time.perf_counter()
         heartbeat = self.steps.heartbeat
         claim = shard_claim(shard.id)
@@ -120,7 +153,10 @@ class ShardStep:
         heartbeat.add(claim, shard.claim_token)
         try:
             with heartbeat:
-                outcome = self._run_rows(job, shard, engine(), claim)
+                if exhausted is None:
+                    outcome = self._run_rows(job, shard, loaded_engine(engine), claim)
+                else:
+                    outcome = self._rows_as_errors(job, shard, exhausted)
                 self._check_claim(job, shard, claim)
                 if outcome.cancelled:
                     if not self._end_shard(shard, ShardStatus.CANCELLED):  # stopped because it was taken over
@@ -160,6 +196,13 @@ class ShardStep:
         rows = self.steps.read_rows(job, shard)  # read here, not on the engine thread
         return loop_for(engine).run(self.row_settings(job, rows), rows, request_prefix(job, shard),
                                     watch.should_stop, self.steps.progress)
+
+    def _rows_as_errors(self, job: Job, shard: Shard, message: str) -> ShardOutcome:
+        """The outcome of a shard out of attempts: each row a `server_error` (a row that could not have run keeps
+        its own error)."""
+        rows = self.steps.read_rows(job, shard)
+        return ShardOutcome(errors=[row if isinstance(row, RowError) else
+                                    RowError(row.row, row.custom_id, "server_error", message) for row in rows])
 
     def row_settings(self, job: Job, rows: list) -> RowSettings:
         """How the job's rows run; the adapters its rows name are fetched here (not on the engine thread)."""
@@ -279,6 +322,16 @@ class ShardStep:
                 row.attempts -= 1
         if ended:
             discard_if_ended(self.steps.sessions, job)
+
+
+def loaded_engine(engine: Callable[[], LLMEngine]) -> LLMEngine:
+    """The process's engine; a load that fails (not for a service being down) raises `EngineUnavailable`."""
+    try:
+        return engine()
+    except Exception as error:
+        if is_transient(error):
+            raise
+        raise EngineUnavailable(f"{type(error).__name__}: {error}") from error
 
 
 T = TypeVar("T")

@@ -202,12 +202,12 @@ def run_shard(self: Task, job_id: str, shard_id: int) -> dict[str, Any]:
     steps = JobSteps(sessions(), job_id, TaskProgress(self, job_id, shard_id))
     shard_step = ShardStep(steps, worker_lora_modules())
     claim = _or_retry(self, lambda: shard_step.claim_shard(shard_id, config.max_shard_attempts))
-    if claim.decision != "run":
+    if claim.decision not in ("run", "exhausted"):
         log.info("job %s: shard %d not run: %s", job_id, claim.shard.index, claim.decision)
         return _summary(claim.job, shard=claim.shard.index, decision=claim.decision)
     job, shard = claim.job, claim.shard
-    try:
-        outcome = shard_step.execute_shard(job, shard, lambda: engine_for(job.model))
+    try:  # an exhausted claim writes its rows as errors, without the engine
+        outcome = shard_step.execute_shard(job, shard, lambda: engine_for(job.model), claim.exhausted)
     except Exception as error:  # the shard is marked failed; its next claim counts the attempt
         log.exception("job %s: shard %d failed (attempt %d)", job_id, shard.index, shard.attempts)
         delay = SHARD_RETRY_DELAY_S

@@ -8,12 +8,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from storage.formats import CHAT
+from storage.formats import CHAT, line_error
 
 CUSTOM_ID = r"^[a-zA-Z0-9_-]{1,64}$"  # Anthropic's custom_id
 UNRUN_RESULTS = {"batch_cancelled": "canceled", "batch_expired": "expired"}  # error codes of requests never run
-ERROR_TYPES = {"model_not_found": "not_found_error", "engine_error": "api_error", "batch_failed": "api_error",
-               "internal_error": "api_error"}  # a failed request's code -> Anthropic's error type (else invalid)
+# a failed request's code -> Anthropic's error type (else invalid_request_error)
+ERROR_TYPES = {"model_not_found": "not_found_error", "engine_error": "api_error", "server_error": "api_error",
+               "batch_failed": "api_error", "internal_error": "api_error"}
 
 
 class Strict(BaseModel):
@@ -74,17 +75,6 @@ def openai_line(request: BatchRequest) -> dict[str, Any]:
         if theirs is not None:
             body[ours] = theirs
     return {"custom_id": request.custom_id, "method": "POST", "url": CHAT, "body": body}
-
-
-def line_error(line: dict[str, Any]) -> dict[str, Any] | None:
-    """A batch output line's error ({code, message}), from its `error` or an HTTP-shaped failed `response`."""
-    if line.get("error") is not None:
-        return line["error"]
-    response = line.get("response") or {}
-    if response.get("status_code", 200) >= 400:
-        error = (response.get("body") or {}).get("error") or {}
-        return {"code": error.get("code") or error.get("type"), "message": error.get("message", "")}
-    return None
 
 
 def message(line: dict[str, Any]) -> dict[str, Any]:

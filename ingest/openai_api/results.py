@@ -29,6 +29,7 @@ from storage.formats import (
     Request,
     RowError,
     batch_output_line,
+    line_error,
     open_input,
     read_part,
     write_jsonl,
@@ -49,7 +50,8 @@ OPENAI_PURPOSES = ("batch", "batch_output")  # the files OpenAI's /v1/files show
 
 
 def content(row: ApiFile, s3: S3Options) -> Iterator[bytes]:
-    """An uploaded file's bytes; for a batch's output or error file, its lines of the batch output."""
+    """An uploaded file's bytes; for a batch's output or error file, its lines of the batch output (the error
+    file's: those of a failed request, an HTTP error `response` or a top-level `error`)."""
     store, key = open_file_store(row.uri, s3)
     with store.open(key) as source:
         if row.kind == UPLOAD:
@@ -58,7 +60,7 @@ def content(row: ApiFile, s3: S3Options) -> Iterator[bytes]:
             return
         wanted = OUTPUT_KINDS[row.kind]
         for line in source:
-            if line.strip() and (json.loads(line).get("error") is not None) == wanted:
+            if line.strip() and (line_error(json.loads(line)) is not None) == wanted:
                 yield line
 
 
@@ -77,7 +79,7 @@ def add_result_files(sessions: sessionmaker[Session], s3: S3Options, batch: ApiB
         with store.open(key) as source:
             for line in source:
                 if line.strip():
-                    error = json.loads(line).get("error")
+                    error = line_error(json.loads(line))
                     kind = "batch_error" if error is not None else "batch_output"
                     counts[kind] += 1
                     sizes[kind] += len(line)

@@ -14,6 +14,7 @@ from storage.formats.outputs import (
     batch_output_line,
     embedding_part_schema,
     error_record,
+    line_error,
     part_key,
     read_part,
     write_jsonl,
@@ -29,8 +30,8 @@ JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
 __all__ = [
     "BATCH_OUTPUT_KEY", "CHAT", "COMPLETIONS", "EMBEDDINGS", "ENDPOINTS", "ERRORS_KEY", "MANIFEST_KEY", "PART_SCHEMA",
     "embedding_part_schema", "InputError", "InputReader", "JsonlInput", "Limits", "ParquetInput", "Request", "RowError",
-    "batch_output_line", "error_record", "open_input", "part_key", "read_part", "write_jsonl", "write_manifest",
-    "write_part",
+    "batch_output_line", "error_record", "line_error", "open_input", "part_key", "read_part", "write_jsonl",
+    "write_manifest", "write_part",
 ]
 
 

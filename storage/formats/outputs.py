@@ -22,6 +22,9 @@ from storage.objectstore import ObjectStore
 ERRORS_KEY = "errors.jsonl"
 MANIFEST_KEY = "manifest.json"
 BATCH_OUTPUT_KEY = "batch_output.jsonl"
+# error codes of requests a batch never ran, written as OpenAI writes them: a top-level `error`, no `response`
+BATCH_ERROR_CODES = frozenset({"batch_cancelled", "batch_expired", "batch_failed"})
+SERVER_ERROR_CODES = frozenset({"engine_error", "server_error"})  # a request's failure that is not its own fault
 
 PART_SCHEMA = pa.schema([
     pa.field("custom_id", pa.string(), nullable=False),
@@ -121,14 +124,18 @@ def write_manifest(store: ObjectStore, manifest: dict[str, Any]) -> None:
 
 def batch_output_line(job_id: str, model: str, record: dict[str, Any] | list[dict[str, Any]]) -> dict[str, Any]:
     """One line of the OpenAI Batch output file, for a row's result records (its part rows, one per choice)
-    or its error record."""
+    or its error record: a failed request as an HTTP error `response` (`failed_response`), one the batch never ran
+    as a top-level `error`."""
     records = record if isinstance(record, list) else [record]
     record = records[0]
     row_index = record["row_index"]
     line_id = f"batch_req_{uuid.uuid5(uuid.NAMESPACE_URL, f'{job_id}/{row_index}').hex}"
     if "code" in record:
-        return {"id": line_id, "custom_id": record["custom_id"], "response": None,
-                "error": {"code": record["code"], "message": record["message"]}}
+        if record["code"] in BATCH_ERROR_CODES:  # a request the batch never ran: OpenAI's top-level error
+            return {"id": line_id, "custom_id": record["custom_id"], "response": None,
+                    "error": {"code": record["code"], "message": record["message"]}}
+        return {"id": line_id, "custom_id": record["custom_id"], "error": None,
+                "response": failed_response(line_id, record["code"], record["message"])}
     model = record.get("model") or model  # OpenAI's bodies name the model the request asked for
     if record["endpoint"] == EMBEDDINGS:
         body = _embeddings_body(model, records)
@@ -136,6 +143,29 @@ def batch_output_line(job_id: str, model: str, record: dict[str, Any] | list[dic
         body = (responses_body if record["endpoint"] == RESPONSES else _completion_body)(model, records)
     return {"id": line_id, "custom_id": record["custom_id"], "error": None,
             "response": {"status_code": 200, "request_id": line_id, "body": body}}
+
+
+def failed_response(request_id: str, code: str, message: str) -> dict[str, Any]:
+    """A failed request's `response`, as OpenAI's API would have answered it: 500 `server_error` for a failure of
+    the server or engine, 404 for an unknown model, else 400 `invalid_request_error`."""
+    if code in SERVER_ERROR_CODES:
+        status, kind = 500, "server_error"
+    else:
+        status, kind = 404 if code == "model_not_found" else 400, "invalid_request_error"
+    return {"status_code": status, "request_id": request_id,
+            "body": {"error": {"message": message, "type": kind, "param": None, "code": code}}}
+
+
+def line_error(line: dict[str, Any]) -> dict[str, Any] | None:
+    """A batch output line's error (`code`, `message`): its top-level `error`, or its failed response's; None for
+    a line that succeeded."""
+    if line.get("error") is not None:
+        return line["error"]
+    response = line.get("response") or {}
+    if response.get("status_code", 200) < 400:
+        return None
+    error = (response.get("body") or {}).get("error") or {}
+    return {"code": error.get("code") or error.get("type"), "message": error.get("message", "")}
 
 
 def _embeddings_body(model: str, records: list[dict[str, Any]]) -> dict[str, Any]:

@@ -1,5 +1,6 @@
 """The OpenAI Batch output line, as documented (platform.openai.com/docs/api-reference/batch/request-output,
-chat/object and completions/object), as a JSON schema: what `batch_output.jsonl` lines must validate against."""
+chat/object and completions/object), as a JSON schema: what `batch_output.jsonl` lines must validate against. A
+request that failed has OpenAI's error `response`; one the batch never ran, a top-level `error`."""
 
 USAGE = {
     "type": "object",
@@ -60,6 +61,11 @@ def body(object_name: str, choice: dict) -> dict:
     }
 
 
+# a failed request's body, as OpenAI's API answers one (a 4xx or 5xx `response`)
+ERROR_BODY = {"type": "object", "required": ["message", "type", "param", "code"],
+              "properties": {"message": {"type": "string"},
+                             "type": {"enum": ["invalid_request_error", "server_error"]},
+                             "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}
 BATCH_OUTPUT_LINE = {
     "type": "object",
     "required": ["id", "custom_id", "response", "error"],
@@ -72,8 +78,17 @@ BATCH_OUTPUT_LINE = {
                                                     "body": {"oneOf": [body("chat.completion", CHAT_CHOICE),
                                                                        body("text_completion",
                                                                             COMPLETION_CHOICE)]}}}}},
+        {"properties": {"error": {"type": "null"},
+                        "response": {"type": "object", "required": ["status_code", "request_id", "body"],
+                                     "properties": {"status_code": {"type": "integer", "minimum": 400,
+                                                                    "maximum": 599},
+                                                    "request_id": {"type": "string"},
+                                                    "body": {"type": "object", "required": ["error"],
+                                                             "properties": {"error": ERROR_BODY}}}}}},
         {"properties": {"response": {"type": "null"},
                         "error": {"type": "object", "required": ["code", "message"],
-                                  "properties": {"code": {"type": "string"}, "message": {"type": "string"}}}}},
+                                  "properties": {"code": {"enum": ["batch_cancelled", "batch_expired",
+                                                                   "batch_failed"]},
+                                                 "message": {"type": "string"}}}}},
     ],
 }

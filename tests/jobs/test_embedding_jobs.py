@@ -101,7 +101,8 @@ def test_openai_jsonl_embeddings(sessions, embedding_engine, tmp_path: Path) -> 
     decoded = np.frombuffer(base64.b64decode(two["data"][1]["embedding"]), dtype="<f4")
     stored = next(r["embedding"] for r in results if r["custom_id"] == "two-base64" and r["input_index"] == 1)
     assert np.array_equal(decoded, np.array(stored, dtype=np.float32))
-    assert lines["dims"]["error"]["code"] == "invalid_parameter" and lines["dims"]["response"] is None
+    assert lines["dims"]["error"] is None and lines["dims"]["response"]["status_code"] == 400
+    assert lines["dims"]["response"]["body"]["error"]["code"] == "invalid_parameter"
 
     truncated = run(sessions, embedding_engine, path, tmp_path / "out-cut", truncate_inputs=True)
     _, errors = each_row_once(open_store(str(tmp_path / "out-cut")), [r["custom_id"] for r in rows])

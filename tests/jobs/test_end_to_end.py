@@ -80,7 +80,8 @@ def test_sqlite_and_local_folder_with_row_level_problems(sessions, engine_provid
                                                               "string-temperature"]
     ok = lines[0]["response"]["body"]
     assert ok["object"] == "text_completion" and ok["choices"][0]["text"] == by_id["ok-0"]["text"]
-    assert lines[6]["response"] is None and lines[6]["error"]["code"] == "missing_prompt"
+    assert lines[6]["error"] is None and lines[6]["response"]["status_code"] == 400
+    assert lines[6]["response"]["body"]["error"]["code"] == "missing_prompt"
 
 
 def test_openai_batch_jsonl_input(sessions, engine_provider, tmp_path: Path) -> None:

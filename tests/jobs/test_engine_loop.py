@@ -116,17 +116,19 @@ def test_shards_in_flight_fill_a_batch_and_one_more() -> None:
 
 
 class PoisonedEngine:
-    """The real engine, except that a step raises while a request whose id holds "poison" is in it (as a row
-    that crashes the model would), or blocks while `stuck` is set."""
+    """The real engine, except that a step raises while a request that `poisons` (by its id and token ids; by
+    default an id holding "poison") is in it (as a row that crashes the model would), or blocks while `stuck` is
+    set."""
 
-    def __init__(self, engine) -> None:
+    def __init__(self, engine, poisons=lambda request_id, token_ids: "poison" in request_id) -> None:
         self._engine, self.poisoned, self.stuck, self.released = engine, set(), False, threading.Event()
+        self.poisons = poisons
 
     def __getattr__(self, name: str):
         return getattr(self._engine, name)
 
     def add_request(self, request_id: str, *args):
-        if "poison" in request_id:
+        if self.poisons(request_id, args[0]):
             self.poisoned.add(request_id)
         return self._engine.add_request(request_id, *args)
 
@@ -142,17 +144,39 @@ class PoisonedEngine:
         return self._engine.step()
 
 
-def test_a_step_that_raises_fails_only_the_shard_whose_row_did_it(llm_engine) -> None:
+def test_a_step_that_raises_fails_only_the_rows_that_did_it(llm_engine) -> None:
     """Two shards share the engine and a step raises: no one can tell whose row did it, so both run again, one
-    at a time; the poisoned one fails alone, the other completes with its solo outputs, no attempt lost."""
+    at a time; the poisoned one's rows, run one at a time, each fail alone with engine_error; the other completes
+    with its solo outputs, no attempt lost."""
     loop = EngineLoop(PoisonedEngine(llm_engine))
     fine = rows("f", 3, 5)
     solo = texts(loop.run(RowSettings(GREEDY), fine, "solo-"))
     results = run_together(loop, {"poison": (RowSettings(GREEDY), rows("p", 2, 5), lambda: False),
                                   "fine": (RowSettings(GREEDY), fine, lambda: False)})
-    assert isinstance(results["poison"], RuntimeError), results["poison"]
+    poisoned = results["poison"]
+    assert not poisoned.records and [(e.custom_id, e.code) for e in poisoned.errors] == [
+        ("p-0", "engine_error"), ("p-1", "engine_error")]
     assert texts(results["fine"]) == {k.replace("solo-", ""): v for k, v in solo.items()}
     assert not llm_engine.has_unfinished_requests()
+    loop.close()
+
+
+def test_a_row_that_makes_every_step_raise_fails_alone_and_its_shards_other_rows_finish(llm_engine) -> None:
+    """One row of a shard makes each step it is in raise: the shard runs again alone, its unfinished rows one at
+    a time; that row fails with engine_error, the others keep the outputs they get alone."""
+    mixed, execution = rows("m", 4, 5), RowSettings(GREEDY, batch_invariant=True)  # batched or alone: same text
+    together = texts(loop_for(llm_engine).run(execution, mixed, "m-"))
+    loop = EngineLoop(PoisonedEngine(llm_engine, lambda request_id, token_ids: request_id == "mixed-2"))
+    try:
+        outcome = loop.run(execution, mixed, "mixed-")
+    finally:
+        loop.close()
+        llm_engine.set_batch_invariant(None)
+    assert [(e.custom_id, e.code) for e in outcome.errors] == [("m-2", "engine_error")]
+    assert "RuntimeError" in outcome.errors[0].message
+    assert texts(outcome) == {k: v for k, v in together.items() if k != "m-2"}
+    assert sorted(r["row_index"] for r in outcome.records) == [0, 1, 3]
+    assert not llm_engine.has_unfinished_requests() and not loop.pending
 
 
 def test_a_stuck_engine_trips_the_watchdog_and_a_cancel_still_returns(llm_engine, monkeypatch) -> None:

@@ -119,7 +119,8 @@ def test_files_batches_poll_content_with_the_sdk(api) -> None:
     assert {line["custom_id"]: line["response"]["body"]["model"] for line in outputs} == {  # the name it asked for
         "job-model": MODEL, "alias": ALIAS, "n-two": MODEL}
     errors = [json.loads(line) for line in sdk.files.content(batch.error_file_id).text.splitlines()]
-    assert [(e["custom_id"], e["error"]["code"]) for e in errors] == [("bad", "invalid_parameter")]
+    assert [(e["custom_id"], e["error"], e["response"]["status_code"], e["response"]["body"]["error"]["code"])
+            for e in errors] == [("bad", None, 400, "invalid_parameter")]
     assert sdk.files.retrieve(batch.error_file_id).purpose == "batch_output"
 
     with pytest.raises(openai.ConflictError):

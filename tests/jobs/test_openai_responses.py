@@ -13,7 +13,7 @@ import pytest
 from openai.types.chat import ChatCompletion
 from openai.types.responses import Response
 
-from storage.formats import BATCH_OUTPUT_KEY, Request, RowError
+from storage.formats import BATCH_OUTPUT_KEY, Request, RowError, line_error
 from storage.formats.jsonl import parse_value
 from tests.jobs.test_openai_api import ALIAS, MODEL, TERMINAL, client, jsonl, running_api, wait_for
 from tests.jobs.test_structured_jobs import run_jsonl_job
@@ -132,9 +132,9 @@ def test_unsupported_and_bad_lines_land_in_the_error_file(sessions, engine_provi
                                                                        "schema": {"type": "nonsense"}}})]
     store = run_jsonl_job(sessions, engine_provider, tmp_path, lines)
     batch = {line["custom_id"]: line for line in map(json.loads, store.get_bytes(BATCH_OUTPUT_KEY).splitlines())}
-    assert {custom_id: line["error"] and line["error"]["code"] for custom_id, line in batch.items()} == {
+    assert {custom_id: line_error(line) and line_error(line)["code"] for custom_id, line in batch.items()} == {
         "ok": None, "reasoning": "unsupported_parameter", "bad-schema": "invalid_response_format"}
-    assert batch["reasoning"]["error"]["message"] == "reasoning is not supported by tokenmill"
+    assert line_error(batch["reasoning"])["message"] == "reasoning is not supported by tokenmill"
     assert Response.model_validate(batch["ok"]["response"]["body"]).usage.output_tokens <= 2
     errors = [json.loads(line) for line in store.get_bytes("errors.jsonl").splitlines()]
     assert sorted(e["custom_id"] for e in errors) == ["bad-schema", "reasoning"]

@@ -35,7 +35,7 @@ def test_the_sdk_runs_a_batch_on_the_stack_and_cancels_another(stack, monkeypatc
     [line] = [json.loads(text) for text in sdk.files.content(batch.output_file_id).text.splitlines()]
     assert ChatCompletion.model_validate(line["response"]["body"]).model == MODEL
     [error] = [json.loads(text) for text in sdk.files.content(batch.error_file_id).text.splitlines()]
-    assert error["error"]["code"] == "invalid_parameter" and error["custom_id"] == "bad"
+    assert error["response"]["body"]["error"]["code"] == "invalid_parameter" and error["custom_id"] == "bad"
 
     long = submit(sdk, [chat_line(f"long-{i}", max_tokens=256, min_tokens=256, seed=i) for i in range(8)])
     wait_for(sdk, long.id, {"in_progress", *TERMINAL}, timeout_s=120)

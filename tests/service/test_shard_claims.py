@@ -15,7 +15,7 @@ from storage.job_settings import CELERY, LOCAL, JobSettings
 from storage.liveness import worker_id
 from storage.models import Job, Shard, utcnow
 from workers.job_steps import JobSteps
-from workers.shard_step import RUNNING_HERE, ShardStep
+from workers.shard_step import ERROR_WRITE_ATTEMPTS, RUNNING_HERE, ShardStep
 from workers.shards import ShardOutcome
 from workers.sweep import sweep
 
@@ -50,7 +50,7 @@ def set_shard(sessions, shard_id: int, **values) -> None:
             setattr(shard, name, value)
 
 
-def test_claims_count_attempts_skip_live_workers_and_give_up_at_the_limit(sqlite_sessions) -> None:
+def test_claims_count_attempts_skip_live_workers_and_end_the_rows_at_the_limit(sqlite_sessions) -> None:
     job_id = make_job(sqlite_sessions, status="queued")
     first, second = shard_ids(sqlite_sessions, job_id)
     steps = ShardStep(JobSteps(sqlite_sessions, job_id))
@@ -68,11 +68,16 @@ def test_claims_count_attempts_skip_live_workers_and_give_up_at_the_limit(sqlite
     set_shard(sqlite_sessions, first, worker=dead_worker())  # its worker died mid-shard
     assert steps.claim_shard(first, max_attempts=2).shard.attempts == 2
     set_shard(sqlite_sessions, first, worker=dead_worker())
+    exhausted = steps.claim_shard(first, max_attempts=2)  # its rows are to end as errors: the job goes on
+    assert exhausted.decision == "exhausted" and exhausted.shard.status == "running"
+    assert "its shard was tried 2 time(s), the limit" in exhausted.exhausted
+    assert steps.steps.load().status == "in_progress"
+    set_shard(sqlite_sessions, first, worker=dead_worker(), attempts=2 + ERROR_WRITE_ATTEMPTS)  # and that kept dying
     gave_up = steps.claim_shard(first, max_attempts=2)
     assert gave_up.decision == "gave_up" and gave_up.shard.status == "failed"
     job = steps.steps.load()
     assert job.status == "failed"
-    assert job.error.startswith("shard 0 (rows 0-0) failed 2 attempt(s), the limit; last: its worker")
+    assert job.error.startswith("shard 0 (rows 0-0) failed 5 attempt(s), the limit; last: its worker")
     assert steps.claim_shard(second, max_attempts=2).decision == "stopped"
 
 
