@@ -3,6 +3,10 @@
 # threads sleep rather than spin while they wait: its stack runs several engines' processes on 2 cores. `make test`
 # runs three lanes (pytest-xdist; tests/lanes.py): tests/service on two stacks, two lanes, the rest beside them.
 VENV ?= .venv
+# every process compiles what it imports of this repo again when bytecode is not cached (about 2 s of CPU each:
+# workers, CLI runs, TP/PP ranks), and pytest rewrites every plugin's asserts again: cache both, whatever the
+# environment says
+unexport PYTHONDONTWRITEBYTECODE
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
 STAMP := $(VENV)/.installed
