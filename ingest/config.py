@@ -29,6 +29,17 @@ def _number(name: str, default: float) -> float:
         raise ValueError(f"TOKENMILL_{name} must be a number, got {raw!r}") from None
 
 
+MAX_ENQUEUED_TOKENS = 2_000_000  # a tenant's prompt tokens per model in batches not yet ended
+
+
+def max_enqueued_tokens() -> int:
+    """$TOKENMILL_MAX_ENQUEUED_TOKENS (0: no limit), else MAX_ENQUEUED_TOKENS: the API's `--max-enqueued-tokens`."""
+    limit = int(_number("MAX_ENQUEUED_TOKENS", MAX_ENQUEUED_TOKENS))
+    if limit < 0:
+        raise ValueError(f"TOKENMILL_MAX_ENQUEUED_TOKENS must be 0 (no limit) or more, got {limit}")
+    return limit
+
+
 @dataclass(frozen=True)
 class ServiceConfig:
     database_url: str

@@ -350,5 +350,7 @@ class ApiBatch(Base):
     errors: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON)  # lines refused at creation
     # the error lines of its ended results by code ({"batch_cancelled": 3, ...}), counted when they were written
     error_codes: Mapped[dict[str, int] | None] = mapped_column(JSON)
+    # its prompt tokens as estimated at creation: counted against the tenant's queue until its job ends
+    enqueued_tokens: Mapped[int | None] = mapped_column(BigInteger)
 
     job: Mapped[Job] = relationship()

@@ -7,9 +7,11 @@ A message batch is made the way an OpenAI batch is: its requests are written as 
 chat line each, `messages.openai_line`) under the API's uploads, and that file becomes a job through the same
 intake (`record_batch`), with the same tenants, keys and quotas. Its `ApiBatch` row's endpoint is `/v1/messages`,
 which keeps it out of OpenAI's `/v1/batches` (and OpenAI's batches out of these routes); its files' purposes keep
-them out of `/v1/files`. Its results are the lines of its job's batch output (or, once cancelled, expired or failed,
-of its ended output), each told in Anthropic's words (`messages.individual_response`). Every error under
-/v1/messages is Anthropic's shape (`error_response`)."""
+them out of `/v1/files`. Over a tenant's queue limits (batches in progress, enqueued tokens per model) a message
+batch is refused with Anthropic's 429 `rate_limit_error`, not retried: Anthropic has no failed batch. Its results
+are the lines of its job's batch output (or, once cancelled, expired or failed, of its ended output), each told
+in Anthropic's words (`messages.individual_response`). Every error under /v1/messages is Anthropic's shape
+(`error_response`)."""
 
 from __future__ import annotations
 
@@ -43,7 +45,10 @@ from ingest.openai_api.service import (
     record_batch,
     store_file,
 )
+from ingest.openai_api.validation import estimated_tokens
 from ingest.policy import API_UPLOADS
+from storage.formats import RowError
+from storage.formats.jsonl import parse_value
 from storage.job_settings import DEFAULT_COMPLETION_WINDOW
 from storage.models import ApiBatch, ApiFile, Job, JobStatus, utcnow
 from storage.objectstore import open_file_store
@@ -173,32 +178,38 @@ def create_message_batch(service: Service, owner: Tenant, request: Request, body
     with service.sessions() as db:  # early, before the input is written; checked again where the batch is written
         check_batch_limit(service, db, owner)
     job_id = str(uuid.uuid4())
-    source = _store_requests(service, owner, job_id, body.requests)
+    source, tokens = _store_requests(service, owner, job_id, body.requests)
     try:
         job = record_batch(service, owner, source, job_id, DEFAULT_COMPLETION_WINDOW, lambda job: ApiBatch(
             job_id=job.id, tenant=owner, endpoint=MESSAGE_BATCHES, created_at=utcnow(), input_file_id=source.id,
-            completion_window=DEFAULT_COMPLETION_WINDOW, output_expires_after=int(RESULTS_LIFETIME.total_seconds())))
+            completion_window=DEFAULT_COMPLETION_WINDOW, output_expires_after=int(RESULTS_LIFETIME.total_seconds())),
+            enqueued_tokens=tokens, fail_over_limit=False)
     except BaseException:
         drop_file(service, source.id)  # refused (a limit, a spec): its input goes too
         raise
     return _view(request, service, owner, batch_id_of(job.id))
 
 
-def _store_requests(service: ApiService, owner: str, job_id: str, requests: list[BatchRequest]) -> ApiFile:
+def _store_requests(service: ApiService, owner: str, job_id: str,
+                    requests: list[BatchRequest]) -> tuple[ApiFile, int]:
     """The requests as the batch's input file of OpenAI Batch lines, counted against the tenant's storage like
-    an upload, kept as long as the results."""
+    an upload, kept as long as the results; and their prompt tokens, estimated as an OpenAI batch's are."""
     file_id = f"file-{uuid.uuid4().hex}"
     store, key = open_file_store(f"{service.bucket_uri}/{API_UPLOADS}/{file_id}.jsonl", service.intake.s3)
+    tokens = 0
     with tempfile.SpooledTemporaryFile(max_size=1 << 20) as spool:
-        for item in requests:
-            spool.write(json.dumps(openai_line(item), ensure_ascii=False).encode() + b"\n")
+        for index, item in enumerate(requests):
+            line = openai_line(item)
+            if not isinstance(request := parse_value(index, line), RowError):
+                tokens += estimated_tokens(request)
+            spool.write(json.dumps(line, ensure_ascii=False).encode() + b"\n")
         now = utcnow()
         row = ApiFile(id=file_id, tenant=owner, purpose=INPUT_PURPOSE, kind=UPLOAD, bytes=spool.tell(),
                       lines=len(requests), created_at=now, filename=f"{batch_id_of(job_id)}_requests.jsonl",
                       uri=store.uri_of(key), ready_at=None, expires_at=now + RESULTS_LIFETIME)
         spool.seek(0)
         store_file(service, owner, row, store, key, spool)
-    return row
+    return row, tokens
 
 
 @router.get("/{batch_id}")

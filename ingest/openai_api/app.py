@@ -55,7 +55,7 @@ from ingest.openai_api.service import (
     Service,
     Tenant,
     batch_page,
-    check_batch_limit,
+    over_batch_count,
     record_batch,
     store_file,
 )
@@ -98,6 +98,8 @@ def create_app(service: ApiService) -> RequestGuard:
         if not re.fullmatch(WINDOW, service.max_completion_window):
             raise ValueError(f"--max-completion-window {service.max_completion_window!r} is not like 24h or 7d")
         window_seconds(service.max_completion_window)
+    if service.max_enqueued_tokens < 0:
+        raise ValueError(f"--max-enqueued-tokens must be 0 (no limit) or more, got {service.max_enqueued_tokens}")
     app = FastAPI(title="tokenmill: OpenAI Batch API and Anthropic Message Batches API", docs_url=None,
                   redoc_url=None, openapi_url="/openapi.json" if service.openapi else None, lifespan=_cleanup_loop)
     app.state.service = service
@@ -284,21 +286,24 @@ def create_batch(service: Service, owner: Tenant, body: BatchCreate) -> dict[str
     source = _file(service, owner, body.input_file_id)
     if source.kind != UPLOAD:
         raise ApiError(400, f"file {source.id} is a batch's output, not an input", param="input_file_id")
-    with service.sessions() as db:  # early, before the input is read; checked again where the batch is written
-        check_batch_limit(service, db, owner)
-    try:
-        with service.checks.slot(owner):
-            checked = _check_input(service, source, body.endpoint)
-    except NoSlot:
-        raise ApiError(429, f"{service.checks.limit} batches of yours are being checked; retry once one is made",
-                       code="rate_limit_exceeded") from None
+    with service.sessions() as db:  # early: over it, the batch fails unread; checked again where it is written
+        over = over_batch_count(service, db, owner)
+    if over is None:
+        try:
+            with service.checks.slot(owner):
+                checked = _check_input(service, source, body.endpoint)
+        except NoSlot:
+            raise ApiError(429, f"{service.checks.limit} batches of yours are being checked; retry once one is "
+                                f"made", code="rate_limit_exceeded") from None
+        errors, refused = checked.errors or None, checked.summary() if checked.errors else None
+    else:
+        checked, errors, refused = None, [over], over["message"]
     job_id = str(uuid.uuid4())
     job = record_batch(service, owner, source, job_id, body.completion_window, lambda job: ApiBatch(
         job_id=job.id, tenant=owner, endpoint=body.endpoint, created_at=utcnow(),
         completion_window=body.completion_window, input_file_id=source.id, metadata_=body.metadata,
-        errors=checked.errors or None,
-        output_expires_after=body.output_expires_after and body.output_expires_after.seconds),
-        refused=checked.summary() if checked.errors else None)
+        errors=errors, output_expires_after=body.output_expires_after and body.output_expires_after.seconds),
+        refused=refused, enqueued_tokens=checked.prompt_tokens if checked else 0)
     return _batch(service, owner, job.id)
 
 

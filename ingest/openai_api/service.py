@@ -1,7 +1,12 @@
 """What both batch APIs (OpenAI's `app`, Anthropic's `ingest.anthropic_api`) share: the service they work with and
 its per-tenant limits, the route dependencies (the service, the key's tenant), an upload's reservation against the
 tenant's storage quota, and the making of a batch's job from its input file through `Intake`, so both kinds of
-batch are jobs of one table made one way, under the same quotas."""
+batch are jobs of one table made one way, under the same quotas.
+
+A tenant's queue limits (`--max-batches-in-progress`, `--max-enqueued-tokens`) are checked where the batch's row
+is written, under the tenant's lock (`quotas.lock_tenant`). Over them, OpenAI's batch is made and `failed` at once,
+with the limit's code in `errors.data` (as OpenAI's `token_limit_exceeded`: its SDK does not retry a 201), while a
+message batch is refused with a 429 that is not retried (Anthropic's way: it has no failed batch)."""
 
 from __future__ import annotations
 
@@ -14,6 +19,7 @@ from fastapi import Depends, Request
 from sqlalchemy import ColumnElement, func, select
 from sqlalchemy.orm import Session, sessionmaker
 
+from ingest.config import max_enqueued_tokens
 from ingest.intake import Intake
 from ingest.openai_api.objects import ApiError, not_found
 from ingest.openai_api.quotas import CHECKS_PER_TENANT, TenantSlots, lock_tenant
@@ -57,6 +63,7 @@ class ApiService:
     max_batch_rows: int = MAX_BATCH_ROWS
     max_tenant_bytes: int = MAX_TENANT_BYTES
     max_batches_in_progress: int = MAX_BATCHES_IN_PROGRESS
+    max_enqueued_tokens: int = field(default_factory=max_enqueued_tokens)  # per model; 0: no limit
     max_request_bytes: int = MAX_REQUEST_BYTES
     max_message_batch_requests: int = MAX_MESSAGE_BATCH_REQUESTS
     max_message_batch_bytes: int = MAX_MESSAGE_BATCH_BYTES
@@ -126,13 +133,47 @@ def drop_file(service: ApiService, file_id: str) -> None:
         log.warning("could not release the reservation of file %s: %s", file_id, error)
 
 
+def queue_error(code: str, message: str) -> dict[str, Any]:
+    """A queue limit's entry of a failed batch's `errors.data`, as OpenAI's."""
+    return {"code": code, "message": message, "param": None, "line": None}
+
+
+def _not_ended(owner: str) -> ColumnElement[bool]:
+    return (ApiBatch.tenant == owner) & Job.status.not_in([status.value for status in TERMINAL])
+
+
+def over_batch_count(service: ApiService, db: Session, owner: str) -> dict[str, Any] | None:
+    """The error when the tenant has `--max-batches-in-progress` batches not yet ended (of both APIs)."""
+    running = db.scalar(select(func.count()).select_from(ApiBatch).join(Job).where(_not_ended(owner)))
+    if running < service.max_batches_in_progress:
+        return None
+    return queue_error("batch_limit_exceeded", f"Batch limit reached: {running} of your batches are in progress, "
+                                               f"the limit (--max-batches-in-progress). Please try again once some "
+                                               f"in_progress batches have been completed.")
+
+
+def over_enqueued_tokens(service: ApiService, db: Session, owner: str, model: str,
+                         tokens: int) -> dict[str, Any] | None:
+    """The error when `tokens` more would take the prompt tokens of the tenant's batches of `model` not yet ended
+    past `--max-enqueued-tokens` (0: no limit)."""
+    limit = service.max_enqueued_tokens
+    if not limit:
+        return None
+    enqueued = db.scalar(select(func.coalesce(func.sum(ApiBatch.enqueued_tokens), 0)).join(Job).where(
+        _not_ended(owner), Job.model == model))
+    if enqueued + tokens <= limit:
+        return None
+    return queue_error("token_limit_exceeded", f"Enqueued token limit reached for {model} in organization {owner}. "
+                                               f"Limit: {limit:,} enqueued tokens. Please try again once some "
+                                               f"in_progress batches have been completed. (This batch: about "
+                                               f"{tokens:,} prompt tokens; already enqueued: {enqueued:,}; "
+                                               f"--max-enqueued-tokens.)")
+
+
 def check_batch_limit(service: ApiService, db: Session, owner: str) -> None:
-    """429 when the tenant has `--max-batches-in-progress` batches not yet ended (of both APIs)."""
-    running = db.scalar(select(func.count()).select_from(ApiBatch).join(Job).where(
-        ApiBatch.tenant == owner, Job.status.not_in([status.value for status in TERMINAL])))
-    if running >= service.max_batches_in_progress:
-        raise ApiError(429, f"you have {running} batches in progress, the limit (--max-batches-in-progress); "
-                            f"wait for one to end", code="batch_limit_exceeded")
+    """429 when the tenant has `--max-batches-in-progress` batches not yet ended: a message batch's early check."""
+    if (over := over_batch_count(service, db, owner)) is not None:
+        raise ApiError(429, over["message"], code=over["code"])
 
 
 def batch_page(db: Session, owner: str, cursor: ApiBatch | None, limit: int, which: ColumnElement[bool],
@@ -154,23 +195,32 @@ def batch_page(db: Session, owner: str, cursor: ApiBatch | None, limit: int, whi
 
 
 def record_batch(service: ApiService, owner: str, source: ApiFile, job_id: str, completion_window: str,
-                 batch: Callable[[Job], ApiBatch], refused: str | None = None) -> Job:
+                 batch: Callable[[Job], ApiBatch], refused: str | None = None, enqueued_tokens: int = 0,
+                 fail_over_limit: bool = True) -> Job:
     """The job of a batch whose input is the tenant's file `source`, made through the intake (its shards, its
     dispatch) with the `ApiBatch` row that `batch(job)` gives, in the job's own transaction: no job without its
-    batch. `refused`: why the input was refused; the batch is then made `failed` at once (OpenAI's way)."""
+    batch. `refused`: why the input was refused; the batch is then made `failed` at once (OpenAI's way).
+    `enqueued_tokens`: its prompt tokens, estimated. Over a queue limit it is made `failed` with the limit's error
+    (`fail_over_limit`), else refused with a 429."""
 
     def add_batch(writer: Session, job: Job) -> None:
-        lock_tenant(writer, owner)
-        if refused is None:
-            check_batch_limit(service, writer, owner)
+        lock_tenant(writer, owner)  # the limits' sums and this row: one tenant's batches are written one at a time
+        row = batch(job)
+        row.enqueued_tokens = enqueued_tokens
+        why = refused
+        if why is None and (over := over_batch_count(service, writer, owner) or over_enqueued_tokens(
+                service, writer, owner, job.model, enqueued_tokens)):
+            if not fail_over_limit:
+                raise ApiError(429, over["message"], code=over["code"])
+            row.errors, why = [over], over["message"]
         # a DELETE (or the cleanup) of the input since it was read: it committed first, or it waits for this
         # transaction and then finds the batch that reads the file (FileInUse)
         source_row = writer.get(ApiFile, source.id, with_for_update=True)
         if source_row is None or source_row.deleted_at is not None:
             raise not_found("file", source.id)
-        if refused is not None:
-            transition(job, JobStatus.FAILED, error=refused)
-        writer.add(batch(job))
+        if why is not None:
+            transition(job, JobStatus.FAILED, error=why)
+        writer.add(row)
 
     try:
         request = validate_request(dict(

@@ -1,6 +1,7 @@
 """OpenAI's validation of a batch's input file, at creation: every line parses as a request, its `url` is the
 batch's endpoint, its `model` is one this server serves and its `custom_id` is new. The lines that fail are
-listed as OpenAI's `errors.data` ({line, code, message, param}; lines counted from 1, blank ones included)."""
+listed as OpenAI's `errors.data` ({line, code, message, param}; lines counted from 1, blank ones included). The
+valid lines' prompt tokens are estimated on the way (`estimated_tokens`), for the tenant's enqueued-token limit."""
 
 from __future__ import annotations
 
@@ -9,10 +10,12 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import IO, Any
 
-from storage.formats import Limits, RowError
+from storage.formats import Limits, Request, RowError
 from storage.formats.jsonl import parse_line, parse_value
 
 MAX_LISTED = 100  # lines listed in errors.data; the message gives the total
+BYTES_PER_TOKEN = 4  # a prompt's tokens, estimated before any tokenizer reads it: its UTF-8 bytes / 4
+MESSAGE_TOKENS = 4  # a chat message's share of its template (role, separators)
 
 
 class TooManyRows(ValueError):
@@ -24,6 +27,7 @@ class Checked:
     rows: int = 0
     errors: list[dict[str, Any]] = field(default_factory=list)
     invalid: int = 0  # lines refused (all of them; `errors` keeps the first MAX_LISTED)
+    prompt_tokens: int = 0  # of the valid lines, estimated
 
     def refuse(self, line: int, code: str, message: str, param: str | None = None) -> None:
         self.invalid += 1
@@ -71,4 +75,25 @@ def check_lines(source: IO[bytes], endpoint: str, served: Collection[str], max_r
             checked.refuse(line_number, "model_not_found",
                            f"model {request.model!r} is not served here (served: "
                            f"{', '.join(repr(name) for name in sorted(served))})", "body.model")
+        else:
+            checked.prompt_tokens += estimated_tokens(request)
     return checked
+
+
+def estimated_tokens(request: Request) -> int:
+    """The request's prompt tokens, estimated without a tokenizer: what a tenant's queue counts."""
+    if request.messages is not None:
+        return sum(MESSAGE_TOKENS + _text_tokens(message.get("content")) for message in request.messages)
+    if request.inputs is not None:
+        return sum(_text_tokens(item) for item in request.inputs)
+    return _text_tokens(request.prompt)
+
+
+def _text_tokens(text: Any) -> int:
+    if text is None:
+        return 0
+    if isinstance(text, list) and all(isinstance(item, int) for item in text):  # token ids
+        return len(text)
+    if not isinstance(text, str):
+        text = json.dumps(text, ensure_ascii=False)
+    return -(-len(text.encode("utf-8", "surrogatepass")) // BYTES_PER_TOKEN)

@@ -62,6 +62,10 @@ def register(commands: argparse._SubParsersAction) -> None:
                         help="most bytes of files a tenant may store (default: 100 GiB)")
     limits.add_argument("--max-batches-in-progress", type=int, default=None, metavar="N",
                         help="most batches of a tenant not yet ended, of both APIs (default: 100)")
+    limits.add_argument("--max-enqueued-tokens", type=int, default=None, metavar="TOKENS",
+                        help="most prompt tokens (estimated: bytes / 4) of a tenant's batches not yet ended, per "
+                             "model, of both APIs; 0: no limit (default: $TOKENMILL_MAX_ENQUEUED_TOKENS, else "
+                             "2,000,000)")
     limits.add_argument("--max-request-bytes", type=int, default=None, metavar="BYTES",
                         help="largest body of any request but an upload or a message batch, refused before its "
                              "key is checked (default: 1 MiB)")
@@ -189,6 +193,7 @@ def serve(args: argparse.Namespace) -> int:
                           max_message_batch_requests=args.max_message_batch_requests,
                           max_message_batch_bytes=args.max_message_batch_bytes,
                           max_batches_in_progress=args.max_batches_in_progress,
+                          max_enqueued_tokens=args.max_enqueued_tokens,
                           max_request_bytes=args.max_request_bytes, max_completion_window=args.max_completion_window,
                           file_expiry_s=args.file_expiry, openapi=args.openapi)
     print(f"OpenAI Batch API on http://{args.host}:{args.port}/v1, Anthropic Message Batches API on "
