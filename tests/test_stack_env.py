@@ -1,5 +1,5 @@
-"""`tokenmill stack env`: the OpenAI SDK's variables, and what a shell lacks without --show-secrets (no stack is
-started: the state file is written here)."""
+"""`tokenmill stack env`: the OpenAI and Anthropic SDKs' variables, and what a shell lacks without --show-secrets
+(no stack is started: the state file is written here)."""
 
 from __future__ import annotations
 
@@ -9,20 +9,24 @@ from tokenmill.stack.local_stack import Stack, StackSettings, _initial_state, en
 def test_stack_env_exports_the_openai_variables_and_names_what_lacks_credentials(tmp_path) -> None:
     stack = Stack(tmp_path)
     stack.state = _initial_state(StackSettings(tmp_path, port_base=20000))
-    stack.state["env"]["OPENAI_API_KEY"] = "tm-secret"
+    stack.state["env"].update(OPENAI_API_KEY="tm-secret", ANTHROPIC_API_KEY="tm-secret")
     stack.save()
     assert stack.state["env"]["OPENAI_BASE_URL"] == "http://127.0.0.1:20003/v1"
+    assert stack.state["env"]["ANTHROPIC_BASE_URL"] == "http://127.0.0.1:20003"
     assert stack.state["ports"]["api"] == 20003
 
     plain = env_script(tmp_path)
     assert "export OPENAI_BASE_URL=http://127.0.0.1:20003/v1" in plain and "tm-secret" not in plain
+    assert "export ANTHROPIC_BASE_URL=http://127.0.0.1:20003" in plain
     note = plain.splitlines()[-1]
     for hidden in ("TOKENMILL_DATABASE_URL (psql)", "AWS_SECRET_ACCESS_KEY (aws s3 and boto3)",
-                   "TOKENMILL_FLOWER_AUTH (curl to Flower)", "OPENAI_API_KEY (the openai SDK)", "--show-secrets"):
+                   "TOKENMILL_FLOWER_AUTH (curl to Flower)", "OPENAI_API_KEY (the openai SDK)",
+                   "ANTHROPIC_API_KEY (the anthropic SDK)", "--show-secrets"):
         assert hidden in note, note
 
     shown = env_script(tmp_path, show_secrets=True)
-    assert "export OPENAI_API_KEY=tm-secret" in shown and "not shown" not in shown
+    assert "export OPENAI_API_KEY=tm-secret" in shown and "export ANTHROPIC_API_KEY=tm-secret" in shown
+    assert "not shown" not in shown
 
 
 def test_job_commands_read_a_running_stacks_database_and_say_which(tmp_path, monkeypatch, capsys) -> None:

@@ -55,6 +55,7 @@ FLOWER_USER = "tokenmill"
 # the variables holding a secret, and what lacks credentials without them
 SECRET_VARIABLES = {"TOKENMILL_DATABASE_URL": "psql", "AWS_SECRET_ACCESS_KEY": "aws s3 and boto3",
                     "TOKENMILL_FLOWER_AUTH": "curl to Flower", "OPENAI_API_KEY": "the openai SDK",
+                    "ANTHROPIC_API_KEY": "the anthropic SDK",
                     "TOKENMILL_KV_REDIS_URL": "redis-cli to the KV store",
                     "TOKENMILL_KV_SECRET": "workers started outside the stack with --kv-sharing or --kv-role"}
 # The KV blocks' Redis is its own server: maxmemory is per server, so a cap with eviction there can never evict (nor
@@ -293,7 +294,8 @@ def _initial_state(settings: StackSettings) -> dict[str, Any]:
     flower = {"url": f"http://127.0.0.1:{settings.port('flower')}", "user": FLOWER_USER,
               "password": secrets.token_urlsafe(12)}
     env.update(TOKENMILL_FLOWER_URL=flower["url"], TOKENMILL_FLOWER_AUTH=f"{flower['user']}:{flower['password']}",
-               OPENAI_BASE_URL=f"http://127.0.0.1:{settings.port('api')}/v1")
+               OPENAI_BASE_URL=f"http://127.0.0.1:{settings.port('api')}/v1",
+               ANTHROPIC_BASE_URL=f"http://127.0.0.1:{settings.port('api')}")  # its SDK adds /v1 itself
     ports = {name: settings.port(name) for name in settings.port_names}
     kv_store = {"password": kv_password, "maxmemory_mib": settings.kv_store_memory_mib, "policy": KV_STORE_POLICY}
     return {"env": env, "flower": flower, "ports": ports, "workers": settings.workers, "model": settings.model,
@@ -332,7 +334,8 @@ def _start_services(stack: Stack, settings: StackSettings) -> None:
     wait_for(lambda: port_open(settings.port("kv_redis")), "the KV Redis", 20, stack.logs / "kv-redis.log")
     _create_bucket(stack)
     _prepare_database(settings.database_url, stack.state["env"]["TOKENMILL_DATABASE_URL"])
-    stack.state["env"]["OPENAI_API_KEY"] = _api_key(stack.state["env"]["TOKENMILL_DATABASE_URL"])
+    key = _api_key(stack.state["env"]["TOKENMILL_DATABASE_URL"])  # both SDKs, one tenant
+    stack.state["env"].update(OPENAI_API_KEY=key, ANTHROPIC_API_KEY=key)
     stack.save()
 
 
@@ -595,6 +598,7 @@ def describe(state: dict[str, Any], state_dir: Path) -> str:
         f"Flower      {flower['url']}  user {flower['user']}  (basic auth)",
         f"OpenAI API  {env.get('OPENAI_BASE_URL', '')}  (a key of tenant {API_TENANT}: OPENAI_API_KEY; more with "
         f"`tokenmill api key create`)",
+        f"Anthropic   {env.get('ANTHROPIC_BASE_URL', '')}  (Message Batches; the same key: ANTHROPIC_API_KEY)",
         f"workers     {state['workers']} on queue gpu.{state['model']}, each with a node on queue control; beat, Kafka "
         f"consumer, S3 watcher",
         f"metrics     http://127.0.0.1:{ports['metrics']}/metrics .. :{ports['metrics'] + state['workers'] - 1} "
