@@ -99,6 +99,31 @@ def register(commands: argparse._SubParsersAction) -> None:
     for action, handler in ((create, key_create), (listing, key_list), (revoke, key_revoke)):
         _common_options(action)
         action.set_defaults(handler=handler)
+    conformance = actions.add_parser(
+        "conformance", help="check a running API with the official openai and anthropic SDKs",
+        description="Drive a running tokenmill API with the official `openai` and `anthropic` SDKs: every batch "
+                    "call of both APIs, a cancel mid-run, an expiry, a request failing in the run, another "
+                    "tenant's key getting 404 on every id, and no SDK retry loops. Prints a table of the checks; "
+                    "exits 1 if any failed. Its files and message batches are deleted at the end.")
+    conformance.add_argument("--base-url", required=True, metavar="URL",
+                             help=f"the server, e.g. http://127.0.0.1:{DEFAULT_PORT} (a trailing /v1 is ignored)")
+    conformance.add_argument("--key", required=True, help="a key of one tenant")
+    conformance.add_argument("--other-key", required=True, help="a key of another tenant")
+    conformance.add_argument("--model", default="smollm2-135m", help="a model name the server serves "
+                                                                      "(default: smollm2-135m)")
+    conformance.add_argument("--embedding-model", metavar="NAME",
+                             help="check /v1/embeddings lines with this model (default: skipped)")
+    conformance.add_argument("--embedding-base-url", metavar="URL",
+                             help="the server of --embedding-model, if another (its keys must be the same)")
+    conformance.add_argument("--long-tokens", type=int, default=1024, metavar="N",
+                             help="max_tokens of the requests that a cancel or an expiry stops (default: 1024); "
+                                  "raise it if they finish first")
+    conformance.add_argument("--expiry-window", type=int, default=5, metavar="SECONDS",
+                             help="completion_window of the batch that must expire (default: 5; needs the server's "
+                                  "--max-completion-window, else the check is skipped)")
+    conformance.add_argument("--timeout", type=float, default=120, metavar="SECONDS",
+                             help="longest wait for a batch to end (default: 120)")
+    conformance.set_defaults(handler=run_conformance_command)
 
 
 def _common_options(parser: argparse.ArgumentParser) -> None:
@@ -162,6 +187,24 @@ def key_revoke(args: argparse.Namespace) -> int:
             return 2
     print(f"key {args.key_id} revoked")
     return 0
+
+
+def run_conformance_command(args: argparse.Namespace) -> int:
+    import logging
+
+    from tokenmill.conformance import FAIL, run_conformance
+
+    if not logging.getLogger().isEnabledFor(logging.DEBUG):  # not a line per HTTP request
+        for name in ("httpx", "httpx2"):
+            logging.getLogger(name).setLevel(logging.WARNING)
+    root = args.base_url.rstrip("/").removesuffix("/v1")
+    embedding_root = args.embedding_base_url and args.embedding_base_url.rstrip("/").removesuffix("/v1")
+    results = run_conformance(f"{root}/v1", root, args.key, args.other_key, model=args.model,
+                              embedding_model=args.embedding_model,
+                              embedding_base_url=embedding_root and f"{embedding_root}/v1",
+                              long_tokens=args.long_tokens, expiry_window_s=args.expiry_window,
+                              timeout_s=args.timeout)
+    return 1 if any(result.status == FAIL for result in results) else 0
 
 
 def serve(args: argparse.Namespace) -> int:
