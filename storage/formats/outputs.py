@@ -137,10 +137,7 @@ def batch_output_line(job_id: str, model: str, record: dict[str, Any] | list[dic
         return {"id": line_id, "custom_id": record["custom_id"], "error": None,
                 "response": failed_response(line_id, record["code"], record["message"])}
     model = record.get("model") or model  # OpenAI's bodies name the model the request asked for
-    if record["endpoint"] == EMBEDDINGS:
-        body = _embeddings_body(model, records)
-    else:
-        body = (responses_body if record["endpoint"] == RESPONSES else _completion_body)(model, records)
+    body = BODY_OF.get(record["endpoint"], _completion_body)(model, records)
     return {"id": line_id, "custom_id": record["custom_id"], "error": None,
             "response": {"status_code": 200, "request_id": line_id, "body": body}}
 
@@ -210,3 +207,7 @@ def _completion_body(model: str, records: list[dict[str, Any]]) -> dict[str, Any
         "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
                   "prompt_tokens_details": {"cached_tokens": record["cached_tokens"]}},
     }
+
+
+# a result line's body by its row's endpoint (chat and completions: `_completion_body`)
+BODY_OF = {EMBEDDINGS: _embeddings_body, RESPONSES: responses_body}
