@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
+from storage import clock
 from storage import repository as repo
 from storage.claims import mark_cancelled
 from storage.faults import is_transient
@@ -37,6 +38,7 @@ from workers.engine_loop import release_loop, shards_in_flight
 from workers.job_steps import JobSteps, discard_if_ended
 from workers.progress import NoProgress, Progress
 from workers.shard_step import ShardStep
+from workers.sweep import expire_overdue
 
 if TYPE_CHECKING:
     from engine import LLMEngine
@@ -49,6 +51,7 @@ S = JobStatus
 VALIDATE_TRIES = 6  # a store that times out or throttles while validating: 1, 2, 4, 8, 16 s apart
 SHARD_TRIES = 3  # a shard that fails this often in one run ends with its rows as errors (`workers.shard_step`)
 BUSY_RETRY_MARGIN_S = 1.0  # a busy job is tried again this long after its holder's lease lapses
+EXPIRY_CHECK_S = 60.0  # how often the in-process executor looks for jobs past their deadline
 
 
 class JobBusy(RuntimeError):
@@ -219,16 +222,32 @@ def _lease_left(job: Job, now: datetime) -> timedelta:
 
 class LocalExecutor:
     """Runs the jobs it is handed one after another on a background thread, with one engine (built from
-    `engine_settings` on first use unless given) for all of them."""
+    `engine_settings` on first use unless given) for all of them. Every `expiry_check_s` it ends `expired` the
+    in-process jobs past their deadline, queued or running, as the Celery sweep does for the workers' jobs."""
 
     def __init__(self, sessions: sessionmaker[Session], engine_settings: dict[str, Any],
-                 engine: LLMEngine | None = None) -> None:
+                 engine: LLMEngine | None = None, expiry_check_s: float = EXPIRY_CHECK_S) -> None:
         self.sessions, self.engine_settings = sessions, engine_settings
         self.jobs: queue.Queue[str | None] = queue.Queue()
         self._engine, self._owns_engine = engine, engine is None
         self._retries: list[threading.Timer] = []
+        self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tokenmill-jobs", daemon=True)
         self._thread.start()
+        clock.periodic(expiry_check_s, self.expire_overdue, self._stop, "tokenmill-job-expiry")
+
+    def expire_overdue(self) -> list[str]:
+        """End the in-process jobs past their deadline `expired` (a running one stops at its next engine step,
+        keeping its completed shards); their ids."""
+        try:
+            with self.sessions.begin() as session:
+                expired = expire_overdue(session, db_now(session), LOCAL)
+            for job_id in expired:
+                discard_if_ended(self.sessions, JobSteps(self.sessions, job_id).load())
+            return expired
+        except Exception as error:  # the database is down: the next check tries again
+            log.warning("the check of in-process jobs' deadlines failed: %s", error)
+            return []
 
     def dispatch(self, job_id: str) -> None:
         self.jobs.put(job_id)
@@ -244,6 +263,7 @@ class LocalExecutor:
         return len(live)
 
     def close(self, timeout_s: float = 30) -> None:
+        self._stop.set()
         for retry in self._retries:
             retry.cancel()
         self.jobs.put(None)

@@ -68,10 +68,7 @@ def sweep(sessions: sessionmaker[Session], now: datetime | None = None, stale: t
     with sessions.begin() as session:
         now = now or db_now(session)
         lapsed_by = _database_settling(session, now)  # now, or earlier while settling after an outage
-        for job in _service_jobs(session, (S.VALIDATING, S.QUEUED, S.IN_PROGRESS)):
-            if job.expires_at is not None and job.expires_at <= now:
-                expire(job)
-                result.expired.append(job.id)
+        result.expired = expire_overdue(session, now, CELERY)
         for job in _service_jobs(session, (S.QUEUED, S.IN_PROGRESS, S.CANCELLING)):
             _requeue_lapsed_shards(job, lapsed_by, result)  # a lease that lapsed after `lapsed_by` waits
             if job.status == S.CANCELLING and not runner_alive(job, now):
@@ -101,9 +98,19 @@ def _database_settling(session: Session, now: datetime) -> datetime:
     return lapsed_by
 
 
-def _service_jobs(session: Session, statuses) -> list[Job]:
+def expire_overdue(session: Session, now: datetime, executor: str) -> list[str]:
+    """(in the caller's transaction) End `expired` the live jobs of this executor past their deadline; their
+    ids. The Celery sweep calls it for the workers' jobs, `workers.inprocess.LocalExecutor` for its own."""
+    overdue = [job for job in _service_jobs(session, (S.VALIDATING, S.QUEUED, S.IN_PROGRESS), executor)
+               if job.expires_at is not None and job.expires_at <= now]
+    for job in overdue:
+        expire(job)
+    return [job.id for job in overdue]
+
+
+def _service_jobs(session: Session, statuses, executor: str = CELERY) -> list[Job]:
     return [job for job in repo.jobs_in(session, statuses, for_update=True)
-            if job.settings.executor == CELERY]
+            if job.settings.executor == executor]
 
 
 def _step_lost(job: Job, now: datetime, wait: timedelta) -> bool:

@@ -179,6 +179,26 @@ def test_the_in_process_executor_takes_a_job_over_once_its_holders_lease_lapses(
     assert status == "completed"
 
 
+def test_the_in_process_executor_expires_its_jobs_past_their_deadline(sessions, tmp_path: Path) -> None:
+    """A batch that `tokenmill api` runs in process ends `expired` at its deadline, as a Celery job does by the
+    sweep (the sweep never looks at in-process jobs); a Celery job past its deadline is left to the sweep."""
+    path = write_parquet(tmp_path / "in.parquet", prompt_rows(3))
+    local = submit(sessions, spec(path, tmp_path / "local")).job
+    celery = submit(sessions, spec(path, tmp_path / "celery", executor="celery")).job
+    with sessions.begin() as session:
+        for job_id in (local.id, celery.id):
+            repo.get_job(session, job_id).expires_at = utcnow() - timedelta(seconds=1)
+    executor = LocalExecutor(sessions, {}, expiry_check_s=0.1)
+    try:
+        deadline = time.monotonic() + 20
+        while JobSteps(sessions, local.id).load().status != "expired" and time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        executor.close()
+    assert JobSteps(sessions, local.id).load().status == "expired"
+    assert JobSteps(sessions, celery.id).load().status == celery.status
+
+
 def test_an_empty_input_completes_without_loading_the_model(sessions, tmp_path: Path) -> None:
     path = write_parquet(tmp_path / "empty.parquet", {"custom_id": [], "prompt": []},
                          schema=pa.schema([("custom_id", pa.string()), ("prompt", pa.string())]))
