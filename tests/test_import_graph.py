@@ -9,8 +9,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("engine", "storage", "ingest", "workers", "tokenmill", "migrations", "ops", "tests")
-# what each package may import from the others: DESIGN.md's arrows, plus ingest checking sampling settings with
-# the engine's own classes, and storage.migrate running Alembic's revisions (whose env.py reads the models)
+# what each package may import from the others: the arrows of docs/architecture.md, plus ingest checking sampling
+# settings with the engine's own classes, and storage.migrate running Alembic's revisions (whose env.py reads the
+# models)
 ALLOWED = {
     "engine": set(),
     "storage": {"migrations"},

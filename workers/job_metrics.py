@@ -33,7 +33,7 @@ log = logging.getLogger("tokenmill.metrics")
 
 Query = Callable[[str], Iterable[Sequence]]
 
-# The OpenAI Batch lifecycle (DESIGN.md, storage.models.JobStatus): each is exported, zeros included, so a
+# The OpenAI Batch lifecycle (storage.models.JobStatus, storage.states): each is exported, zeros included, so a
 # status's first job is a change an alert can see.
 JOB_STATUSES = ("validating", "queued", "in_progress", "finalizing", "completed", "failed", "cancelling",
                 "cancelled", "expired")
