@@ -20,8 +20,8 @@ from sqlalchemy import func, or_, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, object_session, sessionmaker
 
+from ingest.job_request import JobRequest, JobRequestError, NewJob
 from ingest.policy import OPEN, FrontDoorPolicy
-from ingest.spec import JobRequest, NewJob, SpecError
 from storage import repository as repo
 from storage.claims import mark_cancelled
 from storage.job_settings import CELERY, JobSettings, window_seconds
@@ -170,7 +170,7 @@ class Intake:
 
     def accept(self, request: JobRequest, *, source: str, source_ref: str, default_key: str,
                tenant: str = "", executor: str = CELERY, input_pin: dict | None = None) -> Submission:
-        """The job for this request, created or found again; raises SpecError for a spec that cannot run.
+        """The job for this request, created or found again; raises JobRequestError for a spec that cannot run.
         `tenant` names who sent it (the inbox folder, the message key, the API key's tenant), for its cache
         salt; `executor` is who runs it (the Celery workers, or this process: `tokenmill api` alone);
         `input_pin` is the version of the input the front door saw (the inbox's listed ETag), the only one the
@@ -180,31 +180,32 @@ class Intake:
 
     def prepare(self, request: JobRequest, *, source: str, source_ref: str, default_key: str,
                 tenant: str = "", executor: str = CELERY, input_pin: dict | None = None) -> NewJob:
-        """`accept` short of the database: the job this request asks for (its inline rows stored), or SpecError."""
+        """`accept` short of the database: the job this request asks for (its inline rows stored); else a
+        JobRequestError."""
         request, key = self.admit(request, source=source, default_key=default_key, tenant=tenant)
         if request.rows is not None:
             request = request.model_copy(update={"input_uri": self._store_rows(request.rows, key), "rows": None})
         try:
             new = request.to_job(executor=executor, source=source, source_ref=source_ref, default_key=key, s3=self.s3)
         except ValueError as error:  # e.g. an unsafe output URI
-            raise SpecError(str(error)) from None
+            raise JobRequestError(str(error)) from None
         if input_pin is not None:
             new.settings = new.settings.model_copy(update={"inbox_pin": input_pin})
         return new
 
     def record(self, new: NewJob, with_job: Callable[[Session, Job], None] | None = None) -> Submission:
         """Store a prepared job (or find it again by its key) and, once that committed, hand it to the workers;
-        SpecError for a job id already taken. `with_job`: see `submit`."""
+        JobRequestError for a job id already taken. `with_job`: see `submit`."""
         try:
             submission = submit(self.sessions, new, reopen=False, with_job=with_job)
         except ValueError as error:
-            raise SpecError(str(error)) from None
+            raise JobRequestError(str(error)) from None
         if submission.job.status == JobStatus.VALIDATING:  # also when an earlier arrival was not handed out
             self.dispatch(submission.job.id)
         return submission
 
     def admit(self, request: JobRequest, *, source: str, default_key: str, tenant: str = "") -> tuple[JobRequest, str]:
-        """The policy's part of `accept`, touching nothing: SpecError for a URI outside the allow-lists, or in the
+        """The policy's part of `accept`, touching nothing: JobRequestError for a URI outside the allow-lists, or in the
         OpenAI API's areas unless the API sent it; else the request with its cache salt, and its idempotency key
         (made to fit its column)."""
         key = bounded_key(request.idempotency_key or default_key)
@@ -219,17 +220,17 @@ class Intake:
             for adapter_uri in request.lora_modules.values():  # workers read adapters as they read inputs
                 self.policy.check_input(adapter_uri)
         except ValueError as error:
-            raise SpecError(str(error)) from None
+            raise JobRequestError(str(error)) from None
         salt = self.policy.cache_salt(request.cache_salt, f"{source}:{tenant}", key)
         return request.model_copy(update={"cache_salt": salt}), key
 
     def _store_rows(self, rows: list[dict], key: str) -> str:
         if not self.inline_uri:
-            raise SpecError("inline rows are not accepted here (no TOKENMILL_INLINE_URI); give an input_uri")
+            raise JobRequestError("inline rows are not accepted here (no TOKENMILL_INLINE_URI); give an input_uri")
         try:
             table = pa.Table.from_pylist(rows)
         except (pa.ArrowException, TypeError, ValueError) as error:
-            raise SpecError(f"rows: not a table of rows: {error}") from None
+            raise JobRequestError(f"rows: not a table of rows: {error}") from None
         buffer = io.BytesIO()
         pq.write_table(table, buffer)
         name = f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.parquet"  # the same message, the same file

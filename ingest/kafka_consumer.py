@@ -1,4 +1,4 @@
-"""The job topic's consumer: each message is a JSON job spec (see `ingest.spec`).
+"""The job topic's consumer: each message is a JSON job spec (see `ingest.job_request`).
 
 At-least-once: a message is first recorded durably (its job created, or the message stored as rejected), and
 only then is its offset committed. A message delivered again, or a duplicate of one (same content or same
@@ -19,7 +19,7 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
 from ingest.intake import Intake, content_key
-from ingest.spec import MAX_SPEC_BYTES, NewJob, SpecError, parse_request
+from ingest.job_request import MAX_REQUEST_BYTES, JobRequestError, NewJob, parse_request
 from storage.faults import crash_point, is_transient
 from storage.models import JobSource, RejectedMessage
 
@@ -42,7 +42,7 @@ def kafka_consumer(bootstrap: str, topic: str, group: str):
 
 class JobConsumer:
     def __init__(self, intake: Intake, bootstrap: str, topic: str, group: str,
-                 max_bytes: int = MAX_SPEC_BYTES) -> None:
+                 max_bytes: int = MAX_REQUEST_BYTES) -> None:
         self.intake, self.bootstrap, self.topic, self.group = intake, bootstrap, topic, group
         self.max_bytes = max_bytes
 
@@ -81,7 +81,7 @@ class JobConsumer:
         ref = f"{record.topic}/{record.partition}/{record.offset}"
         try:
             submission = self.intake.record(self.job_of(record))
-        except SpecError as error:
+        except JobRequestError as error:
             return self._rejected(record, ref, str(error))
         except Exception as error:
             if is_transient(error):
@@ -92,7 +92,7 @@ class JobConsumer:
         return submission.job.id
 
     def job_of(self, record) -> NewJob:
-        """The job a message asks for, short of the database; SpecError names why it cannot run."""
+        """The job a message asks for, short of the database; JobRequestError names why it cannot run."""
         request = parse_request(record.value, max_bytes=self.max_bytes)
         return self.intake.prepare(request, source=JobSource.KAFKA.value,
                                    source_ref=f"{record.topic}/{record.partition}/{record.offset}",

@@ -4,7 +4,7 @@ cannot become a job is recorded in `inbox_objects` with its error and the scan g
 (S3 or the database down) ends the scan, to be tried again at the next one.
 
 An optional sidecar `NAME.job.json` next to `NAME.parquet` (or `NAME.jsonl`) carries the job's settings as in
-`ingest.spec` (output_uri, model, sampling, ...; not input_uri). Without an output_uri the results go to
+`ingest.job_request` (output_uri, model, sampling, ...; not input_uri). Without an output_uri the results go to
 `<results prefix>/NAME-<etag>`. Objects younger than `settle_s` wait for the next scan, so a sidecar uploaded
 just after its input file is still seen; upload the sidecar first to be sure.
 """
@@ -23,7 +23,7 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
 from ingest.intake import Intake, Submission
-from ingest.spec import MAX_SPEC_BYTES, SpecError, parse_request
+from ingest.job_request import MAX_REQUEST_BYTES, JobRequestError, parse_request
 from storage.faults import is_transient
 from storage.models import InboxObject, JobSource, utcnow
 from storage.objectstore import TMP_PREFIX, S3Store, normalize_uri
@@ -61,7 +61,7 @@ class InboxEntry:
 
 class InboxWatcher:
     def __init__(self, intake: Intake, inbox_uri: str, results_uri: str, settle_s: float = 5.0,
-                 max_bytes: int = MAX_SPEC_BYTES) -> None:
+                 max_bytes: int = MAX_REQUEST_BYTES) -> None:
         self.intake = intake
         inbox = normalize_uri(inbox_uri)
         if not inbox.startswith("s3://"):
@@ -124,7 +124,7 @@ class InboxWatcher:
         except Exception as error:
             if is_transient(error):  # S3 or the database is down: the next scan tries again
                 raise
-            message = str(error) if isinstance(error, SpecError) else f"{type(error).__name__}: {error}"
+            message = str(error) if isinstance(error, JobRequestError) else f"{type(error).__name__}: {error}"
             log.warning("%s cannot become a job: %s", uri, message)
             self._remember(entry, None, message.replace("\x00", "\ufffd"))
             return None
@@ -133,12 +133,12 @@ class InboxWatcher:
         return job.id
 
     def accept(self, entry: InboxEntry, sidecar: bytes) -> Submission:
-        """The job of an inbox object with its sidecar's bytes; SpecError (or UnsafeURI) when it cannot be one."""
+        """The job of an inbox object with its sidecar's bytes; JobRequestError (or UnsafeURI) when it cannot be one."""
         uri = f"s3://{self.store.bucket}/{entry.key}"
         request = parse_request(sidecar, max_bytes=self.max_bytes, input_uri=uri,
                                 output_uri=f"{self.results_uri}/{entry.output_name}")
         if request.input_uri != normalize_uri(uri):
-            raise SpecError(f"{entry.sidecar_key}: a sidecar cannot name another input_uri or give rows")
+            raise JobRequestError(f"{entry.sidecar_key}: a sidecar cannot name another input_uri or give rows")
         return self.intake.accept(request, source=JobSource.S3.value, source_ref=f"{uri}@{entry.etag}",
                                   default_key=f"s3-{self.store.bucket}/{entry.key}@{entry.etag}",
                                   tenant=f"{self.store.bucket}/{posixpath.dirname(entry.key)}",
@@ -151,7 +151,7 @@ class InboxWatcher:
             return b"{}"
         size = self.store.size(relative)
         if size > self.max_bytes:  # not read: refused by its size alone
-            raise SpecError(f"sidecar {key} is too large: {size} bytes, the limit is {self.max_bytes} "
+            raise JobRequestError(f"sidecar {key} is too large: {size} bytes, the limit is {self.max_bytes} "
                             f"(TOKENMILL_MAX_SPEC_BYTES)")
         return self.store.get_bytes(relative)
 

@@ -20,7 +20,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from ingest.intake import Intake
-from ingest.spec import JobRequest, SpecError, validate_request
+from ingest.job_request import JobRequest, JobRequestError, validate_request
 from storage.job_settings import CELERY
 from storage.models import JobSource, Schedule, ScheduleRun, utcnow
 
@@ -50,7 +50,7 @@ def request_for(schedule: Schedule, day: date) -> JobRequest:
                             f"or {{date:%Y/%m/%d}}") from None
     try:
         return validate_request({**fields, "model": schedule.model, **schedule.settings})
-    except SpecError as error:
+    except JobRequestError as error:
         raise ScheduleError(f"schedule {schedule.name}: {error}") from None
 
 
@@ -75,7 +75,7 @@ def add_schedule(sessions: sessionmaker[Session], name: str, cron: str, input_pa
                         model=model, settings=settings, enabled=True, created_at=utcnow())
     try:  # the patterns and settings make a valid job spec for the workers
         request_for(schedule, utcnow().date()).to_job(executor=CELERY)
-    except SpecError as error:
+    except JobRequestError as error:
         raise ScheduleError(f"schedule {name}: {error}") from None
     try:
         with sessions.begin() as session:
@@ -111,7 +111,7 @@ def fire_due(sessions: sessionmaker[Session], intake: Intake, now: datetime | No
             continue
         try:
             _fire(sessions, intake, schedule, day, fired)
-        except (ScheduleError, SpecError) as error:
+        except (ScheduleError, JobRequestError) as error:
             log.error("%s", error)
             fired.errors.append(str(error))
     return fired

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ingest.config import ServiceConfig
-from ingest.spec import validate_request
+from ingest.job_request import validate_request
 from storage.job_settings import CELERY
 from storage.objectstore import ObjectStore, S3Store, normalize_uri, open_store
 

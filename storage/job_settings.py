@@ -1,4 +1,4 @@
-"""`JobSettings`: how a job runs, typed. Built once on the way in (`ingest.spec.JobRequest.to_job`, which
+"""`JobSettings`: how a job runs, typed. Built once on the way in (`ingest.job_request.JobRequest.to_job`, which
 validates the parts only the engine knows: sampling, speculative decoding, engine settings), stored as JSON in
 `jobs.settings`, and read by attribute (`job.settings.shard_size`) everywhere after."""
 

@@ -21,11 +21,11 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from ingest.config import max_enqueued_tokens
 from ingest.intake import Intake
+from ingest.job_request import JobRequestError, validate_request
 from ingest.openai_api.objects import ApiError, not_found
 from ingest.openai_api.quotas import CHECKS_PER_TENANT, TenantSlots, lock_tenant
 from ingest.openai_api.results import delete_file
 from ingest.policy import API_RESULTS
-from ingest.spec import SpecError, validate_request
 from storage.job_settings import CELERY, DEFAULT_SHARD_SIZE
 from storage.models import ApiBatch, ApiFile, Job, JobSource, JobStatus, utcnow
 from storage.objectstore import ObjectStore
@@ -230,5 +230,5 @@ def record_batch(service: ApiService, owner: str, source: ApiFile, job_id: str, 
         new = service.intake.prepare(request, source=JobSource.API.value, source_ref=source.id,
                                      default_key=request.idempotency_key, tenant=owner, executor=service.executor)
         return service.intake.record(new, with_job=add_batch).job  # a failed one is not handed out
-    except SpecError as error:  # told as a tenant may read it: no allow-list prefix, setting or path
+    except JobRequestError as error:  # told as a tenant may read it: no allow-list prefix, setting or path
         raise ApiError(400, public_message(str(error)), code="invalid_value") from None

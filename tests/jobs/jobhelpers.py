@@ -12,7 +12,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ingest.spec import JobRequest, NewJob
+from ingest.job_request import JobRequest, NewJob
 from storage.formats import ERRORS_KEY, MANIFEST_KEY, Limits, read_part
 from storage.job_settings import LOCAL
 from storage.objectstore import ObjectStore, S3Options

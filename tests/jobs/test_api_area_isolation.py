@@ -15,10 +15,10 @@ from sqlalchemy import select
 
 from ingest.config import ServiceConfig
 from ingest.intake import Intake, OutputClaimed, submit
+from ingest.job_request import JobRequestError, validate_request
 from ingest.kafka_consumer import JobConsumer
 from ingest.policy import FrontDoorPolicy
 from ingest.s3_watcher import InboxEntry, InboxWatcher
-from ingest.spec import SpecError, validate_request
 from ingest.submit import submit_job
 from storage import repository as repo
 from storage.job_settings import CELERY
@@ -87,7 +87,7 @@ def test_an_inbox_sidecar_naming_an_api_area_is_refused(sqlite_sessions, tmp_pat
     watcher = InboxWatcher(intake_of(sqlite_sessions, open_policy, tmp_path), f"{BUCKET}/inbox", f"{BUCKET}/outputs")
     entry = InboxEntry("inbox/tenant-b/prompts.parquet", "etag1", datetime.now(UTC) - timedelta(minutes=1))
     sidecar = {key: value for key, value in spec.items() if key != "rows"}
-    with pytest.raises(SpecError) as refused:
+    with pytest.raises(JobRequestError) as refused:
         watcher.accept(entry, json.dumps(sidecar).encode())
     assert_refusal(str(refused.value), field, spec)
     with sqlite_sessions() as session:
@@ -128,7 +128,7 @@ def test_a_local_path_through_a_symlink_into_an_api_area_is_refused(sqlite_sessi
     intake = intake_of(sqlite_sessions, FrontDoorPolicy.from_env(str(bucket)), tmp_path)
     request = validate_request({"input_uri": str(tmp_path / "innocent" / "file-1.jsonl"),
                                 "output_uri": str(tmp_path / "out")})
-    with pytest.raises(SpecError, match="input_uri: .* OpenAI Batch API"):
+    with pytest.raises(JobRequestError, match="input_uri: .* OpenAI Batch API"):
         intake.accept(request, source=JobSource.KAFKA.value, source_ref="jobs/0/1", default_key="k1")
 
 
@@ -201,7 +201,7 @@ def test_an_output_under_or_over_a_live_jobs_output_is_taken(sqlite_sessions, tm
             submit(sqlite_sessions, new_job(str(nested), tmp_path, f"n-{nested.name}"))
     intake = Intake(sqlite_sessions, S3Options(), dispatch=lambda job_id: None)
     request = validate_request({"input_uri": str(tmp_path / "k.jsonl"), "output_uri": str(batch_out / "x")})
-    with pytest.raises(SpecError, match=batch.id):  # a front door's refusal names the owner
+    with pytest.raises(JobRequestError, match=batch.id):  # a front door's refusal names the owner
         intake.accept(request, source="kafka", source_ref="t/0/1", default_key="k-nested")
     sibling = submit(sqlite_sessions, new_job(str(tmp_path / "results" / "batch-10"), tmp_path, "sibling")).job
     assert sibling.output_claim == f"file://{tmp_path}/results/batch-10", "prefixes compare by segment"

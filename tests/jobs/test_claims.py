@@ -11,7 +11,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from ingest.intake import Intake, OutputClaimed, submit
-from ingest.spec import SpecError, validate_request
+from ingest.job_request import JobRequestError, validate_request
 from storage import clock
 from storage import repository as repo
 from storage.job_settings import CELERY, JobSettings
@@ -37,7 +37,7 @@ def test_a_second_live_job_on_an_output_prefix_is_refused_naming_the_owner(sqlit
         submit(sqlite_sessions, new_job(str(tmp_path / "b.jsonl"), str(out)))  # the same prefix, spelt without /
     intake = Intake(sqlite_sessions, S3Options(), dispatch=lambda job_id: None)
     request = validate_request({"input_uri": str(tmp_path / "c.jsonl"), "output_uri": str(out)})
-    with pytest.raises(SpecError, match=first.id):  # the front doors: rejected_messages / the inbox's error
+    with pytest.raises(JobRequestError, match=first.id):  # the front doors: rejected_messages / the inbox's error
         intake.accept(request, source="kafka", source_ref="t/0/1", default_key="k-c")
     assert submit(sqlite_sessions, new_job(str(tmp_path / "a.jsonl"), str(out))).outcome == "resumed"  # itself
 
@@ -192,7 +192,7 @@ def test_completion_window_sets_the_deadline(sqlite_sessions, tmp_path) -> None:
     job = submit(sqlite_sessions, new_job(str(tmp_path / "b.jsonl"), str(tmp_path / "p"), completion_window="90s")).job
     assert abs(job.expires_at - job.created_at - timedelta(seconds=90)) < timedelta(seconds=1)  # two clocks' reads
     for bad in ("0h", "24", "31d", "1w", 24):
-        with pytest.raises(SpecError, match="completion_window"):
+        with pytest.raises(JobRequestError, match="completion_window"):
             validate_request({"input_uri": "a.jsonl", "output_uri": "o", "completion_window": bad})
 
 

@@ -18,10 +18,10 @@ from hypothesis import strategies as st
 from sqlalchemy import select
 
 from ingest.intake import Intake
+from ingest.job_request import JobRequestError, NewJob
 from ingest.kafka_consumer import JobConsumer
 from ingest.policy import FrontDoorPolicy
 from ingest.s3_watcher import InboxEntry, InboxWatcher
-from ingest.spec import NewJob, SpecError
 from storage.models import Job, RejectedMessage
 from storage.objectstore import S3Options, UnsafeURI, is_under
 
@@ -151,7 +151,7 @@ def test_random_kafka_values_are_each_a_job_inside_the_allow_list_or_refused(fuz
     def job_of(value: bytes | None, key: bytes | None) -> NewJob | None:
         try:
             return consumer.job_of(Record("jobs", 0, next(offsets), value, key))
-        except SpecError as error:
+        except JobRequestError as error:
             assert str(error)
             return None
 
@@ -203,7 +203,7 @@ def test_random_kafka_values_through_the_consumer_become_a_job_or_a_rejection(fu
     # no message vanished: each one is a rejection recorded at its offset, or a job that exists
     assert rejected_at == {offset for offset, outcome in outcomes.items() if outcome == "rejected"}
     assert {outcome for outcome in outcomes.values() if outcome != "rejected"} == job_ids
-    assert not any("cannot become a job" in e for e in errors), "every refusal is a SpecError naming the problem"
+    assert not any("cannot become a job" in e for e in errors), "every refusal is a JobRequestError naming the problem"
     assert len(recorded) == jobs
     assert not any(outside.rglob("*")), "nothing written outside the allow-list"
 
@@ -229,7 +229,7 @@ def test_random_inbox_keys_and_sidecars_become_a_job_or_a_recorded_error(fuzz_in
             entry = InboxEntry(f"inbox/{name}", etag, datetime.now(UTC) - timedelta(minutes=1))
             try:
                 made.append(watcher.accept(entry, sidecar).job)
-            except (SpecError, UnsafeURI):
+            except (JobRequestError, UnsafeURI):
                 pass
 
     take()

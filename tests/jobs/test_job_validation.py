@@ -16,7 +16,7 @@ import pytest
 from sqlalchemy import func, select, text
 
 from ingest.intake import idempotency_key, submit
-from ingest.spec import NewJob
+from ingest.job_request import NewJob
 from storage import repository as repo
 from storage.formats import Limits
 from storage.job_settings import JobSettings

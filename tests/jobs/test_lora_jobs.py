@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from ingest.spec import SpecError, validate_request
+from ingest.job_request import JobRequestError, validate_request
 from storage.job_settings import CELERY
 from storage.objectstore import S3Options, open_store
 from tests.jobs.jobhelpers import assert_each_id_once, write_parquet
@@ -281,7 +281,7 @@ def test_worker_and_stack_adapters(tmp_path: Path, monkeypatch) -> None:
     assert args == ["--lora-modules", f"legal=file://{tmp_path}/rel/legal", "chat=s3://b/chat"]
     assert worker_lora_modules(parse("worker", *args)) == {"legal": f"file://{tmp_path}/rel/legal",
                                                            "chat": "s3://b/chat"}
-    with pytest.raises(SpecError, match="already names the base model"):
+    with pytest.raises(JobRequestError, match="already names the base model"):
         worker_lora_modules(parse("worker", "--lora-modules", f"{BASE}=/x"))
 
 
@@ -292,15 +292,15 @@ def test_a_spec_checks_its_adapters() -> None:
     job = spec(lora_modules={"sql": "s3://b/adapters/sql/"}).to_job(executor=CELERY)
     assert job.settings.lora_modules == {"sql": "s3://b/adapters/sql"}
     assert spec(lora_modules={"sql": "rel/dir"}).lora_modules["sql"].startswith("file:///")  # tokenmill run's
-    with pytest.raises(SpecError, match="object storage only"):
+    with pytest.raises(JobRequestError, match="object storage only"):
         spec(lora_modules={"sql": "/srv/adapters/sql"}).to_job(executor=CELERY)  # no paths on the workers' disks
-    with pytest.raises(SpecError, match="already names the base model"):
+    with pytest.raises(JobRequestError, match="already names the base model"):
         spec(served_model_names=["gpt-4o-mini"], lora_modules={"gpt-4o-mini": "s3://b/a"})
-    with pytest.raises(SpecError, match="already names the base model"):
+    with pytest.raises(JobRequestError, match="already names the base model"):
         spec(lora_modules={BASE: "s3://b/a"})
-    with pytest.raises(SpecError, match="adapter name"):
+    with pytest.raises(JobRequestError, match="adapter name"):
         spec(lora_modules={"../x": "s3://b/a"})
-    with pytest.raises(SpecError, match="not embeddings"):
+    with pytest.raises(JobRequestError, match="not embeddings"):
         spec(task="embed", lora_modules={"a": "s3://b/a"})
 
 

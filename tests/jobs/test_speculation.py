@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from ingest.intake import submit
-from ingest.spec import SpecError, parse_request
+from ingest.job_request import JobRequestError, parse_request
 from storage.objectstore import open_store
 from tests.jobs.jobhelpers import assert_each_id_once, new_job, write_parquet
 from tokenmill.bench.workload import PASSAGES
@@ -41,7 +41,7 @@ def test_manifest_reports_the_acceptance_of_the_jobs_speculation(sessions, engin
 
 
 def test_a_job_spec_with_a_bad_speculative_config_is_refused():
-    with pytest.raises(SpecError, match="method must be one of"):
+    with pytest.raises(JobRequestError, match="method must be one of"):
         parse_request('{"input_uri": "s3://b/in.parquet", "output_uri": "s3://b/out", '
                       '"speculative_config": {"method": "magic"}}')
     request = parse_request('{"input_uri": "s3://b/in.parquet", "output_uri": "s3://b/out", '
@@ -51,7 +51,7 @@ def test_a_job_spec_with_a_bad_speculative_config_is_refused():
 
 def test_a_job_spec_carries_batch_invariant_to_its_settings():
     spec = '{"input_uri": "s3://b/in.parquet", "output_uri": "s3://b/out"%s}'
-    with pytest.raises(SpecError, match="batch_invariant"):
+    with pytest.raises(JobRequestError, match="batch_invariant"):
         parse_request(spec % ', "batch_invariant": "yes"')
     assert parse_request(spec % "").to_job(executor="celery").settings.batch_invariant is None  # the engine's own
     settings = parse_request(spec % ', "batch_invariant": true').to_job(executor="celery").settings

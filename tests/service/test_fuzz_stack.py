@@ -14,7 +14,7 @@ from kafka import KafkaProducer
 from sqlalchemy import text
 
 from ingest.intake import bounded_key, content_key
-from ingest.spec import parse_request
+from ingest.job_request import parse_request
 from ingest.submit import send
 from storage.objectstore import is_under
 from tests.jobs.test_fuzz_front_doors import kafka_values

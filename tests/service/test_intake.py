@@ -11,8 +11,8 @@ import pyarrow.parquet as pq
 import pytest
 from sqlalchemy import func, select
 
+from ingest.job_request import JobRequestError, parse_request
 from ingest.kafka_consumer import JobConsumer
-from ingest.spec import SpecError, parse_request
 from storage.models import Job, RejectedMessage
 
 
@@ -77,7 +77,7 @@ def count(sessions, model) -> int:
     (b'{"input_uri": "s3://b/in//x.parquet", "output_uri": "/tmp/o"}', "input_uri: the key of"),
 ])
 def test_specs_that_cannot_run_say_which_field_and_why(payload: bytes, message: str) -> None:
-    with pytest.raises(SpecError) as raised:
+    with pytest.raises(JobRequestError) as raised:
         parse_request(payload)
     assert message in str(raised.value)
 
@@ -155,11 +155,11 @@ def test_a_database_that_is_down_is_retried_not_recorded_as_rejected(tmp_path: P
                                                                           "is not a model name"),
 ])
 def test_the_service_runs_registered_models_by_name_only(fields: dict, message: str) -> None:
-    from ingest.spec import validate_request
+    from ingest.job_request import validate_request
     from storage.job_settings import CELERY, LOCAL
 
     request = validate_request({"input_uri": "s3://b/in.parquet", "output_uri": "s3://b/out", **fields})
-    with pytest.raises(SpecError) as raised:
+    with pytest.raises(JobRequestError) as raised:
         request.to_job(executor=CELERY)
     assert message in str(raised.value)
     if "speculative_config" not in fields:

@@ -45,7 +45,7 @@ def write_rows(path: Path, num_rows: int, min_tokens: int, max_tokens: int, seed
 def run_job_once(engine, rows: Path, workdir: Path, shard_size: int, label: str) -> JobRun:
     """One job over `rows` in `shard_size` shards, greedy, EOS ignored; timed from submit to completed."""
     from ingest.intake import submit
-    from ingest.spec import JobRequest
+    from ingest.job_request import JobRequest
     from storage import db, migrate
     from storage.formats import read_part
     from storage.job_settings import LOCAL

@@ -142,7 +142,7 @@ def run_job_timed(engine, rows: Path, workdir: Path, shard_size: int | None, sam
     `progress_bar()`: a context manager giving the job's `workers.progress.Progress` (`tokenmill run`'s bar, which
     the CLI passes in; none by default)."""
     from ingest.intake import submit
-    from ingest.spec import JobRequest
+    from ingest.job_request import JobRequest
     from storage import db, migrate
     from storage.job_settings import DEFAULT_SHARD_SIZE, LOCAL
     from workers.inprocess import run_job

@@ -235,7 +235,7 @@ def run_job(workers: Workers, rows: Path, output: Path, shard_size: int,
     from celery import Celery
 
     from ingest.intake import submit
-    from ingest.spec import JobRequest
+    from ingest.job_request import JobRequest
     from storage import db
     from storage import repository as repo
     from storage.formats import read_part

@@ -65,7 +65,7 @@ def _friendly(handler):
 
         if not logging.getLogger().isEnabledFor(logging.DEBUG):  # alembic logs at INFO, even on import
             logging.getLogger("alembic").setLevel(logging.WARNING)
-        from ingest.spec import SpecError
+        from ingest.job_request import JobRequestError
         from storage.migrate import SchemaOutOfDate
         from storage.repository import JobNotFound
         from workers.inprocess import JobBusy
@@ -75,7 +75,7 @@ def _friendly(handler):
         except JobNotFound as error:
             print(f"error: {error} in {_database(args)}", file=sys.stderr)
             return 2
-        except (JobBusy, SchemaOutOfDate, SpecError) as error:
+        except (JobBusy, SchemaOutOfDate, JobRequestError) as error:
             print(f"error: {error}", file=sys.stderr)
             return 2
 
@@ -216,7 +216,7 @@ def _sessions(url: str):
 
 
 def _new_job(args: argparse.Namespace):
-    from ingest.spec import validate_request
+    from ingest.job_request import validate_request
     from storage.formats import Limits
     from storage.job_settings import DEFAULT_SHARD_SIZE, LOCAL
     from storage.objectstore import S3Options
@@ -301,7 +301,7 @@ def _choose_model(args: argparse.Namespace) -> None:
     that all name models this run does not serve are refused here, before a model loads, naming them (rows of
     a mixed file that name another model fail alone with model_not_found)."""
     from engine.model_loader import BUNDLED_MODELS
-    from ingest.spec import SpecError
+    from ingest.job_request import JobRequestError
     from storage.formats import JSONL_SUFFIXES
     from storage.formats.jsonl import models_named
     from storage.objectstore import S3Options, normalize_uri, open_file_store
@@ -328,7 +328,7 @@ def _choose_model(args: argparse.Namespace) -> None:
     if wanted and None not in named and not wanted & served:
         listing = ", ".join(f"{model!r} ({count} rows, first on line {line})"
                             for model, (count, line) in sorted(named.items()))
-        raise SpecError(f"every row of {args.input} names a model this run does not serve: {listing}; it serves "
+        raise JobRequestError(f"every row of {args.input} names a model this run does not serve: {listing}; it serves "
                         f"{', '.join(map(repr, sorted(served)))}. Give --model (bundled: "
                         f"{', '.join(BUNDLED_MODELS)}), or --served-model-name for another name of it")
 

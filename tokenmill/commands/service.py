@@ -65,13 +65,13 @@ def _friendly(handler):
         from botocore.exceptions import BotoCoreError, ClientError
         from kafka.errors import KafkaError
 
-        from ingest.spec import SpecError
+        from ingest.job_request import JobRequestError
         from tokenmill.stack.local_stack import StackError
 
         try:
             return handler(args)
         except Exception as error:
-            if not isinstance(error, KafkaError | BotoCoreError | ClientError | StackError | SpecError):
+            if not isinstance(error, KafkaError | BotoCoreError | ClientError | StackError | JobRequestError):
                 raise
             print(f"error: {type(error).__name__}: {error}", file=sys.stderr)
             return 2
@@ -449,7 +449,7 @@ def worker(args: argparse.Namespace) -> int:
 
 def worker_lora_modules(args: argparse.Namespace) -> dict[str, str]:
     """--lora-modules checked as a job's are (names; not the model's name): {name: file:// or s3:// URI}."""
-    from ingest.spec import validate_request
+    from ingest.job_request import validate_request
 
     modules = lora_modules(args)
     if not modules:

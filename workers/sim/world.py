@@ -442,7 +442,7 @@ class World:
 
     def _on_arrival(self, plan: JobPlan) -> None:
         from ingest.intake import Intake
-        from ingest.spec import JobRequest, SpecError
+        from ingest.job_request import JobRequest, JobRequestError
         from workers import tasks
 
         if plan.api:  # a request to the API's process, which may crash or fail in it like any worker
@@ -461,7 +461,7 @@ class World:
         try:
             submission = intake.accept(request, source="cli", source_ref=f"sim-{plan.index}",
                                        default_key=f"sim-{self.kernel.seed}-{plan.index}")
-        except SpecError as error:  # e.g. its output prefix belongs to a live job
+        except JobRequestError as error:  # e.g. its output prefix belongs to a live job
             if plan.prefix_of is not None and "taken by live job" in str(error) and \
                     self.kernel.now < plan.arrives_at + PREFIX_WAIT_S:  # its client waits for the prefix
                 self.kernel.schedule(self.kernel.rng.uniform(5, 60), "arrival", plan)

@@ -55,7 +55,7 @@ from storage.models import JobSource
 from storage.objectstore import S3Options, check_output_uri, normalize_uri
 
 MAX_INLINE_ROWS = 10_000
-MAX_SPEC_BYTES = 1 << 20  # default of TOKENMILL_MAX_SPEC_BYTES (a message or a sidecar)
+MAX_REQUEST_BYTES = 1 << 20  # default of TOKENMILL_MAX_SPEC_BYTES (a message or a sidecar)
 MAX_DEPTH = 32  # nesting of arrays and objects in a spec
 PRIORITY_BOUND = 2**31  # priorities are 32-bit in the database
 MAX_CACHE_SALT = 256
@@ -66,7 +66,7 @@ SPECULATIVE_BOUNDS = {"prompt_lookup_max": (1, 64), "prompt_lookup_min": (1, 64)
                       "probe_every": (1, 1_000_000), "draft_layers": (1, 1024)}
 
 
-class SpecError(ValueError):
+class JobRequestError(ValueError):
     """A message or sidecar that is not a valid job spec; the message says which field and why."""
 
 
@@ -194,9 +194,9 @@ class JobRequest(BaseModel):
         the engine they loaded, so a job for them that sets engine settings is refused, not silently run
         without them."""
         if self.input_uri is None or self.output_uri is None:
-            raise SpecError("the job needs an input_uri and an output_uri")
+            raise JobRequestError("the job needs an input_uri and an output_uri")
         if executor == CELERY and self.engine:
-            raise SpecError(f"engine: the service's workers run the engine they loaded (tokenmill worker "
+            raise JobRequestError(f"engine: the service's workers run the engine they loaded (tokenmill worker "
                             f"--kv-cache-memory ...), so a job cannot set {', '.join(sorted(self.engine))}; "
                             f"a job may set speculative_config")
         if executor == CELERY:  # the workers load models by name only, never a path a spec names
@@ -204,7 +204,7 @@ class JobRequest(BaseModel):
             if (self.speculative_config or {}).get("model") is not None:
                 check_model_name("speculative_config.model", self.speculative_config["model"])
             if local := sorted(name for name, uri in self.lora_modules.items() if not uri.startswith("s3://")):
-                raise SpecError(f"lora_modules: the service's workers read adapters from object storage only; "
+                raise JobRequestError(f"lora_modules: the service's workers read adapters from object storage only; "
                                 f"{', '.join(map(repr, local))} names a local path (tokenmill submit uploads "
                                 f"local adapter directories)")
         settings = JobSettings(sampling=self.sampling, engine=self.engine, speculative_config=self.speculative_config,
@@ -221,14 +221,14 @@ class JobRequest(BaseModel):
 
 
 def check_model_name(field: str, name: Any) -> None:
-    """SpecError unless name is a model registered here (`tokenmill model list`): a name, never a path."""
+    """JobRequestError unless name is a model registered here (`tokenmill model list`): a name, never a path."""
     from engine.model_loader import list_models
 
     if not isinstance(name, str) or not MODEL_NAME.fullmatch(name):
-        raise SpecError(f"{field}: {name!r} is not a model name (letters, digits, '.', '_', '-'; no paths)")
+        raise JobRequestError(f"{field}: {name!r} is not a model name (letters, digits, '.', '_', '-'; no paths)")
     registered = [row["name"] for row in list_models()]
     if name not in registered:
-        raise SpecError(f"{field}: unknown model {name!r}; registered: {', '.join(registered)} "
+        raise JobRequestError(f"{field}: unknown model {name!r}; registered: {', '.join(registered)} "
                         f"(tokenmill model list)")
 
 
@@ -247,23 +247,23 @@ def _check_types(settings: dict[str, Any], config: type) -> None:
                              f"got {type(value).__name__} {value!r}")
 
 
-def parse_request(payload: bytes | str | None, max_bytes: int = MAX_SPEC_BYTES, **defaults: Any) -> JobRequest:
-    """A JobRequest from JSON text; `defaults` fill fields the document leaves out. Raises SpecError for
+def parse_request(payload: bytes | str | None, max_bytes: int = MAX_REQUEST_BYTES, **defaults: Any) -> JobRequest:
+    """A JobRequest from JSON text; `defaults` fill fields the document leaves out. Raises JobRequestError for
     anything that is not a valid spec: no payload, too large, not UTF-8 JSON, nested too deep, wrong types."""
     if payload is None:
-        raise SpecError("empty message (null value)")
+        raise JobRequestError("empty message (null value)")
     if len(payload) > max_bytes:
-        raise SpecError(f"too large: {len(payload)} bytes, the limit is {max_bytes} (TOKENMILL_MAX_SPEC_BYTES)")
+        raise JobRequestError(f"too large: {len(payload)} bytes, the limit is {max_bytes} (TOKENMILL_MAX_SPEC_BYTES)")
     try:
         document = json.loads(payload)
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise SpecError(f"not JSON: {error}") from None
+        raise JobRequestError(f"not JSON: {error}") from None
     except RecursionError:
-        raise SpecError(f"nested too deep (the limit is {MAX_DEPTH} levels)") from None
+        raise JobRequestError(f"nested too deep (the limit is {MAX_DEPTH} levels)") from None
     if not isinstance(document, dict):
-        raise SpecError(f"a job spec is a JSON object, got {type(document).__name__}")
+        raise JobRequestError(f"a job spec is a JSON object, got {type(document).__name__}")
     if _depth(document) > MAX_DEPTH:
-        raise SpecError(f"nested too deep (the limit is {MAX_DEPTH} levels)")
+        raise JobRequestError(f"nested too deep (the limit is {MAX_DEPTH} levels)")
     return validate_request({**defaults, **document})
 
 
@@ -279,13 +279,13 @@ def _depth(document: Any) -> int:
 
 
 def validate_request(fields: dict[str, Any]) -> JobRequest:
-    """A JobRequest from fields; SpecError names each bad field."""
+    """A JobRequest from fields; JobRequestError names each bad field."""
     try:
         return JobRequest.model_validate(fields)
     except ValidationError as error:
-        raise SpecError(describe(error)) from None
+        raise JobRequestError(describe(error)) from None
     except (TypeError, ValueError, OverflowError, RecursionError) as error:  # raised inside a field's check
-        raise SpecError(f"invalid job spec: {type(error).__name__}: {error}") from None
+        raise JobRequestError(f"invalid job spec: {type(error).__name__}: {error}") from None
 
 
 def describe(error: ValidationError) -> str:
