@@ -105,7 +105,7 @@ def tokenmill_served(state) -> dict:
     import os
 
     from workers.adapters import cached_adapters
-    from workers.config import WorkerEngine
+    from workers.worker_engine import WorkerEngine
 
     role = os.environ.get("TOKENMILL_WORKER_CHILD", "")
     if role == "control":  # no engine

@@ -33,12 +33,12 @@ from storage.liveness import db_now, runner_alive
 from storage.models import Job, JobStatus, Shard, ShardStatus
 from storage.objectstore import InputChanged
 from storage.states import CANCELLABLE, TERMINAL, is_terminal, transition
-from workers.engine_loader import EngineFactory, load_engine
 from workers.engine_loop import release_loop, shards_in_flight
 from workers.job_steps import JobSteps, discard_if_ended
 from workers.progress import NoProgress, Progress
 from workers.shard_step import ShardStep
 from workers.sweep import expire_overdue
+from workers.worker_engine import EngineFactory, load_engine
 
 if TYPE_CHECKING:
     from engine import LLMEngine

@@ -32,12 +32,11 @@ from storage.faults import crash_point, is_transient
 from storage.models import Job, JobStatus, ShardStatus
 from workers.adapters import AdapterSource, worker_adapters
 from workers.celery_app import app, config
-from workers.config import WorkerEngine
 from workers.disagg import PrefillStep, disaggregated, kv_transfer_summary, prefill_queue
 from workers.finalize import remove_stray_parts
 from workers.job_steps import JobSteps, discard_if_ended
 from workers.shard_step import ShardStep, through_outages
-from workers.worker_engine import engine_for, process_engine
+from workers.worker_engine import WorkerEngine, engine_for, process_engine
 
 log = logging.getLogger("tokenmill.tasks")
 

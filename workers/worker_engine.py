@@ -1,25 +1,95 @@
-"""Worker-side engine lifecycle: a worker process loads its model once (when it starts, or at its first shard)
-and keeps it for every shard it runs. The engine's settings belong to the worker (`tokenmill worker --threads
-... --kv-cache-memory ...`), not to the job: a job only picks the model, by the queue it is sent to. The engine
-is built, and its metrics attached, by `workers.engine_loader.load_engine`, through the configured factory."""
+"""The engines that run jobs: `load_engine` builds one from its settings (`EngineConfig` keywords) for `tokenmill
+run`, the in-process executor of `tokenmill api` and a Celery worker alike, attaching its Prometheus metrics when
+asked; `WorkerEngine` is what a worker process loads, read from the environment (`tokenmill worker` sets it); and
+`process_engine` is that engine, loaded once per worker process (when it starts, or at its first shard) and kept for
+every shard it runs. The engine's settings belong to the worker (`tokenmill worker --threads ... --kv-cache-memory
+...`), not to the job: a job only picks the model, by the queue it is sent to."""
 
 from __future__ import annotations
 
 import importlib
+import json
 import logging
 import os
 import threading
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
-from workers.config import WorkerEngine
-from workers.engine_loader import load_engine
+from ingest.config import env_setting
 from workers.shards import is_embedding_engine
 
 if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+
     from engine import LLMEngine
 
 log = logging.getLogger("tokenmill.worker")
+
+EngineFactory = Callable[[dict[str, Any]], "LLMEngine"]  # engine settings -> engine
+
+
+def load_engine(settings: dict[str, Any], registry: CollectorRegistry | None = None, model_name: str | None = None,
+                factory: EngineFactory | None = None) -> LLMEngine:
+    """The engine for `settings`: `factory`'s, by default the real one (an embedding model's `EmbeddingEngine`,
+    else an `LLMEngine`). With a `registry`, its steps are observed into it, labelled `model_name` (default: the
+    engine's model); an embedding engine has no engine metrics, and an engine already observed is left as is. A KV
+    connector's kv_secret is the deployment's, $TOKENMILL_KV_SECRET (workers.kv_sharing.with_kv_secret)."""
+    from workers.kv_sharing import with_kv_secret
+
+    settings = with_kv_secret(settings)
+    if factory is None:
+        from engine import EngineConfig
+        from engine.embedding_engine import create_engine
+
+        engine = create_engine(EngineConfig.from_kwargs(**settings))
+    else:
+        engine = factory(settings)
+    if registry is not None and not is_embedding_engine(engine) and not _has_metrics(engine):
+        from engine.prometheus import EngineMetrics
+
+        EngineMetrics(engine, model_name, registry).attach()
+    return engine
+
+
+def _has_metrics(engine: LLMEngine) -> bool:
+    from engine.prometheus import EngineMetrics
+
+    return any(isinstance(getattr(observer, "__self__", None), EngineMetrics) for observer in engine.step_observers)
+
+
+@dataclass(frozen=True)
+class WorkerEngine:
+    """The engine a worker process loads once: its model, its settings, and the function that builds it."""
+
+    model: str
+    settings: dict[str, Any]
+    factory: str  # "module:function", called with the settings; returns an LLMEngine
+    lora_modules: dict[str, str] = field(default_factory=dict)  # its own LoRA adapters: name -> directory or URI
+    kv_role: str | None = None  # producer (prefills a model's prefill queue) or consumer (`workers.disagg`)
+
+    @classmethod
+    def from_env(cls) -> WorkerEngine:
+        from engine.config import DEFAULT_MODEL
+
+        raw = env_setting("WORKER_ENGINE", "{}")
+        try:
+            settings = json.loads(raw)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"TOKENMILL_WORKER_ENGINE must be a JSON object of engine settings: {error}") from None
+        model = env_setting("WORKER_MODEL", settings.get("model", DEFAULT_MODEL))
+        factory = env_setting("ENGINE_FACTORY", "workers.worker_engine:load_engine")
+        try:
+            lora_modules = json.loads(env_setting("WORKER_LORA_MODULES", "{}"))
+        except json.JSONDecodeError as error:
+            raise ValueError(f"TOKENMILL_WORKER_LORA_MODULES must be a JSON object of adapter name -> directory or "
+                             f"URI: {error}") from None
+        kv_role = env_setting("WORKER_KV_ROLE")
+        if kv_role not in (None, "producer", "consumer"):
+            raise ValueError(f"TOKENMILL_WORKER_KV_ROLE must be producer or consumer, got {kv_role!r}")
+        return cls(model, {**settings, "model": model}, factory, lora_modules, kv_role)
+
 
 _loaded: LLMEngine | None = None
 _loading = threading.Lock()  # a worker's task threads and its preloading thread load it once

@@ -20,9 +20,9 @@ from tests.jobs.jobhelpers import new_job, read_outputs, write_parquet
 from tokenmill.bench.workload import questions, system_prompt
 from tokenmill.cli import build_parser, main
 from tokenmill.options import engine_kwargs
-from workers.engine_loader import load_engine
 from workers.engine_loop import release_loop
 from workers.inprocess import run_job
+from workers.worker_engine import load_engine
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 KV_URL = "redis://127.0.0.1:6379/1"  # the service's Redis, database KV_DB: not the broker's

@@ -8,7 +8,7 @@ import signal
 from collections.abc import Callable
 from typing import Any
 
-from workers.engine_loader import load_engine
+from workers.worker_engine import load_engine
 
 POISON = "POISON-PILL"
 

@@ -37,9 +37,9 @@ TERMINAL = ("completed", "failed", "cancelled", "expired")
 # ---- inside each worker ----------------------------------------------------------------------------
 
 def counting_engine(settings: dict[str, Any]):
-    """The worker's real engine (`workers.engine_loader.load_engine`), writing its counts to $TOKENMILL_KV_BENCH_STATS
+    """The worker's real engine (`workers.worker_engine.load_engine`), writing its counts to $TOKENMILL_KV_BENCH_STATS
     once loaded and after every step that changed them."""
-    from workers.engine_loader import load_engine
+    from workers.worker_engine import load_engine
 
     engine = load_engine(settings)
     path, base = Path(os.environ[STATS_ENV]), engine.stats.computed_prefill_tokens

@@ -241,7 +241,7 @@ def _new_job(args: argparse.Namespace):
 
 
 def _load_engine(settings: dict):
-    from workers.engine_loader import load_engine
+    from workers.worker_engine import load_engine
 
     return load_engine(settings)
 
@@ -250,8 +250,8 @@ def _serving_metrics(port: int, sessions):
     """An engine loader that also serves the engine's and the jobs' metrics (the loader runs once per job)."""
     from engine.prometheus import new_registry, start_metrics_server
     from storage import db
-    from workers.engine_loader import load_engine
     from workers.job_metrics import JobMetricsCollector
+    from workers.worker_engine import load_engine
 
     registry = new_registry()
     registry.register(JobMetricsCollector(db.sql_query(sessions)))
