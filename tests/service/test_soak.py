@@ -33,5 +33,6 @@ def test_a_short_soak_under_faults_loses_and_duplicates_nothing(stack) -> None:
     assert f"faults that hit running work: {len(FAULTS)} of {len(FAULTS)}" in run.stdout
     jobs = re.search(r"jobs completed: (\d+) of (\d+)", run.stdout)
     assert jobs and jobs[1] == jobs[2] and int(jobs[2]) >= 2, run.stdout[-3000:]
-    for figure in ("rows lost: 0", "rows duplicated: 0", "part files outside a manifest: 0"):
+    for figure in ("rows lost: 0", "rows duplicated: 0", "part files outside a manifest: 0",
+                   "jobs that ended otherwise than completed: 0"):
         assert figure in run.stdout
