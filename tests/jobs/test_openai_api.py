@@ -41,7 +41,7 @@ def jsonl(lines: list[dict]) -> bytes:
 def running_api(sessions, bucket: str, llm_engine, dispatch=None, **limits):
     """(base URL, tenant acme's key, tenant other's key, the service) of an API running on a free port; its
     batches run in process, or go to `dispatch` (job id ->) when given."""
-    executor = LocalExecutor(sessions, {}, engine=llm_engine)
+    executor = LocalExecutor(sessions, {}, engine=llm_engine, expiry_check_s=0.5)  # deadlines noticed within 0.5 s
     service = api_service(sessions, bucket, dispatch or executor.dispatch, LOCAL, MODEL, [ALIAS],
                           **{"max_upload_bytes": MAX_UPLOAD, "shard_size": 2, **limits})
     port = free_port_block(1)
