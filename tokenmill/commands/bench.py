@@ -16,13 +16,14 @@ from tokenmill.bench import (
     lora_cli,
     peak_cli,
     prefix_cli,
+    roofline_cli,
     spec_cli,
     swap_cli,
     throughput_cli,
 )
 
 BENCHMARKS = (throughput_cli, prefix_cli, spec_cli, peak_cli, capacity_cli, latency_cli, embed_cli, jobs_cli, lora_cli,
-              swap_cli, kv_fp8_cli, int8_cli, kv_sharing_cli)
+              swap_cli, kv_fp8_cli, int8_cli, kv_sharing_cli, roofline_cli)
 
 
 def register(commands: argparse._SubParsersAction) -> None:
