@@ -6,16 +6,17 @@ random times while they run, then every job's outputs checked row by row.
 
 Faults (picked at random, or named in order by `--fault-list`): redis-restart, redis-flushall, tansu-restart,
 seaweedfs-outage (15 s), SIGKILL of the consumer, the watcher, beat or a worker (each started again the way
-`stack up` started it), and pause-worker-upload: once a part upload starts (its `part-upload:` note in
-service_markers), the worker running that shard is stopped with SIGSTOP for its lease + 5 s, then resumed.
+`stack up` started it), and pause-worker-upload: the next worker to reach the `before_part_upload` pause point
+(between noting its part's key and the PUT; `storage.faults.pause_point`, armed through the stack's
+TOKENMILL_FAULT_DIR) stops itself with SIGSTOP; it is resumed after its lease + 5 s.
 On a stack with a PostgreSQL cluster of its own (`tokenmill stack up --postgres private`) also postgres-restart
 (pg_ctl restart, fast) and postgres-partition: every process of the cluster stopped with SIGSTOP for the lease +
 5 s, then resumed (clients hang as in a network partition; the server does not restart). With `--hosts N`, N
 more workers run as simulated hosts (`tokenmill.stack.hosts`: their own hostname, clocks `--skew` seconds off,
 alternately slow and fast), and pause-host stops one with SIGSTOP past its lease, then resumes it.
 
-A fault waits for running work: until a soak job has a shard running or a job step held (pause-worker-upload:
-a part upload noted); should every soak job have ended, one more is submitted. Just before each injection the
+A fault waits for running work: until a soak job has a shard running (pause-worker-upload: until a worker took
+the pause); should every soak job have ended, one more is submitted. Just before each injection the
 database is asked again: the summary counts the faults that hit running work (a fault on a running shard's
 worker or host, or on a service it uses: the database, the broker, the store; not the consumer, watcher or beat).
 Prints the faults injected (and how many hit running work), jobs completed, rows lost, rows duplicated and part
@@ -117,13 +118,15 @@ def main() -> int:
     for number, at in enumerate(fault_times):
         time.sleep(max(0.0, started + at - time.monotonic()))
         fault = chosen[number] if chosen else rng.choice(faults)
-        running, upload = wait_for_work(sessions, expected, top_up, uploads=fault == "pause-worker-upload")
-        hit = bool(running and running[0]) and fault in HITS_RUNNING_SHARDS  # the database's answer just before
-        target, paused = upload_worker(sessions, state_dir, stack_module, upload, hosts) if upload else (None, "")
-        shown = f"{running[0]} shard(s) running, {running[1]} step(s) held" if running else "database not answering"
-        print(f"{time.monotonic() - started:6.1f} s  {fault}{paused}  ({shown}{'' if hit else ': no running work'})",
-              flush=True)
-        inject(fault, state_dir, stack_module, rng.choice(hosts) if hosts else None, target)
+        if fault == "pause-worker-upload":  # the worker pauses itself at the upload (storage.faults.pause_point)
+            hit, shown = pause_at_upload(state_dir, stack_module, sessions, expected, top_up, started)
+        else:
+            running = wait_for_work(sessions, expected, top_up)
+            hit = bool(running and running[0]) and fault in HITS_RUNNING_SHARDS  # the database's answer just before
+            shown = (f"{running[0]} shard(s) running, {running[1]} step(s) held" if running
+                     else "database not answering") + ("" if hit else ": no hit")
+            print(f"{time.monotonic() - started:6.1f} s  {fault}  ({shown})", flush=True)
+            inject(fault, state_dir, stack_module, rng.choice(hosts) if hosts else None)
         injected.append((fault, hit))
 
     deadline = time.monotonic() + args.timeout
@@ -190,25 +193,62 @@ def host_offset(index: int, skew: float) -> str:
     return f"{'-' if index % 2 == 0 else '+'}{skew:.0f}s"
 
 
-def wait_for_work(sessions, expected: dict[str, list[str]], top_up,
-                  uploads: bool) -> tuple[tuple[int, int] | None, tuple[str, str] | None]:
-    """Until a soak job has running work (with `uploads`: and a part upload noted), submitting one more job
-    (top_up) whenever every soak job has ended; at most WORK_WAIT_S. The last answer of running_work, and the
-    upload as (job id, key)."""
+def wait_for_work(sessions, expected: dict[str, list[str]], top_up) -> tuple[int, int] | None:
+    """Until a soak job has a shard running, submitting one more job (top_up) whenever every soak job has ended;
+    at most WORK_WAIT_S. The last answer of running_work."""
     deadline = time.monotonic() + WORK_WAIT_S
     checked_ended = 0.0
-    work = noted = None
+    work = None
     while time.monotonic() < deadline:
-        noted = noted_upload(sessions, list(expected)) if uploads else None
-        if (noted or not uploads) and (work := running_work(sessions, list(expected))) and work[0]:
-            return work, noted
-        if time.monotonic() - checked_ended > 1:
-            checked_ended = time.monotonic()
-            statuses = job_statuses(sessions, list(expected))
-            if all(statuses.get(job_id) in TERMINAL for job_id in expected):
-                top_up()
-        time.sleep(0.05 if uploads else 0.2)
-    return running_work(sessions, list(expected)), noted
+        if (work := running_work(sessions, list(expected))) and work[0]:
+            return work
+        checked_ended = top_up_if_all_ended(sessions, expected, top_up, checked_ended)
+        time.sleep(0.2)
+    return running_work(sessions, list(expected))
+
+
+def top_up_if_all_ended(sessions, expected: dict[str, list[str]], top_up, checked_at: float) -> float:
+    """At most once a second: one more job when every soak job has ended. When it last looked."""
+    if time.monotonic() - checked_at <= 1:
+        return checked_at
+    statuses = job_statuses(sessions, list(expected))
+    if all(statuses.get(job_id) in TERMINAL for job_id in expected):
+        top_up()
+    return time.monotonic()
+
+
+def pause_at_upload(state_dir: Path, stack_module, sessions, expected: dict[str, list[str]], top_up,
+                    started: float) -> tuple[bool, str]:
+    """Arm the `before_part_upload` pause point (storage.faults.pause_point) and wait for a worker to take it: that
+    process stopped itself with SIGSTOP between noting its part's key and the PUT. Resumed after its lease + 5 s,
+    so the sweep has taken its shard and the PUT lands as a zombie's. (hit, what happened)."""
+    stack = stack_module.Stack(state_dir)
+    lease = float(stack.state["env"].get("TOKENMILL_LEASE_S") or 120)
+    faults = Path(stack.state["env"].get("TOKENMILL_FAULT_DIR") or state_dir / "faults")
+    faults.mkdir(parents=True, exist_ok=True)
+    trigger = faults / "pause-before_part_upload"
+    trigger.touch()
+    deadline, checked_ended = time.monotonic() + WORK_WAIT_S, 0.0
+    while not (taken := list(faults.glob("paused-before_part_upload-*"))) and time.monotonic() < deadline:
+        checked_ended = top_up_if_all_ended(sessions, expected, top_up, checked_ended)
+        time.sleep(0.05)
+    if not taken:
+        trigger.unlink(missing_ok=True)
+        print(f"{time.monotonic() - started:6.1f} s  pause-worker-upload  (no upload reached the pause point: "
+              "no hit)", flush=True)
+        return False, "missed"
+    pid = int(taken[0].name.rsplit("-", 1)[1])
+    print(f"{time.monotonic() - started:6.1f} s  pause-worker-upload of process {pid}, stopped before its PUT "
+          f"(for {lease + 5:.0f} s)", flush=True)
+    try:
+        time.sleep(lease + 5)
+    finally:
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+        taken[0].unlink(missing_ok=True)
+    return True, f"process {pid}"
 
 
 def running_work(sessions, job_ids: list[str]) -> tuple[int, int] | None:
@@ -229,53 +269,15 @@ def running_work(sessions, job_ids: list[str]) -> tuple[int, int] | None:
         return None
 
 
-def noted_upload(sessions, job_ids: list[str]) -> tuple[str, str] | None:
-    """A part upload of one of these jobs, noted and not yet committed or removed: (job id, key)."""
-    from storage import repository as repo
-
-    try:
-        with sessions() as session:
-            return next((upload for upload in repo.noted_uploads(session) if upload[0] in job_ids), None)
-    except Exception as error:
-        print(f"(database: {error})", file=sys.stderr)
-        return None
-
-
-def upload_worker(sessions, state_dir: Path, stack_module, upload: tuple[str, str],
-                  hosts: list) -> tuple[int | None, str]:
-    """The process group of the worker uploading this part (a stack worker or a simulated host), from the
-    `worker` of its shard's row, and words saying which; None (then worker1 is paused) if it cannot be told."""
-    from sqlalchemy import select
-
-    from storage.liveness import WorkerIdentity
-    from storage.models import Shard
-
-    job_id, key = upload
-    try:
-        index = int(key.split("-")[1])  # part-00003-<job>-c<claim>.parquet
-        with sessions() as session:
-            worker = session.scalar(select(Shard.worker).where(Shard.job_id == job_id, Shard.index == index))
-        identity = WorkerIdentity.parse(worker or "")
-        group = os.getpgid(identity.pid) if identity else None
-    except (ValueError, IndexError, ProcessLookupError, PermissionError) as error:
-        return None, f" of worker1 (the uploader not found: {error})"
-    ours = {pgid: name for name, pgid in stack_module.Stack(state_dir).state["processes"].items()}
-    ours.update({host.pid: f"host{i + 1}" for i, host in enumerate(hosts)})
-    if group not in ours:
-        return None, f" of worker1 (the uploader, {worker}, is no process of this stack)"
-    return group, f" of {ours[group]} (uploading {key})"
-
-
-def inject(fault: str, state_dir: Path, stack_module, host=None, target_group: int | None = None) -> None:
+def inject(fault: str, state_dir: Path, stack_module, host=None) -> None:
     stack = stack_module.Stack(state_dir)
     lease = float(stack.state["env"].get("TOKENMILL_LEASE_S") or 120)
-    if fault in ("pause-host", "pause-worker-upload"):
-        group = host.pid if fault == "pause-host" else target_group or stack.state["processes"]["worker1"]
-        os.killpg(group, signal.SIGSTOP)
+    if fault == "pause-host":
+        os.killpg(host.pid, signal.SIGSTOP)
         try:
             time.sleep(lease + 5)
         finally:
-            os.killpg(group, signal.SIGCONT)
+            os.killpg(host.pid, signal.SIGCONT)
     elif fault == "postgres-restart":
         stack.script("postgres", "restart", stack.state["postgres"]["dir"])
     elif fault == "postgres-partition":

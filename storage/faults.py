@@ -61,6 +61,21 @@ crash_hook: Callable[[str], None] | None = None
 CRASH_POINTS = ("after_part_upload", "during_finalize", "after_consumer_insert", "before_sweep_sends")
 
 
+def pause_point(name: str) -> None:
+    """Fault-test hook: while the file `pause-<name>` exists in $TOKENMILL_FAULT_DIR (`tokenmill stack up` sets it
+    for its processes), the first process to pass here takes the file (renamed `paused-<name>-<pid>`, naming it)
+    and stops itself with SIGSTOP, to be resumed by whoever set the trigger (ops/soak_faults.py: once its lease
+    lapsed). The pause lands exactly where the code says, not where a poller happens to catch it."""
+    fault_dir = os.environ.get("TOKENMILL_FAULT_DIR")
+    if not fault_dir:
+        return
+    try:
+        os.rename(os.path.join(fault_dir, f"pause-{name}"), os.path.join(fault_dir, f"paused-{name}-{os.getpid()}"))
+    except OSError:  # no trigger, or another process took it
+        return
+    os.kill(os.getpid(), signal.SIGSTOP)
+
+
 def crash_point(name: str) -> None:
     """Fault-test hook: with TOKENMILL_CRASH_AT=<name> set, this process SIGKILLs itself here, so a test can
     kill a worker, `tokenmill run` or the consumer at an exact step (no cleanup code runs, as after a power cut).

@@ -24,7 +24,7 @@ from sqlalchemy import select
 
 from storage import claims, clock
 from storage import repository as repo
-from storage.faults import crash_point, is_transient
+from storage.faults import crash_point, is_transient, pause_point
 from storage.formats import Request, RowError, part_key, write_part
 from storage.liveness import LEASE, db_now
 from storage.models import FailedRow, Job, JobStatus, Shard, ShardStatus, utcnow
@@ -256,6 +256,7 @@ class ShardStep:
             if session.scalar(select(Shard.claim_token).where(Shard.id == shard.id)) != shard.claim_token:
                 raise StaleClaim(f"job {job.id}: shard {shard.index} was claimed by another worker")
             repo.note_upload(session, job.id, key)
+        pause_point("before_part_upload")
         key = write_part(open_store(job.output_uri, job.settings.s3), shard.index, outcome.records, job.id,
                          shard.claim_token, outcome.embedding_size)
         if not self.steps.heartbeat.holds(claim):

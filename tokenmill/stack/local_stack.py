@@ -289,6 +289,7 @@ def _initial_state(settings: StackSettings) -> dict[str, Any]:
         "AWS_REGION": "us-east-1",
         "TOKENMILL_KV_REDIS_URL": f"redis://:{kv_password}@127.0.0.1:{settings.port('kv_redis')}/0",
         "TOKENMILL_KV_SECRET": secrets.token_urlsafe(32),
+        "TOKENMILL_FAULT_DIR": str(settings.state_dir / "faults"),  # ops/soak_faults.py's triggers (storage.faults)
         **settings.extra_env,
     }
     flower = {"url": f"http://127.0.0.1:{settings.port('flower')}", "user": FLOWER_USER,
