@@ -4,11 +4,13 @@ random times while they run, then every job's outputs checked row by row.
     python ops/soak_faults.py [--state-dir DIR] [--jobs 8] [--rows 12] [--faults 6] [--seed 1] [--hosts 1 --skew 60]
                               [--fault-list postgres-restart,pause-worker-upload] [--min-hits N]
 
-Faults (picked at random, or named in order by `--fault-list`): redis-restart, redis-flushall, tansu-restart,
-seaweedfs-outage (15 s), SIGKILL of the consumer, the watcher, beat or a worker (each started again the way
-`stack up` started it), and pause-worker-upload: the next worker to reach the `before_part_upload` pause point
-(between noting its part's key and the PUT; `storage.faults.pause_point`, armed through the stack's
-TOKENMILL_FAULT_DIR) stops itself with SIGSTOP; it is resumed after its lease + 5 s.
+Faults (picked at random, or named in order by `--fault-list`): redis-restart, redis-flushall, redis-pause
+(SIGSTOP past a lease), tansu-restart, seaweedfs-outage (15 s), seaweedfs-long-outage (longer than the workers'
+outage wait), SIGKILL of the consumer, the watcher, beat or a worker (each started again the way `stack up`
+started it), cancel-job (a running soak job cancelled: it may end cancelled), and two at a step's own fault point
+(`storage.faults`, armed through the stack's TOKENMILL_FAULT_DIR): pause-worker-upload, the next worker to reach
+`before_part_upload` (between noting its part's key and the PUT) stops itself with SIGSTOP and is resumed after
+its lease + 5 s; kill-during-finalize, the next process to finalize a job SIGKILLs itself in the middle.
 On a stack with a PostgreSQL cluster of its own (`tokenmill stack up --postgres private`) also postgres-restart
 (pg_ctl restart, fast) and postgres-partition: every process of the cluster stopped with SIGSTOP for the lease +
 5 s, then resumed (clients hang as in a network partition; the server does not restart). With `--hosts N`, N
@@ -41,14 +43,19 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 TERMINAL = {"completed", "failed", "cancelled", "expired"}
-FAULTS = ("redis-restart", "redis-flushall", "tansu-restart", "seaweedfs-outage", "kill-consumer", "kill-watcher",
-          "kill-beat", "kill-worker", "pause-worker-upload")
+FAULTS = ("redis-restart", "redis-flushall", "redis-pause", "tansu-restart", "seaweedfs-outage",
+          "seaweedfs-long-outage", "kill-consumer", "kill-watcher", "kill-beat", "kill-worker", "pause-worker-upload",
+          "kill-during-finalize", "cancel-job")
 POSTGRES_FAULTS = ("postgres-restart", "postgres-partition")  # on a stack's own cluster only
 # the faults that touch a running shard: its worker's process or host, or a service it uses while it runs (the
 # database, the broker it acknowledges through, the store its part goes to); killing the consumer, the watcher or
 # beat is no hit, nor is a fault while only a plan or finalize step is held
-HITS_RUNNING_SHARDS = {"redis-restart", "redis-flushall", "seaweedfs-outage", "kill-worker", "pause-worker-upload",
-                       "postgres-restart", "postgres-partition", "pause-host"}
+HITS_RUNNING_SHARDS = {"redis-restart", "redis-flushall", "redis-pause", "seaweedfs-outage", "seaweedfs-long-outage",
+                       "kill-worker", "pause-worker-upload", "postgres-restart", "postgres-partition", "pause-host",
+                       "cancel-job"}
+# faults at a step's own pause or crash point (storage.faults), armed through the stack's TOKENMILL_FAULT_DIR
+AT_POINTS = {"pause-worker-upload": ("pause", "before_part_upload"),
+             "kill-during-finalize": ("crash", "during_finalize")}
 WORK_WAIT_S = 120  # how long a fault waits for running work before it is injected anyway (and counts as a miss)
 
 
@@ -84,6 +91,7 @@ def main() -> int:
     sessions = db.session_factory(db.make_engine(os.environ["TOKENMILL_DATABASE_URL"]))
     work = Path(tempfile.mkdtemp(prefix="soak-"))
     expected: dict[str, list[str]] = {}
+    may_end_cancelled: set[str] = set()  # the jobs cancel-job cancelled: they end cancelled, or completed first
     tag = f"soak-{int(time.time())}"
 
     def submit(index: int) -> None:
@@ -118,8 +126,12 @@ def main() -> int:
     for number, at in enumerate(fault_times):
         time.sleep(max(0.0, started + at - time.monotonic()))
         fault = chosen[number] if chosen else rng.choice(faults)
-        if fault == "pause-worker-upload":  # the worker pauses itself at the upload (storage.faults.pause_point)
-            hit, shown = pause_at_upload(state_dir, stack_module, sessions, expected, top_up, started)
+        if fault in AT_POINTS:  # the process pauses or kills itself at the step (storage.faults)
+            hit = (at_point(*AT_POINTS[fault], state_dir, stack_module, sessions, expected, top_up, started)
+                   and fault in HITS_RUNNING_SHARDS)
+        elif fault == "cancel-job":
+            running = wait_for_work(sessions, expected, top_up)
+            hit = cancel_running_job(sessions, expected, may_end_cancelled, started)
         else:
             running = wait_for_work(sessions, expected, top_up)
             hit = bool(running and running[0]) and fault in HITS_RUNNING_SHARDS  # the database's answer just before
@@ -147,7 +159,9 @@ def main() -> int:
         duplicated += sum(count - 1 for count in seen.values() if count > 1)
         left_over += len(set(found) - set(parts))
     counts = collections.Counter(statuses.values())
-    unexpected = len(expected) - counts["completed"]  # no soak job is cancelled or has a deadline: each completes
+    unexpected = sum(1 for job_id in expected  # a job ends completed, or cancelled when the soak cancelled it
+                     if statuses.get(job_id) != "completed"
+                     and not (job_id in may_end_cancelled and statuses.get(job_id) == "cancelled"))
     kinds = ", ".join(f"{kind} x{n}" for kind, n in collections.Counter(f for f, _ in injected).items())
     hits = sum(hit for _, hit in injected)
     print(f"faults injected: {len(injected)} ({kinds})")
@@ -217,38 +231,67 @@ def top_up_if_all_ended(sessions, expected: dict[str, list[str]], top_up, checke
     return time.monotonic()
 
 
-def pause_at_upload(state_dir: Path, stack_module, sessions, expected: dict[str, list[str]], top_up,
-                    started: float) -> tuple[bool, str]:
-    """Arm the `before_part_upload` pause point (storage.faults.pause_point) and wait for a worker to take it: that
-    process stopped itself with SIGSTOP between noting its part's key and the PUT. Resumed after its lease + 5 s,
-    so the sweep has taken its shard and the PUT lands as a zombie's. (hit, what happened)."""
+def at_point(kind: str, point: str, state_dir: Path, stack_module, sessions, expected: dict[str, list[str]],
+             top_up, started: float) -> bool:
+    """Arm a pause or crash point (storage.faults) and wait for a process to take it. A paused process stopped
+    itself with SIGSTOP there (before_part_upload: between noting its part's key and the PUT) and is resumed after
+    its lease + 5 s, so the sweep has taken its work and it carries on as a zombie; a crashed one SIGKILLed itself
+    (during_finalize: the finalize step's process) and the stack's processes that died are started again. Whether
+    a process took it."""
     stack = stack_module.Stack(state_dir)
     lease = float(stack.state["env"].get("TOKENMILL_LEASE_S") or 120)
     faults = Path(stack.state["env"].get("TOKENMILL_FAULT_DIR") or state_dir / "faults")
     faults.mkdir(parents=True, exist_ok=True)
-    trigger = faults / "pause-before_part_upload"
+    trigger, taken_as = faults / f"{kind}-{point}", {"pause": "paused", "crash": "crashed"}[kind]
     trigger.touch()
     deadline, checked_ended = time.monotonic() + WORK_WAIT_S, 0.0
-    while not (taken := list(faults.glob("paused-before_part_upload-*"))) and time.monotonic() < deadline:
+    while not (taken := list(faults.glob(f"{taken_as}-{point}-*"))) and time.monotonic() < deadline:
         checked_ended = top_up_if_all_ended(sessions, expected, top_up, checked_ended)
         time.sleep(0.05)
+    label = f"{time.monotonic() - started:6.1f} s  {kind} at {point}"
     if not taken:
         trigger.unlink(missing_ok=True)
-        print(f"{time.monotonic() - started:6.1f} s  pause-worker-upload  (no upload reached the pause point: "
-              "no hit)", flush=True)
-        return False, "missed"
-    pid = int(taken[0].name.rsplit("-", 1)[1])
-    print(f"{time.monotonic() - started:6.1f} s  pause-worker-upload of process {pid}, stopped before its PUT "
-          f"(for {lease + 5:.0f} s)", flush=True)
+        print(f"{label}  (no process reached it: no hit)", flush=True)
+        return False
+    group, pid = (int(part) for part in taken[0].name.rsplit("-", 2)[1:])
+    owner = next((name for name, leader in stack.state["processes"].items() if leader == group), None)
+    print(f"{label}: process {pid} of {owner or 'no stack process'}"
+          + (f", for {lease + 5:.0f} s" if kind == "pause" else ", restarted"), flush=True)
     try:
-        time.sleep(lease + 5)
-    finally:
-        try:
+        if kind == "pause":
+            time.sleep(lease + 5)
             os.kill(pid, signal.SIGCONT)
-        except ProcessLookupError:
-            pass
+        elif owner is not None:  # the process it killed may be one node of several: the whole process starts again
+            stack_module.restart(state_dir, owner)
+    except ProcessLookupError:
+        pass
+    finally:
         taken[0].unlink(missing_ok=True)
-    return True, f"process {pid}"
+    return True
+
+
+def cancel_running_job(sessions, expected: dict[str, list[str]], may_end_cancelled: set[str],
+                       started: float) -> bool:
+    """Cancel a soak job that has a shard running (as `tokenmill cancel` does); whether one was."""
+    from sqlalchemy import select
+
+    from storage.models import Shard
+    from workers.inprocess import cancel_job
+
+    try:
+        with sessions() as session:
+            job_id = session.scalar(select(Shard.job_id).where(Shard.job_id.in_(list(expected)),
+                                                               Shard.status == "running").limit(1))
+        if job_id is None:
+            print(f"{time.monotonic() - started:6.1f} s  cancel-job  (no job running: no hit)", flush=True)
+            return False
+        may_end_cancelled.add(job_id)
+        status = cancel_job(sessions, job_id).status
+    except Exception as error:  # the database down: a miss
+        print(f"{time.monotonic() - started:6.1f} s  cancel-job  (failed: {error})", flush=True)
+        return False
+    print(f"{time.monotonic() - started:6.1f} s  cancel-job {job_id}: {status}", flush=True)
+    return True
 
 
 def running_work(sessions, job_ids: list[str]) -> tuple[int, int] | None:
@@ -302,11 +345,19 @@ def inject(fault: str, state_dir: Path, stack_module, host=None) -> None:
         kafka_dir, port = str(state_dir / "kafka"), str(stack.state["ports"]["kafka"])
         stack.script("kafka", "stop", kafka_dir)
         stack.script("kafka", "start", kafka_dir, port, stack_module.JOBS_TOPIC, stack_module.EVENTS_TOPIC)
-    elif fault == "seaweedfs-outage":
+    elif fault in ("seaweedfs-outage", "seaweedfs-long-outage"):  # the long one outlasts the workers' outage wait
         weed_dir, port = str(state_dir / "seaweedfs"), str(stack.state["ports"]["s3"])
         stack.script("seaweedfs", "stop", weed_dir)
-        time.sleep(15)
+        time.sleep(15 if fault == "seaweedfs-outage"
+                   else float(stack.state["env"].get("TOKENMILL_OUTAGE_WAIT_S") or 300) + 10)
         stack.script("seaweedfs", "start", weed_dir, port)
+    elif fault == "redis-pause":  # the broker hangs (SIGSTOP) past a lease: clients block, then it answers again
+        group = stack.state["processes"]["redis"]
+        os.killpg(group, signal.SIGSTOP)
+        try:
+            time.sleep(lease + 5)
+        finally:
+            os.killpg(group, signal.SIGCONT)
     else:
         name = {"kill-consumer": "consumer", "kill-watcher": "watcher", "kill-beat": "beat",
                 "kill-worker": "worker1"}[fault]

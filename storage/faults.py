@@ -63,24 +63,36 @@ CRASH_POINTS = ("after_part_upload", "during_finalize", "after_consumer_insert",
 
 def pause_point(name: str) -> None:
     """Fault-test hook: while the file `pause-<name>` exists in $TOKENMILL_FAULT_DIR (`tokenmill stack up` sets it
-    for its processes), the first process to pass here takes the file (renamed `paused-<name>-<pid>`, naming it)
+    for its processes), the first process to pass here takes the file (renamed `paused-<name>-<group>-<pid>`)
     and stops itself with SIGSTOP, to be resumed by whoever set the trigger (ops/soak_faults.py: once its lease
     lapsed). The pause lands exactly where the code says, not where a poller happens to catch it."""
+    if _take_trigger("pause", name):
+        os.kill(os.getpid(), signal.SIGSTOP)
+
+
+TAKEN = {"pause": "paused", "crash": "crashed"}  # a trigger file's name once a process took it
+
+
+def _take_trigger(kind: str, name: str) -> bool:
+    """Did this process take the trigger file `<kind>-<name>` of $TOKENMILL_FAULT_DIR (renamed
+    `paused-<name>-<process group>-<pid>` or `crashed-...`; of several processes passing at once, one takes it)?"""
     fault_dir = os.environ.get("TOKENMILL_FAULT_DIR")
     if not fault_dir:
-        return
+        return False
+    taken = os.path.join(fault_dir, f"{TAKEN[kind]}-{name}-{os.getpgrp()}-{os.getpid()}")
     try:
-        os.rename(os.path.join(fault_dir, f"pause-{name}"), os.path.join(fault_dir, f"paused-{name}-{os.getpid()}"))
+        os.rename(os.path.join(fault_dir, f"{kind}-{name}"), taken)
     except OSError:  # no trigger, or another process took it
-        return
-    os.kill(os.getpid(), signal.SIGSTOP)
+        return False
+    return True
 
 
 def crash_point(name: str) -> None:
     """Fault-test hook: with TOKENMILL_CRASH_AT=<name> set, this process SIGKILLs itself here, so a test can
-    kill a worker, `tokenmill run` or the consumer at an exact step (no cleanup code runs, as after a power cut).
+    kill a worker, `tokenmill run` or the consumer at an exact step (no cleanup code runs, as after a power cut);
+    so does the first process to take the trigger file `crash-<name>` of $TOKENMILL_FAULT_DIR (see `pause_point`).
     The fault explorer (`workers.sim`) sets `crash_hook` to decide there itself."""
     if crash_hook is not None:
         crash_hook(name)
-    if os.environ.get("TOKENMILL_CRASH_AT") == name:
+    if os.environ.get("TOKENMILL_CRASH_AT") == name or _take_trigger("crash", name):
         os.kill(os.getpid(), signal.SIGKILL)
