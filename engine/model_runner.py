@@ -150,22 +150,24 @@ class ModelRunner:
         step = StepInput(plan.block_copies, items, layout.batch_rows(rows), plan.blocks_to_swap_out,
                          plan.blocks_to_swap_in, plan.kv_loads)
         if self.tp is None:
-            logits = self.run(step, batch)
+            ran = self.run(step, batch)
         else:
             self.tp.send(step.for_ranks())
-            logits = self.tp.fail_stop(self.run, step, batch)
-        if logits is None:
+            ran = self.tp.fail_stop(self.run, step, batch)
+        if ran is None:
             return ModelRunnerOutput()
-        return ModelRunnerOutput.of(self.sampler.sample(layout, logits))
+        logits, hidden = ran
+        return ModelRunnerOutput.of(self.sampler.sample(layout, logits), hidden)
 
     def run_remote(self, step: StepInput) -> None:
         """Another rank: rank 0's step, run alongside it."""
         with torch.inference_mode():
             self.run(step)
 
-    def run(self, step: StepInput, batch: StepBatch | None = None) -> torch.Tensor | None:
+    def run(self, step: StepInput, batch: StepBatch | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Copy and swap blocks, run the model over the step's items (`batch`: their flat batch, when built
-        already); the logits of its sample rows (None without any, and on ranks other than 0)."""
+        already); the logits of its sample rows and their hidden states (None without any, and on ranks other
+        than 0)."""
         self.transfer.apply(step)
         if batch is None:
             batch, _ = self.prepare(step.items)
@@ -178,12 +180,12 @@ class ModelRunner:
                 hidden = self.model(batch.input_ids, batch.positions, self.attention.forward)
             if not step.sample_rows:
                 return None
-            self.sample_hidden = hidden.index_select(0, batch.sample_indices)  # Medusa heads read these
-            logits = self.model.compute_logits(self.sample_hidden)
+            hidden = hidden.index_select(0, batch.sample_indices)
+            logits = self.model.compute_logits(hidden)
             if self.tp is not None:  # each rank holds a slice of the vocabulary
                 logits = self.tp.gather_columns(logits)
-                return None if logits is None else logits[:, :self.vocab_size]
-            return logits
+                return None if logits is None else (logits[:, :self.vocab_size], hidden)
+            return logits, hidden
 
 
 @contextmanager

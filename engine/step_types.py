@@ -146,17 +146,20 @@ class SamplerOutput:
 
 @dataclass
 class ModelRunnerOutput:
-    """One step's result by sequence id (vLLM v1's `ModelRunnerOutput`); `seq_ids` lists who got tokens."""
+    """One step's result by sequence id (vLLM v1's `ModelRunnerOutput`); `seq_ids` lists who got tokens.
+    `sample_hidden`: the final hidden states at the logits rows (`SampleLayout`'s rows), which Medusa heads read."""
 
     seq_ids: list[int] = field(default_factory=list)
     sampled_token_ids: dict[int, list[int]] = field(default_factory=dict)
     logprobs: dict[int, SampleLogprobs] = field(default_factory=dict)
+    sample_hidden: torch.Tensor | None = None
 
     @classmethod
-    def of(cls, sampled: SamplerOutput | dict[int, list[int]]) -> ModelRunnerOutput:
+    def of(cls, sampled: SamplerOutput | dict[int, list[int]],
+           sample_hidden: torch.Tensor | None = None) -> ModelRunnerOutput:
         if isinstance(sampled, dict):
             sampled = SamplerOutput(sampled)
-        return cls(list(sampled.sampled_token_ids), sampled.sampled_token_ids, sampled.logprobs)
+        return cls(list(sampled.sampled_token_ids), sampled.sampled_token_ids, sampled.logprobs, sample_hidden)
 
     def tokens_of(self, seq_id: int) -> list[int]:
         return self.sampled_token_ids[seq_id]

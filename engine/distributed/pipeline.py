@@ -167,10 +167,10 @@ class PipelineRunner(ModelRunner):
         return load_shard(model_dir, hf_config, self.max_model_len, self.dtype, self.device, group.shard,
                           self.layer_range)
 
-    def run(self, step: StepInput, batch=None) -> torch.Tensor | None:
+    def run(self, step: StepInput, batch=None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """This stage's layers over the step's micro-batches (`batch`, the whole step's, is not used); on rank 0 the
-        logits of the step's sample rows (None without any, and on the other ranks). Each rank of a stage trades
-        with the rank of the same tensor-parallel rank in the stage before and after it."""
+        logits of the step's sample rows and their hidden states (None without any, and on the other ranks). Each
+        rank of a stage trades with the rank of the same tensor-parallel rank in the stage before and after it."""
         group, width = self.tp, self.model.config.hidden_size
         first, last = group.stage == 0, group.stage == group.num_stages - 1
         stride = group.tp_size  # between the same tensor-parallel rank of neighbouring stages
@@ -197,9 +197,10 @@ class PipelineRunner(ModelRunner):
         finally:
             group.wait(sends)
 
-    def logits(self, parts: list[MicroBatch], order: list[int] | None, last_stage_rank: int) -> torch.Tensor | None:
-        """The first stage: the logits of the rows the last stage sends back, in the step's order (on rank 0; None
-        on the stage's other tensor-parallel ranks, which gather their vocabulary columns to it)."""
+    def logits(self, parts: list[MicroBatch], order: list[int] | None,
+               last_stage_rank: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The first stage: the logits of the rows the last stage sends back, in the step's order, and those rows
+        (on rank 0; None on the stage's other tensor-parallel ranks, which gather their vocabulary columns to it)."""
         group, width = self.tp, self.model.config.hidden_size
         received = [group.receive_hidden(len(part.sample_rows), width, self.dtype, last_stage_rank)
                     for part in parts if part.sample_rows]
@@ -208,6 +209,6 @@ class PipelineRunner(ModelRunner):
             hidden = hidden.index_select(0, self.tensor(order))
         logits = self.model.compute_logits(hidden)
         if group.shard is None:
-            return logits
+            return logits, hidden
         logits = group.shard.gather_columns(logits)
-        return None if logits is None else logits[:, :self.vocab_size]
+        return None if logits is None else (logits[:, :self.vocab_size], hidden)

@@ -81,5 +81,5 @@ class SpecDecoderCache:
         runner = self.runner
         setup = DraftSetup(runner.model, runner.num_blocks, runner.block_size, runner.max_model_len, runner.dtype,
                            runner.device, runner.kv_plan.draft_bytes_per_block, runner.make_backend, runner.tensor,
-                           self.sampler, lambda: getattr(runner, "sample_hidden", None))
+                           self.sampler)
         return SpecDecoder(config, setup, draft=shared)

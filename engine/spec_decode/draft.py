@@ -36,7 +36,6 @@ class DraftSetup(NamedTuple):
     make_attention: Callable[..., AttentionBackend]  # (k caches, v caches, num_heads) -> a backend
     to_tensor: Callable[[list], torch.Tensor]
     sampler: Sampler  # its `probabilities`, and each sequence's stream (`generator_of`)
-    sample_hidden: Callable[[], torch.Tensor | None] | None = None  # the last step's hidden states at its logits rows
 
 
 class DraftProposer:
