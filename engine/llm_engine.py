@@ -27,6 +27,7 @@ from engine.scheduler import Scheduler, SchedulerLimits
 from engine.sequence import FinishReason, Sequence
 from engine.spec_decode.decoder import SpecDecoder
 from engine.spec_decode.decoders import SpecDecoderCache
+from engine.spec_decode.verifier import verify_drafts
 from engine.structured_outputs import StructuredOutputs
 from engine.swap import SwapSpace
 
@@ -53,7 +54,7 @@ class LLMEngine:
         self.max_model_len = config.max_model_len or model_len
         eos = eos_token_ids(self.model_dir, self.tokenizer)
         self.structured = StructuredOutputs(self.tokenizer, hf_config.vocab_size, eos)
-        self.sampler = Sampler(config.seed, frozenset(eos), self.structured)
+        self.sampler = Sampler(config.seed, frozenset(eos), self.structured, verify_drafts)
         self.ranks = None  # the other tensor-parallel ranks' or pipeline stages' processes (engine/distributed/)
         runner_class = ModelRunner
         if config.tensor_parallel_size > 1 or config.pipeline_parallel_size > 1:
