@@ -20,8 +20,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from engine.kv_connector.config import KVTransferConfig
-from engine.kv_connector.store import ByteStore, contains, seal, secret_bytes, unseal
+from engine.config import KVTransferConfig, secret_bytes
+from engine.kv_connector.store import ByteStore, contains, seal, unseal
 from engine.step_types import KVLoad
 
 if TYPE_CHECKING:

@@ -9,11 +9,11 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from engine.config import KVTransferConfig, secret_bytes
 from engine.kv_connector.base import KVConnector
-from engine.kv_connector.config import KVTransferConfig
 from engine.kv_connector.redis_connector import RedisConnector
 from engine.kv_connector.shared_storage import SharedStorageConnector
-from engine.kv_connector.store import secret_bytes, write_whole
+from engine.kv_connector.store import write_whole
 
 if TYPE_CHECKING:
     from engine.block_pool import KVCacheManager
