@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
@@ -25,16 +25,14 @@ from engine.models.llama import head_dim_of
 from engine.sampler import Sampler
 from engine.step_types import ModelRunnerOutput, SampleLayout, SchedulerOutput, StepInput
 
-if TYPE_CHECKING:
-    from engine.distributed.group import TensorParallelGroup
-
 log = logging.getLogger("tokenmill.engine")
 
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_dir: Path, hf_config, max_model_len: int,
-                 sampler: Sampler | None = None, tp: TensorParallelGroup | None = None) -> None:
-        """`tp`: this rank's group when the model is sharded over ranks (engine/distributed/)."""
+                 sampler: Sampler | None = None, tp: Any = None) -> None:
+        """`tp`: this rank's group when the model is sharded over ranks (a subclass in engine/distributed/ loads
+        its shard)."""
         self.config = config
         self.tp = tp
         self.device = pick_device(config.device) if tp is None else tp.device
@@ -82,12 +80,8 @@ class ModelRunner:
         self.set_batch_invariant(config.batch_invariant)  # after the graphs: they replay only with it off
 
     def load(self, model_dir: Path, hf_config):
-        """The model; a tensor-parallel rank's shard of it (a pipeline stage's runner loads its layers)."""
-        if self.tp is None:
-            return load_model(model_dir, hf_config, self.max_model_len, self.dtype, self.device)
-        from engine.distributed.sharding import load_shard
-
-        return load_shard(model_dir, hf_config, self.max_model_len, self.dtype, self.device, self.tp)
+        """The model (a tensor-parallel rank's or a pipeline stage's runner loads its part)."""
+        return load_model(model_dir, hf_config, self.max_model_len, self.dtype, self.device)
 
     def set_batch_invariant(self, on: bool) -> None:
         """Fixed-shape GEMMs and one attention path (see engine/models/cpu_gemm.py, engine/attention/), on or off.
@@ -189,7 +183,7 @@ class ModelRunner:
 
 
 @contextmanager
-def collectives(tp: TensorParallelGroup | None):
+def collectives(tp):
     """The layers' all-reduces run inside (every rank runs the same step)."""
     if tp is None:
         yield

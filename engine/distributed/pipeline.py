@@ -19,6 +19,7 @@ import torch.distributed as dist
 from engine.batch import BatchItem, build_step_batch
 from engine.config import EngineConfig
 from engine.distributed.group import RankFailure, TensorParallelGroup
+from engine.distributed.sharding import ShardRunner, load_shard
 from engine.model_loader import finish_loading, materialize
 from engine.model_runner import ModelRunner, collectives
 from engine.models.llama import LlamaForCausalLM
@@ -45,7 +46,7 @@ def rank_classes(config: EngineConfig) -> tuple[Callable[..., TensorParallelGrou
     """The group (made from rank, world size, store, device) and runner of each rank of a multi-process engine."""
     if config.pipeline_parallel_size > 1:
         return partial(PipelineGroup, tp_size=config.tensor_parallel_size), PipelineRunner
-    return TensorParallelGroup, ModelRunner
+    return TensorParallelGroup, ShardRunner
 
 
 class PipelineGroup(TensorParallelGroup):
@@ -162,8 +163,6 @@ class PipelineRunner(ModelRunner):
         self.layer_range = stage_layers(hf_config.num_hidden_layers, group.num_stages)[group.stage]
         if group.shard is None:
             return load_stage(model_dir, hf_config, self.max_model_len, self.dtype, self.device, self.layer_range)
-        from engine.distributed.sharding import load_shard
-
         return load_shard(model_dir, hf_config, self.max_model_len, self.dtype, self.device, group.shard,
                           self.layer_range)
 
