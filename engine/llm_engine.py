@@ -16,6 +16,7 @@ from engine.config import EngineConfig
 from engine.distributed.group import RankFailure
 from engine.kv_connector.factory import create_kv_connector
 from engine.lora.request import LoRARequest
+from engine.memory_plan import plan_kv_cache
 from engine.metrics import EngineStats
 from engine.model_loader import resolve_model
 from engine.model_runner import ModelRunner
@@ -27,6 +28,7 @@ from engine.scheduler import Scheduler, SchedulerLimits
 from engine.sequence import FinishReason, Sequence
 from engine.spec_decode.decoder import SpecDecoder
 from engine.spec_decode.decoders import SpecDecoderCache
+from engine.spec_decode.draft import DraftSetup
 from engine.spec_decode.verifier import verify_drafts
 from engine.structured_outputs import StructuredOutputs
 from engine.swap import SwapSpace
@@ -68,8 +70,9 @@ class LLMEngine:
             self.ranks = Ranks.start(config, self.model_dir, self.max_model_len)
             weakref.finalize(self, self.ranks.stop)
         try:
-            self.runner = runner_class(config, self.model_dir, hf_config, self.max_model_len, self.sampler,
-                                       self.ranks.group if self.ranks else None)
+            runner = self.runner = runner_class(config, self.model_dir, hf_config, self.max_model_len, self.sampler,
+                                                self.ranks.group if self.ranks else None)
+            runner.initialize_kv_cache(plan_kv_cache(config, runner.shape, runner.probe))
         except BaseException:
             self.shutdown()
             raise
@@ -80,16 +83,17 @@ class LLMEngine:
                                  config.scheduling_policy, config.long_prefill_token_threshold,
                                  config.max_loras if config.enable_lora else 0, config.preemption_mode)
         self._seq_ids = itertools.count()
-        self.kv_connector = create_kv_connector(config.kv_transfer_config, self.model_dir, self.runner,
-                                                kv)  # None without kv_transfer_config
+        self.kv_connector = create_kv_connector(config.kv_transfer_config, self.model_dir, runner.shape,
+                                                runner.transfer, runner.kv_plan.kv_scales, kv)
         self.scheduler = Scheduler(limits, kv, frozenset(eos), next_seq_id=self._seq_ids.__next__,
                                    swap=SwapSpace(self.runner.transfer.num_host_blocks), connector=self.kv_connector)
         self.beams = BeamCoordinator(frozenset(eos), self._seq_ids.__next__)
         self.stats = EngineStats()
         self.output = OutputProcessor(self.tokenizer, self.sampler, self.stats)
         self.step_observers: list[Callable[[list[RequestOutput]], None]] = []
-        self.spec_decoders = SpecDecoderCache(config.speculative_config, self.runner, self.sampler,
-                                              tensor_parallel=self.ranks is not None)
+        draft_setup = DraftSetup(runner.model, runner.shape, runner.kv_plan, runner.make_backend, runner.tensor,
+                                 self.sampler)
+        self.spec_decoders = SpecDecoderCache(config.speculative_config, draft_setup, self.ranks is not None)
         self._request_ids = itertools.count()
         self.set_speculative_config(None)
 

@@ -1,11 +1,12 @@
 """The only place that builds tensors for a step: turns a scheduler plan into a flat batch, copies blocks,
 runs the model over the paged KV pool and hands the logits rows to the sampler. Loading is `model_loader`'s,
-the pool's size `memory_plan`'s and sampling the `Sampler`'s."""
+the pool's size `memory_plan`'s (from the runner's `shape`; the runner is given the plan, `initialize_kv_cache`) and
+sampling the `Sampler`'s."""
 
 from __future__ import annotations
 
 import logging
-from contextlib import contextmanager
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -15,9 +16,9 @@ from engine import heap
 from engine.attention.base import AttentionBackend, StepBatch, allocate_kv_pool
 from engine.batch import BatchItem, PoolZeroing, build_step_batch
 from engine.config import EngineConfig
+from engine.kv_cache_interface import KVPlan, ModelProbe, ModelShape
 from engine.kv_transfer import KVTransfer
 from engine.lora.manager import LoRAManager
-from engine.memory_plan import plan_kv_cache
 from engine.model_loader import load_model, pick_device, pick_dtype
 from engine.models import cpu_gemm
 from engine.models.cpu_gemm import INVARIANT_ROWS
@@ -51,26 +52,35 @@ class ModelRunner:
         self.num_heads = shard.num_attention_heads
         self.head_dim = head_dim_of(shard)
         self.vocab_size = hf_config.vocab_size
-        self.kv_plan = plan_kv_cache(self)
-        if tp is not None:  # every rank's pool has as many blocks as the smallest plan allows
-            self.kv_plan.num_blocks = tp.min_int(self.kv_plan.num_blocks)
-        k, v = allocate_kv_pool(self.num_layers, self.num_kv_heads, self.kv_plan.num_blocks, self.block_size,
-                                self.head_dim, self.dtype, self.device, self.kv_plan.kv_scales)
+        self.sampler = sampler or Sampler(config.seed)
+        self.shape = ModelShape(self.num_layers, self.num_heads, self.num_kv_heads, self.head_dim, shard.hidden_size,
+                                shard.intermediate_size, self.vocab_size, self.dtype, self.device, self.block_size,
+                                max_model_len, sum(p.numel() * p.element_size() for p in self.model.parameters()),
+                                tp.world_size if tp is not None else 1, self.uses_cuda_graphs())
+        self.probe = ModelProbe(self.model, self.make_backend, self.tensor)  # what the memory plan may run
+
+    def initialize_kv_cache(self, plan: KVPlan) -> None:
+        """Allocate the KV pool of the memory plan (every rank's as many blocks as the smallest plan allows), its
+        attention backend and block copies, and capture the CUDA graphs over it."""
+        config = self.config
+        if self.tp is not None:
+            plan.num_blocks = self.tp.min_int(plan.num_blocks)
+        self.kv_plan = plan
+        k, v = allocate_kv_pool(self.num_layers, self.num_kv_heads, plan.num_blocks, self.block_size,
+                                self.head_dim, self.dtype, self.device, plan.kv_scales)
         self.attention = self.make_backend(k, v)
         self.zeroing = PoolZeroing(k + v)
         # copy-on-write and swap copies of the pool's blocks (swap bookkeeping: engine/swap.py)
         self.transfer = KVTransfer(self.attention.k_caches + self.attention.v_caches, self.zeroing, self.tensor,
                                    config.swap_space)
-        self.sampler = sampler or Sampler(config.seed)
         self.graphs = None  # decode steps as CUDA graphs (engine/cuda_graphs.py): CUDA and the Triton backend only
-        if self.uses_cuda_graphs():
+        if self.shape.cuda_graphs:
             from engine.cuda_graphs import DecodeGraphs
 
             reserved = torch.cuda.memory_reserved(self.device)
-            self.graphs = DecodeGraphs.for_runner(self)
+            self.graphs = DecodeGraphs.build(self.model, self.attention, self.shape, config.max_num_seqs)
             taken = torch.cuda.memory_reserved(self.device) - reserved
-            log.info("CUDA graphs reserved %.0f MiB (planned %.0f MiB)", taken / 2**20,
-                     self.kv_plan.graph_pool_bytes / 2**20)
+            log.info("CUDA graphs reserved %.0f MiB (planned %.0f MiB)", taken / 2**20, plan.graph_pool_bytes / 2**20)
         self.batch_invariant = False
         if config.batch_invariant == "auto":
             config.batch_invariant = self.device.type == "cpu" and cpu_gemm.invariant_kernels(self.dtype)
@@ -166,7 +176,7 @@ class ModelRunner:
         if batch is None:
             batch, _ = self.prepare(step.items)
         batch.sample_indices = self.tensor(step.sample_rows)
-        with collectives(self.tp):
+        with self.tp.collectives() if self.tp is not None else nullcontext():  # every rank runs this step
             if self.graphs is not None and not self.batch_invariant and self.graphs.can_run(batch):  # replay a decode
                 hidden = self.graphs.run(batch)
             else:
@@ -180,16 +190,3 @@ class ModelRunner:
                 logits = self.tp.gather_columns(logits)
                 return None if logits is None else (logits[:, :self.vocab_size], hidden)
             return logits, hidden
-
-
-@contextmanager
-def collectives(tp):
-    """The layers' all-reduces run inside (every rank runs the same step)."""
-    if tp is None:
-        yield
-        return
-    tp.active = True
-    try:
-        yield
-    finally:
-        tp.active = False

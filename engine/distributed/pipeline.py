@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
+from contextlib import nullcontext
 from functools import partial
 from pathlib import Path
 from typing import NamedTuple
@@ -21,7 +22,7 @@ from engine.config import EngineConfig
 from engine.distributed.group import RankFailure, TensorParallelGroup
 from engine.distributed.sharding import ShardRunner, load_shard
 from engine.model_loader import finish_loading, materialize
-from engine.model_runner import ModelRunner, collectives
+from engine.model_runner import ModelRunner
 from engine.models.llama import LlamaForCausalLM
 from engine.step_types import StepInput
 
@@ -178,7 +179,7 @@ class PipelineRunner(ModelRunner):
         self.split_steps += len(parts) > 1
         sends: list[tuple] = []
         try:
-            with collectives(group.shard):
+            with group.shard.collectives() if group.shard is not None else nullcontext():
                 for part in parts:
                     part_batch, _ = self.prepare(part.items)
                     hidden = None if first else group.receive_hidden(len(part_batch.positions), width, self.dtype,

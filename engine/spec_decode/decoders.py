@@ -4,15 +4,11 @@ from __future__ import annotations
 
 import json
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from engine.spec_decode.config import SpeculativeConfig
 from engine.spec_decode.decoder import SpecDecoder, draft_key
 from engine.spec_decode.draft import DraftSetup
-
-if TYPE_CHECKING:
-    from engine.model_runner import ModelRunner
-    from engine.sampler import Sampler
 
 MAX_SPEC_DECODERS = 4  # speculative settings kept ready (jobs switch between them)
 MAX_DRAFT_PROPOSERS = 2  # distinct draft models (or self-draft depths) kept, each with its own KV pool
@@ -28,10 +24,10 @@ class SpecDecoderCache:
     its proposer (model and KV pool). At most MAX_SPEC_DECODERS decoders and MAX_DRAFT_PROPOSERS distinct drafts
     are kept: the least recently used go first (the engine's own, `default`, is never dropped)."""
 
-    def __init__(self, default: dict[str, Any] | None, runner: ModelRunner, sampler: Sampler,
-                 tensor_parallel: bool) -> None:
+    def __init__(self, default: dict[str, Any] | None, setup: DraftSetup, tensor_parallel: bool) -> None:
+        """`setup`: what a draft proposer takes from the target's side."""
         self.default = default
-        self.runner, self.sampler, self.tensor_parallel = runner, sampler, tensor_parallel
+        self.setup, self.tensor_parallel = setup, tensor_parallel
         self.decoders: OrderedDict[str, SpecDecoder] = OrderedDict()
         self.current: SpecDecoder | None = None
         self.key: str | None = None  # the setting of `current`
@@ -78,8 +74,4 @@ class SpecDecoderCache:
             dropped = draft_key(decoders[oldest[0]].config)
             for key in [k for k in oldest if draft_key(decoders[k].config) == dropped]:
                 del decoders[key]
-        runner = self.runner
-        setup = DraftSetup(runner.model, runner.num_blocks, runner.block_size, runner.max_model_len, runner.dtype,
-                           runner.device, runner.kv_plan.draft_bytes_per_block, runner.make_backend, runner.tensor,
-                           self.sampler)
-        return SpecDecoder(config, setup, draft=shared)
+        return SpecDecoder(config, self.setup, draft=shared)

@@ -96,7 +96,7 @@ class MedusaProposer:
             log.info("num_speculative_tokens %d lowered to the Medusa head's %d heads", config.num_speculative_tokens,
                      heads.num_heads)
             config.num_speculative_tokens = heads.num_heads
-        self.heads = heads.to(device=setup.device, dtype=setup.dtype).eval()
+        self.heads = heads.to(device=setup.shape.device, dtype=setup.shape.dtype).eval()
         self.vocab = self.heads.vocab
         self.head_weight = target.lm_head_weight.index_select(0, self.vocab).contiguous()
         self.hidden: dict[int, tuple[int, torch.Tensor]] = {}  # seq_id -> (its num_tokens then, hidden state)
