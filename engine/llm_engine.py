@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import time
 import weakref
@@ -14,7 +13,9 @@ from engine.beam_search import BeamCoordinator, BeamSearchParams, beam_rejection
 from engine.block_pool import KVCacheManager
 from engine.config import EngineConfig
 from engine.distributed.group import RankFailure
+from engine.hf_files import eos_token_ids, load_config, load_tokenizer
 from engine.kv_connector.factory import create_kv_connector
+from engine.lora.manager import adapter_for
 from engine.lora.request import LoRARequest
 from engine.memory_plan import plan_kv_cache
 from engine.metrics import EngineStats
@@ -44,8 +45,6 @@ class LLMEngine:
     embedding_size: int | None = None  # it generates text
 
     def __init__(self, config: EngineConfig) -> None:
-        from engine.hf_files import load_config, load_tokenizer
-
         self.config = config
         self.model_dir = resolve_model(config.model)
         hf_config = load_config(self.model_dir)
@@ -57,17 +56,11 @@ class LLMEngine:
         eos = eos_token_ids(self.model_dir, self.tokenizer)
         self.structured = StructuredOutputs(self.tokenizer, hf_config.vocab_size, eos)
         self.sampler = Sampler(config.seed, frozenset(eos), self.structured, verify_drafts)
-        self.ranks = None  # the other tensor-parallel ranks' or pipeline stages' processes (engine/distributed/)
-        runner_class = ModelRunner
+        self.ranks, runner_class = None, ModelRunner  # ranks: the other processes of a multi-process engine
         if config.tensor_parallel_size > 1 or config.pipeline_parallel_size > 1:
-            from engine.distributed.pipeline import check_stages, rank_classes
-            from engine.distributed.ranks import Ranks
-            from engine.distributed.sharding import check_divisible
+            from engine.distributed.ranks import start_ranks
 
-            check_divisible(hf_config, config.tensor_parallel_size)
-            check_stages(hf_config.num_hidden_layers, config.pipeline_parallel_size)
-            runner_class = rank_classes(config)[1]
-            self.ranks = Ranks.start(config, self.model_dir, self.max_model_len)
+            self.ranks, runner_class = start_ranks(config, hf_config, self.model_dir, self.max_model_len)
             weakref.finalize(self, self.ranks.stop)
         try:
             runner = self.runner = runner_class(config, self.model_dir, hf_config, self.max_model_len, self.sampler,
@@ -172,7 +165,7 @@ class LLMEngine:
             raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
         if params.structured_outputs is not None:
             self.structured.compile(params.structured_outputs)  # an invalid schema fails here, as a ValueError
-        adapter = self._adapter(lora_request)
+        adapter = adapter_for(self.runner.lora, lora_request)
         seq = Sequence(next(self._seq_ids), request_id, self.encode(prompt), params, priority=priority,
                        cache_salt=cache_salt, lora=adapter)
         too_big = beam and beam_rejection(seq.num_prompt_tokens, beam, self.kv_manager)
@@ -183,16 +176,6 @@ class LLMEngine:
         if beam is not None and accepted:
             self.beams.add(request_id, seq, beam)
         return request_id
-
-    def _adapter(self, lora_request: LoRARequest | None):
-        if lora_request is None:
-            return None
-        if not isinstance(lora_request, LoRARequest):
-            raise ValueError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
-        if self.runner.lora is None:
-            raise ValueError(f"request names LoRA adapter {lora_request.lora_name!r} but the engine serves none: "
-                             "start it with enable_lora=True")
-        return self.runner.lora.load(lora_request)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now; it is dropped without an output. False when it is unknown or done."""
@@ -244,7 +227,7 @@ class LLMEngine:
         if self.kv_connector is not None:  # the full blocks this step computed, while the plan still holds them
             self.kv_connector.wait_for_save(plan)
         if self.spec:
-            self._record_spec(*self.spec.observe(plan, output, time.perf_counter() - ran))
+            self.stats.record_spec(*self.spec.observe(plan, output, time.perf_counter() - ran))
         if self.beams.groups:
             self.beams.select(plan, output)  # picks the beams' tokens and forks by their top logprobs
         stops = self.output.stop_strings(plan, output, self.scheduler.kept_tokens)  # {seq_id: stop string}
@@ -253,48 +236,14 @@ class LLMEngine:
             if not seq.is_finished:
                 self.kv_manager.trim(seq)
         self.output.keep_logprobs(plan, output)
-        self._record(plan, plan.num_batched_tokens - num_decode_tokens, output.num_tokens, started)
+        self.stats.record_step(plan, plan.num_batched_tokens - num_decode_tokens, output.num_tokens, started)
         if self.beams.groups:
             done += self.beams.settle(plan, self.scheduler, self.output, self.tokenizer)
         return done + self.output.finish(finished)
 
-    def _record(self, plan, num_prefill_tokens: int, num_sampled: int, started: float) -> None:
-        stats = self.stats
-        stats.computed_prefill_tokens += num_prefill_tokens
-        stats.prompt_tokens += sum(s.seq.num_prompt_tokens for s in plan.scheduled
-                                   if s.sample and s.seq.num_output_tokens == 1)
-        stats.generation_tokens += num_sampled
-        elapsed = time.perf_counter() - started
-        stats.num_steps += 1
-        stats.step_time_total += elapsed
-        stats.step_times.append(elapsed)
-
-    def _record_spec(self, drafted: int, accepted: int, by_position: list[int]) -> None:
-        stats = self.stats
-        stats.spec_draft_tokens += drafted
-        stats.spec_accepted_tokens += accepted
-        if len(stats.spec_accepted_by_position) < len(by_position):
-            stats.spec_accepted_by_position += [0] * (len(by_position) - len(stats.spec_accepted_by_position))
-        for position, count in enumerate(by_position):
-            stats.spec_accepted_by_position[position] += count
-
     def get_stats(self) -> EngineStats:
-        stats, kv = self.stats, self.scheduler.kv
-        stats.num_running = len(self.scheduler.running)
-        stats.num_waiting = len(self.scheduler.waiting)
-        stats.kv_cache_usage = kv.pool.usage
-        stats.num_preemptions = self.scheduler.num_preemptions
-        stats.num_swapped = len(self.scheduler.swapped)
-        stats.kv_blocks_swapped_out = self.scheduler.swap.stats.blocks_swapped_out
-        stats.kv_blocks_swapped_in = self.scheduler.swap.stats.blocks_swapped_in
-        if self.kv_connector is not None:
-            moved = self.kv_connector.stats
-            stats.kv_connector_blocks_loaded, stats.kv_connector_blocks_saved = moved.blocks_loaded, moved.blocks_saved
-            stats.kv_connector_blocks_rejected, stats.kv_connector_store_errors = (moved.blocks_rejected,
-                                                                                   moved.store_errors)
-        stats.prefix_cache_queries = kv.stats.queries
-        stats.prefix_cache_hits = kv.stats.hits
-        return stats
+        self.scheduler.read_gauges(self.stats)
+        return self.stats
 
     def stream(self, requests: Iterable[tuple], max_pending: int | None = None,
                should_stop: Callable[[], bool] | None = None) -> Iterator[RequestOutput]:
@@ -324,14 +273,3 @@ class LLMEngine:
             for request_id in added:
                 self.abort(request_id)
 
-
-def eos_token_ids(model_dir, tokenizer) -> set[int]:
-    """EOS ids from generation_config.json (what `generate` stops on) and the tokenizer."""
-    ids: set[int] = set()
-    path = model_dir / "generation_config.json"
-    if path.is_file():
-        value = json.loads(path.read_text()).get("eos_token_id")
-        ids.update(value if isinstance(value, list) else [] if value is None else [value])
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return ids

@@ -21,6 +21,7 @@ from engine.swap import SWAP_MIN_COMPUTED_TOKENS, SwapSpace
 
 if TYPE_CHECKING:
     from engine.kv_connector.base import KVConnector
+    from engine.metrics import EngineStats
 
 __all__ = ["Scheduler", "SchedulerLimits", "ScheduledSeq", "SchedulerOutput"]
 
@@ -363,6 +364,24 @@ class Scheduler:
             return False
         self.finish(seq, reason)
         return True
+
+    def read_gauges(self, stats: EngineStats) -> None:
+        """Set `stats`' gauges and counters of what the scheduler holds: queues, KV pool, swap, prefix cache and KV
+        connector."""
+        kv = self.kv
+        stats.num_running, stats.num_waiting = len(self.running), len(self.waiting)
+        stats.num_swapped = len(self.swapped)
+        stats.kv_cache_usage = kv.pool.usage
+        stats.num_preemptions = self.num_preemptions
+        stats.kv_blocks_swapped_out = self.swap.stats.blocks_swapped_out
+        stats.kv_blocks_swapped_in = self.swap.stats.blocks_swapped_in
+        if self.connector is not None:
+            moved = self.connector.stats
+            stats.kv_connector_blocks_loaded, stats.kv_connector_blocks_saved = moved.blocks_loaded, moved.blocks_saved
+            stats.kv_connector_blocks_rejected, stats.kv_connector_store_errors = (moved.blocks_rejected,
+                                                                                   moved.store_errors)
+        stats.prefix_cache_queries = kv.stats.queries
+        stats.prefix_cache_hits = kv.stats.hits
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         """Finish a waiting, running or swapped sequence and release its blocks (host blocks too)."""
