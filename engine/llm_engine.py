@@ -31,6 +31,8 @@ from engine.spec_decode.decoder import SpecDecoder
 from engine.spec_decode.decoders import SpecDecoderCache
 from engine.spec_decode.draft import DraftSetup
 from engine.spec_decode.verifier import verify_drafts
+from engine.step_hooks import StepHook
+from engine.step_types import StepEdits
 from engine.structured_outputs import StructuredOutputs
 from engine.swap import SwapSpace
 
@@ -53,9 +55,9 @@ class LLMEngine:
         if config.max_model_len is not None and config.max_model_len > model_len:
             raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's context ({model_len})")
         self.max_model_len = config.max_model_len or model_len
-        eos = eos_token_ids(self.model_dir, self.tokenizer)
+        eos = frozenset(eos_token_ids(self.model_dir, self.tokenizer))
         self.structured = StructuredOutputs(self.tokenizer, hf_config.vocab_size, eos)
-        self.sampler = Sampler(config.seed, frozenset(eos), self.structured, verify_drafts)
+        self.sampler = Sampler(config.seed, eos, self.structured, verify_drafts)
         self.ranks, runner_class = None, ModelRunner  # ranks: the other processes of a multi-process engine
         if config.tensor_parallel_size > 1 or config.pipeline_parallel_size > 1:
             from engine.distributed.ranks import start_ranks
@@ -69,8 +71,8 @@ class LLMEngine:
         except BaseException:
             self.shutdown()
             raise
-        kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
-                            watermark_blocks=max(1, self.runner.num_blocks // 100))
+        kv = KVCacheManager(runner.num_blocks, config.block_size, config.enable_prefix_caching,
+                            watermark_blocks=max(1, runner.num_blocks // 100))
         limits = SchedulerLimits(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
                                  config.enable_chunked_prefill, config.admission_lookahead,
                                  config.scheduling_policy, config.long_prefill_token_threshold,
@@ -78,15 +80,18 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self.kv_connector = create_kv_connector(config.kv_transfer_config, self.model_dir, runner.shape,
                                                 runner.transfer, runner.kv_plan.kv_scales, kv)
-        self.scheduler = Scheduler(limits, kv, frozenset(eos), next_seq_id=self._seq_ids.__next__,
-                                   swap=SwapSpace(self.runner.transfer.num_host_blocks), connector=self.kv_connector)
-        self.beams = BeamCoordinator(frozenset(eos), self._seq_ids.__next__)
+        self.scheduler = Scheduler(limits, kv, eos, next_seq_id=self._seq_ids.__next__,
+                                   swap=SwapSpace(runner.transfer.num_host_blocks), connector=self.kv_connector)
         self.stats = EngineStats()
         self.output = OutputProcessor(self.tokenizer, self.sampler, self.stats)
         self.step_observers: list[Callable[[list[RequestOutput]], None]] = []
+        self.beams = BeamCoordinator(eos, self._seq_ids.__next__, self.scheduler, self.output, self.tokenizer)
         draft_setup = DraftSetup(runner.model, runner.shape, runner.kv_plan, runner.make_backend, runner.tensor,
                                  self.sampler)
-        self.spec_decoders = SpecDecoderCache(config.speculative_config, draft_setup, self.ranks is not None)
+        self.spec_decoders = SpecDecoderCache(config.speculative_config, draft_setup, self.ranks is not None,
+                                              self.stats)
+        # the features in the step (engine/step_hooks.py), called in this order at each hook point
+        self.hooks: list[StepHook] = [h for h in (self.kv_connector, self.spec_decoders, self.beams) if h is not None]
         self._request_ids = itertools.count()
         self.set_speculative_config(None)
 
@@ -204,41 +209,32 @@ class LLMEngine:
         return outputs
 
     def _step(self) -> list[RequestOutput]:
+        """vLLM v1's step: schedule, execute, the scheduler's update; the hooks around them (`self.hooks`)."""
         started = time.perf_counter()
-        done = self.output.finish_rejected()
-        plan = self.scheduler.schedule(self.spec.lookahead(self.scheduler.running) if self.spec else 0)
-        done += self.output.finish_failed(plan.failed)
-        if plan.failed:
-            self.beams.settle_lost(self.output)
+        plan = self.scheduler.schedule(self.spec_decoders.lookahead(self.scheduler.running))
+        done = self.output.finish_rejected() + self.output.finish_failed(plan.failed)
+        for hook in self.hooks:
+            hook.scheduled(plan)
         if plan.is_empty:  # everything was preempted or failed: the next step admits again
             return done
         self.output.add_forks(plan)
-        num_decode_tokens = sum(1 for s in plan.scheduled
-                                if s.num_new_tokens == 1 and s.seq.num_computed_tokens >= s.seq.num_prompt_tokens)
-        undrafted = self.beams.skip_drafts(plan) if self.spec else []
-        if self.spec:
-            plan.spec_token_ids, plan.spec_draft_probs = self.spec.propose(plan)
+        num_prefill_tokens = plan.num_prefill_tokens
+        for hook in self.hooks:
+            hook.before_execute(plan)
         ran = time.perf_counter()
         try:
             output = self.runner.execute(plan)
         except RankFailure:  # a tensor-parallel rank or stage is gone: the engine is down, the other ranks stop too
             self.shutdown()
             raise
-        if self.kv_connector is not None:  # the full blocks this step computed, while the plan still holds them
-            self.kv_connector.wait_for_save(plan)
-        if self.spec:
-            self.stats.record_spec(*self.spec.observe(plan, output, time.perf_counter() - ran))
-        if self.beams.groups:
-            self.beams.select(plan, output)  # picks the beams' tokens and forks by their top logprobs
+        edits = StepEdits.merge([hook.after_execute(plan, output, ran) for hook in self.hooks])
+        output = output.edited(edits)  # beams' picks in place of what was sampled for them
         stops = self.output.stop_strings(plan, output, self.scheduler.kept_tokens)  # {seq_id: stop string}
-        finished = self.scheduler.update(plan, output, stops)
-        for seq in undrafted:
-            if not seq.is_finished:
-                self.kv_manager.trim(seq)
+        finished = self.scheduler.update_from_output(plan, output, stops, edits.forks)
         self.output.keep_logprobs(plan, output)
-        self.stats.record_step(plan, plan.num_batched_tokens - num_decode_tokens, output.num_tokens, started)
-        if self.beams.groups:
-            done += self.beams.settle(plan, self.scheduler, self.output, self.tokenizer)
+        self.stats.record_step(plan, num_prefill_tokens, output.num_tokens, started)
+        for hook in self.hooks:
+            done += hook.after_update(plan)
         return done + self.output.finish(finished)
 
     def get_stats(self) -> EngineStats:

@@ -298,10 +298,16 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self._enqueue(seq, front=True)
 
-    def preempt(self, seq: Sequence) -> None:
-        """Preempt a running sequence between steps (a beam whose sibling was preempted: beams run together)."""
-        if seq.status is SequenceStatus.RUNNING:
-            self._preempt(seq)
+    def preempt_together(self, seqs: list[Sequence]) -> None:
+        """Preempt the running ones of `seqs` between steps and queue them next to each other, so that admission
+        meets them in one run (a beam group whose beam was preempted: beams holding blocks while a sibling cannot
+        come back would stall)."""
+        for seq in seqs:
+            if seq.status is SequenceStatus.RUNNING:
+                self._preempt(seq)
+        seq_ids = {seq.seq_id for seq in seqs}
+        _queue_together(self.waiting, seq_ids)
+        _queue_together(self.swapped, seq_ids)
 
     def _swaps(self, seq: Sequence) -> bool:
         """Is seq swapped rather than recomputed (when the swap space has room)?"""
@@ -310,19 +316,20 @@ class Scheduler:
             return seq.num_computed_tokens >= SWAP_MIN_COMPUTED_TOKENS
         return mode == "swap"
 
-    def update(self, out: SchedulerOutput, output: ModelRunnerOutput,
-               stopped: dict[int, str] | None = None) -> list[Sequence]:
+    def update_from_output(self, out: SchedulerOutput, output: ModelRunnerOutput, stopped: dict[int, str] | None = None,
+                           forks: dict[int, list[Sequence]] | None = None) -> list[Sequence]:
         """Advance the counters of every scheduled sequence and append each one's new tokens, looked up by id
-        in `output` (the accepted drafts, then one sampled token); forked samples join the running list here.
-        `stopped`: seq_id -> the stop string its new text reached, which finishes it. Returns the sequences
-        that finished; their blocks are freed. Slots taken for drafts that were not accepted are released."""
-        stopped = stopped or {}
+        in `output` (the accepted drafts, then one sampled token); forked samples join the running list here, the
+        plan's and `forks` (a beam picked twice). `stopped`: seq_id -> the stop string its new text reached, which
+        finishes it. Returns the sequences that finished; their blocks are freed. Slots taken for drafts that were
+        not accepted, or withheld, are released."""
+        stopped, forks = stopped or {}, forks or {}
         finished = []
         for seq, num_new, sample in out.scheduled:
             seq.num_computed_tokens += num_new
             if not sample:
                 continue
-            children = out.forks.get(seq.seq_id, [])
+            children = out.forks.get(seq.seq_id, []) + forks.get(seq.seq_id, [])
             if children:
                 seq.children = children
             for child in children:
@@ -336,6 +343,9 @@ class Scheduler:
                 if self._append(member, new_tokens, stopped.get(member.seq_id)):
                     finished.append(member)
             if seq.seq_id in out.spec_lookahead and not seq.is_finished:
+                self.kv.trim(seq)
+        for seq in out.spec_withheld:
+            if not seq.is_finished:
                 self.kv.trim(seq)
         return finished
 
@@ -400,3 +410,14 @@ class Scheduler:
 
 def _priority_key(seq: Sequence) -> tuple[int, float, int]:
     return seq.priority, seq.arrival_time, seq.seq_id
+
+
+def _queue_together(queue: deque[Sequence], seq_ids: set[int]) -> None:
+    """Move the queued sequences of `seq_ids` next to the first of them."""
+    members = [s for s in queue if s.seq_id in seq_ids]
+    if len(members) < 2:
+        return
+    first = next(i for i, s in enumerate(queue) if s.seq_id in seq_ids)
+    rest = [s for s in queue if s.seq_id not in seq_ids]
+    queue.clear()
+    queue.extend(rest[:first] + members + rest[first:])
