@@ -22,7 +22,7 @@ _EXPORTS = {
     "EmbeddingEngine": "engine.embedding_engine",
     "PoolingParams": "engine.pooling",
     "LoRARequest": "engine.lora.request",
-    "KVTransferConfig": "engine.kv_connector.config",
+    "KVTransferConfig": "engine.config",
 }
 
 __all__ = list(_EXPORTS)

@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, NamedTuple
 from engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, SampleLogprobs
 from engine.sampling_params import SamplingParams
 from engine.sequence import FinishReason, Sequence
+from engine.step_hooks import StepHook
+from engine.step_types import StepEdits
 
 if TYPE_CHECKING:
     from engine.block_pool import KVCacheManager
@@ -171,14 +173,16 @@ class BeamGroup:
     next_sample_index: int = 0
 
 
-class BeamCoordinator:
-    """The engine's beam groups by request id. Each step `select` (after the runner, before the scheduler's update)
-    rewrites the sampled tokens of beam sequences and adds forks to the plan; `settle` (after the update) frees the
-    beams not chosen and returns the outputs of finished groups."""
+class BeamCoordinator(StepHook):
+    """The engine's beam groups by request id, a hook of its step (engine/step_hooks.py). Each step `select` (after
+    the runner) picks the beams' tokens and forks, handed to the scheduler's update as `StepEdits`; `settle` (after
+    the update) frees the beams not chosen and returns the outputs of finished groups."""
 
-    def __init__(self, eos_token_ids: frozenset[int], next_seq_id: Callable[[], int]) -> None:
+    def __init__(self, eos_token_ids: frozenset[int], next_seq_id: Callable[[], int], scheduler: Scheduler,
+                 outputs: OutputProcessor, tokenizer) -> None:
         self.eos_token_ids = eos_token_ids
         self.next_seq_id = next_seq_id
+        self.scheduler, self.outputs, self.tokenizer = scheduler, outputs, tokenizer
         self.groups: dict[str, BeamGroup] = {}
         self.by_seq: dict[int, BeamGroup] = {}  # live beam seq_id -> its group
         self._dropped: list[Sequence] = []  # beams to free after the update
@@ -198,29 +202,37 @@ class BeamCoordinator:
     def is_beam(self, seq: Sequence) -> bool:
         return seq.seq_id in self.by_seq
 
-    def skip_drafts(self, plan: SchedulerOutput) -> list[Sequence]:
-        """Take the beams out of speculative decoding this step (they advance one token at a time); returns them,
-        their draft slots to be trimmed after the update."""
-        skipped = [s.seq for s in plan.scheduled if s.seq.seq_id in plan.spec_lookahead and self.is_beam(s.seq)]
-        for seq in skipped:
-            del plan.spec_lookahead[seq.seq_id]
-        return skipped
+    def scheduled(self, plan: SchedulerOutput) -> None:
+        """Forget the groups whose request failed; take the beams out of speculative decoding this step (they
+        advance one token at a time)."""
+        if plan.failed:
+            self.settle_lost()
+        plan.withhold_drafts([s.seq for s in plan.scheduled
+                              if s.seq.seq_id in plan.spec_lookahead and self.is_beam(s.seq)])
 
-    def select(self, plan: SchedulerOutput, output: ModelRunnerOutput) -> None:
+    def after_execute(self, plan: SchedulerOutput, output: ModelRunnerOutput, started: float) -> StepEdits | None:
+        return self.select(plan, output) if self.groups else None
+
+    def after_update(self, plan: SchedulerOutput) -> list[RequestOutput]:
+        return self.settle(plan) if self.groups else []
+
+    def select(self, plan: SchedulerOutput, output: ModelRunnerOutput) -> StepEdits:
+        """The beams' tokens (and forks) in place of what was sampled for them; their logprobs are the search's."""
+        edits = StepEdits()
         sampled = {s.seq.seq_id for s in plan.scheduled if s.sample}
         groups = {id(g): g for i in sampled if (g := self.by_seq.get(i)) is not None}
         for group in groups.values():
             live = [b.seq.seq_id for b in group.beams]
             if all(i in sampled for i in live):
-                self._advance(group, plan, output)
+                self._advance(group, plan, output, edits)
             else:  # not in lockstep this step: the sampled beams give their token back and recompute it
                 for seq_id in live:
                     if seq_id in sampled:
-                        output.sampled_token_ids[seq_id] = []
-            for seq_id in live + [c.seq_id for c in plan.forks.get(group.first.seq_id, [])]:
-                output.logprobs.pop(seq_id, None)
+                        edits.tokens[seq_id] = []
+            edits.drop_logprobs.update(live + [c.seq_id for c in plan.forks.get(group.first.seq_id, [])])
+        return edits
 
-    def _advance(self, group: BeamGroup, plan: SchedulerOutput, output: ModelRunnerOutput) -> None:
+    def _advance(self, group: BeamGroup, plan: SchedulerOutput, output: ModelRunnerOutput, edits: StepEdits) -> None:
         beams = group.beams
         rows = [{token: lp.logprob for token, lp in output.logprobs[b.seq.seq_id][-1].items()} for b in beams]
         outputs = lambda i: (beams[i].seq.output_token_ids, beams[i].logprobs + [self._entry(output, beams[i])])
@@ -238,17 +250,17 @@ class BeamCoordinator:
             elif (seq := next(spare, None)) is None:
                 seq = parent.seq.fork(self.next_seq_id(), group.next_sample_index)
                 group.next_sample_index += 1
-                plan.forks.setdefault(parent.seq.seq_id, []).append(seq)
-            output.sampled_token_ids[seq.seq_id] = [candidate.token]
+                edits.forks.setdefault(parent.seq.seq_id, []).append(seq)
+            edits.tokens[seq.seq_id] = [candidate.token]
             entry = self._entry(output, parent)
             next_beams.append(Beam(seq, candidate.cum_logprob, parent.logprobs + [entry]))
         for seq in spare:  # the search ended at the first step: the prompt's forks are not needed
-            output.sampled_token_ids[seq.seq_id] = []
+            edits.tokens[seq.seq_id] = []
             self._dropped.append(seq)
         for index, beam in enumerate(beams):
             self.by_seq.pop(beam.seq.seq_id, None)
             if index not in taken:
-                output.sampled_token_ids[beam.seq.seq_id] = []
+                edits.tokens[beam.seq.seq_id] = []
                 self._dropped.append(beam.seq)
         group.beams = next_beams
         for beam in next_beams:
@@ -260,12 +272,11 @@ class BeamCoordinator:
     def _entry(output: ModelRunnerOutput, beam: Beam) -> dict[int, Logprob]:
         return output.logprobs[beam.seq.seq_id][-1]
 
-    def settle(self, plan: SchedulerOutput, scheduler: Scheduler, outputs: OutputProcessor,
-               tokenizer) -> list[RequestOutput]:
+    def settle(self, plan: SchedulerOutput) -> list[RequestOutput]:
         """After the scheduler's update: free the beams not chosen, sync each request's sequences with its live
         beams, and finish the groups whose search ended. A group one of whose beams the step preempted is preempted
-        whole and queued in one run, so that it is admitted again together (beams holding blocks while a sibling
-        cannot come back would stall)."""
+        whole and queued in one run (`Scheduler.preempt_together`), so that it is admitted again together."""
+        scheduler, outputs, tokenizer = self.scheduler, self.outputs, self.tokenizer
         preempted = {seq.seq_id for seq in plan.preempted}
         for seq in self._dropped:
             if not seq.is_finished:
@@ -276,10 +287,7 @@ class BeamCoordinator:
             if request is not None:
                 request.seqs = [b.seq for b in group.beams] or [group.first]
             if any(b.seq.seq_id in preempted for b in group.beams):  # the group waits and comes back together
-                for beam in group.beams:
-                    scheduler.preempt(beam.seq)
-                _queue_together(scheduler.waiting, {b.seq.seq_id for b in group.beams})
-                _queue_together(scheduler.swapped, {b.seq.seq_id for b in group.beams})
+                scheduler.preempt_together([b.seq for b in group.beams])
         done, self._done = self._done, []
         finished = []
         for group in done:
@@ -292,21 +300,10 @@ class BeamCoordinator:
             finished.append(group_output(group, request.prompt if request is not None else None, tokenizer))
         return finished
 
-    def settle_lost(self, outputs: OutputProcessor) -> None:
+    def settle_lost(self) -> None:
         """Forget the groups whose request left the engine another way (failed, aborted)."""
-        for request_id in [r for r in self.groups if r not in outputs.requests]:
+        for request_id in [r for r in self.groups if r not in self.outputs.requests]:
             self.drop(request_id)
-
-
-def _queue_together(queue, seq_ids: set[int]) -> None:
-    """Move the queued sequences of `seq_ids` next to the first of them, so admission meets them in one run."""
-    members = [s for s in queue if s.seq_id in seq_ids]
-    if len(members) < 2:
-        return
-    first = next(i for i, s in enumerate(queue) if s.seq_id in seq_ids)
-    rest = [s for s in queue if s.seq_id not in seq_ids]
-    queue.clear()
-    queue.extend(rest[:first] + members + rest[first:])
 
 
 def group_output(group: BeamGroup, prompt: str | None, tokenizer) -> RequestOutput:

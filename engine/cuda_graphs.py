@@ -12,10 +12,14 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.attention.base import AttentionBackend, StepBatch
+
+if TYPE_CHECKING:
+    from engine.kv_cache_interface import ModelShape
 
 log = logging.getLogger("tokenmill.engine")
 
@@ -52,9 +56,10 @@ class DecodeGraphs:
         self.replays = 0
 
     @classmethod
-    def for_runner(cls, runner, capture: bool = True) -> DecodeGraphs:
-        max_blocks = -(-runner.max_model_len // runner.block_size)
-        graphs = cls(runner.model, runner.attention, runner.config.max_num_seqs, max_blocks, runner.device, capture)
+    def build(cls, model: torch.nn.Module, attention: AttentionBackend, shape: ModelShape, max_num_seqs: int,
+              capture: bool = True) -> DecodeGraphs:
+        """The buffers for `shape`'s longest sequences, and every size captured (unless `capture` is off)."""
+        graphs = cls(model, attention, max_num_seqs, shape.max_blocks_per_seq, shape.device, capture)
         if capture:
             graphs.capture_all()
         return graphs

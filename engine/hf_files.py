@@ -37,3 +37,15 @@ def load_tokenizer(model_dir: str | Path) -> Any:
     if named in LIGHT_TOKENIZERS and (Path(model_dir) / "tokenizer.json").exists():
         return getattr(transformers, named).from_pretrained(model_dir)
     return transformers.AutoTokenizer.from_pretrained(model_dir)
+
+
+def eos_token_ids(model_dir: Path, tokenizer) -> set[int]:
+    """EOS ids from generation_config.json (what `generate` stops on) and the tokenizer."""
+    ids: set[int] = set()
+    path = model_dir / "generation_config.json"
+    if path.is_file():
+        value = json.loads(path.read_text()).get("eos_token_id")
+        ids.update(value if isinstance(value, list) else [] if value is None else [value])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids

@@ -13,11 +13,16 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+from engine.kv_cache_interface import KVScales
+
+if TYPE_CHECKING:
+    from engine.config import EngineConfig
+    from engine.kv_cache_interface import ModelShape
 
 log = logging.getLogger("tokenmill.engine")
 
@@ -46,17 +51,6 @@ CALIBRATION_TEXT = (  # fixed: prose, dialogue, code, numbers, a list, several l
 
 def is_fp8(kv_cache_dtype: str) -> bool:
     return kv_cache_dtype in ("fp8", "fp8_e4m3")
-
-
-@dataclass
-class KVScales:
-    """Per layer and KV head, float32 [layers, Hkv]: the K and the V scales of an FP8 pool."""
-
-    k: torch.Tensor
-    v: torch.Tensor
-
-    def to_dict(self) -> dict[str, list[list[float]]]:
-        return {"k": self.k.tolist(), "v": self.v.tolist()}
 
 
 def quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -145,19 +139,18 @@ def calibrate(model, model_dir: str | Path | None, num_layers: int, num_kv_heads
     return KVScales(scale(recorder.k), scale(recorder.v))
 
 
-def kv_scales_for(runner) -> KVScales | None:
-    """The FP8 pool's scales for the runner's engine (None: the pool holds the model's dtype)."""
-    config = runner.config
+def kv_scales_for(config: EngineConfig, shape: ModelShape, model) -> KVScales | None:
+    """The FP8 pool's scales for the engine of `config` (None: the pool holds the model's dtype), calibrated on
+    `model` unless given."""
     if not is_fp8(config.kv_cache_dtype):
         return None
     if config.kv_cache_scales is not None:
-        scales = scales_from(config.kv_cache_scales, runner.num_layers, runner.num_kv_heads)
+        scales = scales_from(config.kv_cache_scales, shape.num_layers, shape.num_kv_heads)
         log.info("FP8 KV cache: given scales (K %.3g-%.3g, V %.3g-%.3g)", scales.k.min(), scales.k.max(),
                  scales.v.min(), scales.v.max())
         return scales
-    model = runner.model
-    scales = calibrate(model, getattr(model.config, "_name_or_path", None), runner.num_layers, runner.num_kv_heads,
-                       runner.head_dim, runner.vocab_size, min(runner.max_model_len, 512), runner.device)
+    scales = calibrate(model, getattr(model.config, "_name_or_path", None), shape.num_layers, shape.num_kv_heads,
+                       shape.head_dim, shape.vocab_size, min(shape.max_model_len, 512), shape.device)
     log.info("FP8 KV cache: scales calibrated on the built-in text (K %.3g-%.3g, V %.3g-%.3g, headroom %gx)",
              scales.k.min(), scales.k.max(), scales.v.min(), scales.v.max(), HEADROOM)
     return scales

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import time
 import weakref
@@ -14,8 +13,11 @@ from engine.beam_search import BeamCoordinator, BeamSearchParams, beam_rejection
 from engine.block_pool import KVCacheManager
 from engine.config import EngineConfig
 from engine.distributed.group import RankFailure
+from engine.hf_files import eos_token_ids, load_config, load_tokenizer
 from engine.kv_connector.factory import create_kv_connector
+from engine.lora.manager import adapter_for
 from engine.lora.request import LoRARequest
+from engine.memory_plan import plan_kv_cache
 from engine.metrics import EngineStats
 from engine.model_loader import resolve_model
 from engine.model_runner import ModelRunner
@@ -27,6 +29,10 @@ from engine.scheduler import Scheduler, SchedulerLimits
 from engine.sequence import FinishReason, Sequence
 from engine.spec_decode.decoder import SpecDecoder
 from engine.spec_decode.decoders import SpecDecoderCache
+from engine.spec_decode.draft import DraftSetup
+from engine.spec_decode.verifier import verify_drafts
+from engine.step_hooks import StepHook
+from engine.step_types import StepEdits
 from engine.structured_outputs import StructuredOutputs
 from engine.swap import SwapSpace
 
@@ -41,8 +47,6 @@ class LLMEngine:
     embedding_size: int | None = None  # it generates text
 
     def __init__(self, config: EngineConfig) -> None:
-        from engine.hf_files import load_config, load_tokenizer
-
         self.config = config
         self.model_dir = resolve_model(config.model)
         hf_config = load_config(self.model_dir)
@@ -51,44 +55,43 @@ class LLMEngine:
         if config.max_model_len is not None and config.max_model_len > model_len:
             raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's context ({model_len})")
         self.max_model_len = config.max_model_len or model_len
-        eos = eos_token_ids(self.model_dir, self.tokenizer)
+        eos = frozenset(eos_token_ids(self.model_dir, self.tokenizer))
         self.structured = StructuredOutputs(self.tokenizer, hf_config.vocab_size, eos)
-        self.sampler = Sampler(config.seed, frozenset(eos), self.structured)
-        self.ranks = None  # the other tensor-parallel ranks' or pipeline stages' processes (engine/distributed/)
-        runner_class = ModelRunner
+        self.sampler = Sampler(config.seed, eos, self.structured, verify_drafts)
+        self.ranks, runner_class = None, ModelRunner  # ranks: the other processes of a multi-process engine
         if config.tensor_parallel_size > 1 or config.pipeline_parallel_size > 1:
-            from engine.distributed.pipeline import check_stages, rank_classes
-            from engine.distributed.ranks import Ranks
-            from engine.distributed.sharding import check_divisible
+            from engine.distributed.ranks import start_ranks
 
-            check_divisible(hf_config, config.tensor_parallel_size)
-            check_stages(hf_config.num_hidden_layers, config.pipeline_parallel_size)
-            runner_class = rank_classes(config)[1]
-            self.ranks = Ranks.start(config, self.model_dir, self.max_model_len)
+            self.ranks, runner_class = start_ranks(config, hf_config, self.model_dir, self.max_model_len)
             weakref.finalize(self, self.ranks.stop)
         try:
-            self.runner = runner_class(config, self.model_dir, hf_config, self.max_model_len, self.sampler,
-                                       self.ranks.group if self.ranks else None)
+            runner = self.runner = runner_class(config, self.model_dir, hf_config, self.max_model_len, self.sampler,
+                                                self.ranks.group if self.ranks else None)
+            runner.initialize_kv_cache(plan_kv_cache(config, runner.shape, runner.probe))
         except BaseException:
             self.shutdown()
             raise
-        kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
-                            watermark_blocks=max(1, self.runner.num_blocks // 100))
+        kv = KVCacheManager(runner.num_blocks, config.block_size, config.enable_prefix_caching,
+                            watermark_blocks=max(1, runner.num_blocks // 100))
         limits = SchedulerLimits(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
                                  config.enable_chunked_prefill, config.admission_lookahead,
                                  config.scheduling_policy, config.long_prefill_token_threshold,
                                  config.max_loras if config.enable_lora else 0, config.preemption_mode)
         self._seq_ids = itertools.count()
-        self.kv_connector = create_kv_connector(config.kv_transfer_config, self.model_dir, self.runner,
-                                                kv)  # None without kv_transfer_config
-        self.scheduler = Scheduler(limits, kv, frozenset(eos), next_seq_id=self._seq_ids.__next__,
-                                   swap=SwapSpace(self.runner.transfer.num_host_blocks), connector=self.kv_connector)
-        self.beams = BeamCoordinator(frozenset(eos), self._seq_ids.__next__)
+        self.kv_connector = create_kv_connector(config.kv_transfer_config, self.model_dir, runner.shape,
+                                                runner.transfer, runner.kv_plan.kv_scales, kv)
+        self.scheduler = Scheduler(limits, kv, eos, next_seq_id=self._seq_ids.__next__,
+                                   swap=SwapSpace(runner.transfer.num_host_blocks), connector=self.kv_connector)
         self.stats = EngineStats()
         self.output = OutputProcessor(self.tokenizer, self.sampler, self.stats)
         self.step_observers: list[Callable[[list[RequestOutput]], None]] = []
-        self.spec_decoders = SpecDecoderCache(config.speculative_config, self.runner, self.sampler,
-                                              tensor_parallel=self.ranks is not None)
+        self.beams = BeamCoordinator(eos, self._seq_ids.__next__, self.scheduler, self.output, self.tokenizer)
+        draft_setup = DraftSetup(runner.model, runner.shape, runner.kv_plan, runner.make_backend, runner.tensor,
+                                 self.sampler)
+        self.spec_decoders = SpecDecoderCache(config.speculative_config, draft_setup, self.ranks is not None,
+                                              self.stats)
+        # the features in the step (engine/step_hooks.py), called in this order at each hook point
+        self.hooks: list[StepHook] = [h for h in (self.kv_connector, self.spec_decoders, self.beams) if h is not None]
         self._request_ids = itertools.count()
         self.set_speculative_config(None)
 
@@ -167,7 +170,7 @@ class LLMEngine:
             raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
         if params.structured_outputs is not None:
             self.structured.compile(params.structured_outputs)  # an invalid schema fails here, as a ValueError
-        adapter = self._adapter(lora_request)
+        adapter = adapter_for(self.runner.lora, lora_request)
         seq = Sequence(next(self._seq_ids), request_id, self.encode(prompt), params, priority=priority,
                        cache_salt=cache_salt, lora=adapter)
         too_big = beam and beam_rejection(seq.num_prompt_tokens, beam, self.kv_manager)
@@ -178,16 +181,6 @@ class LLMEngine:
         if beam is not None and accepted:
             self.beams.add(request_id, seq, beam)
         return request_id
-
-    def _adapter(self, lora_request: LoRARequest | None):
-        if lora_request is None:
-            return None
-        if not isinstance(lora_request, LoRARequest):
-            raise ValueError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
-        if self.runner.lora is None:
-            raise ValueError(f"request names LoRA adapter {lora_request.lora_name!r} but the engine serves none: "
-                             "start it with enable_lora=True")
-        return self.runner.lora.load(lora_request)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now; it is dropped without an output. False when it is unknown or done."""
@@ -216,80 +209,37 @@ class LLMEngine:
         return outputs
 
     def _step(self) -> list[RequestOutput]:
+        """vLLM v1's step: schedule, execute, the scheduler's update; the hooks around them (`self.hooks`)."""
         started = time.perf_counter()
-        done = self.output.finish_rejected()
-        plan = self.scheduler.schedule(self.spec.lookahead(self.scheduler.running) if self.spec else 0)
-        done += self.output.finish_failed(plan.failed)
-        if plan.failed:
-            self.beams.settle_lost(self.output)
+        plan = self.scheduler.schedule(self.spec_decoders.lookahead(self.scheduler.running))
+        done = self.output.finish_rejected() + self.output.finish_failed(plan.failed)
+        for hook in self.hooks:
+            hook.scheduled(plan)
         if plan.is_empty:  # everything was preempted or failed: the next step admits again
             return done
         self.output.add_forks(plan)
-        num_decode_tokens = sum(1 for s in plan.scheduled
-                                if s.num_new_tokens == 1 and s.seq.num_computed_tokens >= s.seq.num_prompt_tokens)
-        undrafted = self.beams.skip_drafts(plan) if self.spec else []
-        if self.spec:
-            plan.spec_token_ids, plan.spec_draft_probs = self.spec.propose(plan)
+        num_prefill_tokens = plan.num_prefill_tokens
+        for hook in self.hooks:
+            hook.before_execute(plan)
         ran = time.perf_counter()
         try:
             output = self.runner.execute(plan)
         except RankFailure:  # a tensor-parallel rank or stage is gone: the engine is down, the other ranks stop too
             self.shutdown()
             raise
-        if self.kv_connector is not None:  # the full blocks this step computed, while the plan still holds them
-            self.kv_connector.wait_for_save(plan)
-        if self.spec:
-            self._record_spec(*self.spec.observe(plan, output, time.perf_counter() - ran))
-        if self.beams.groups:
-            self.beams.select(plan, output)  # picks the beams' tokens and forks by their top logprobs
+        edits = StepEdits.merge([hook.after_execute(plan, output, ran) for hook in self.hooks])
+        output = output.edited(edits)  # beams' picks in place of what was sampled for them
         stops = self.output.stop_strings(plan, output, self.scheduler.kept_tokens)  # {seq_id: stop string}
-        finished = self.scheduler.update(plan, output, stops)
-        for seq in undrafted:
-            if not seq.is_finished:
-                self.kv_manager.trim(seq)
+        finished = self.scheduler.update_from_output(plan, output, stops, edits.forks)
         self.output.keep_logprobs(plan, output)
-        self._record(plan, plan.num_batched_tokens - num_decode_tokens, output.num_tokens, started)
-        if self.beams.groups:
-            done += self.beams.settle(plan, self.scheduler, self.output, self.tokenizer)
+        self.stats.record_step(plan, num_prefill_tokens, output.num_tokens, started)
+        for hook in self.hooks:
+            done += hook.after_update(plan)
         return done + self.output.finish(finished)
 
-    def _record(self, plan, num_prefill_tokens: int, num_sampled: int, started: float) -> None:
-        stats = self.stats
-        stats.computed_prefill_tokens += num_prefill_tokens
-        stats.prompt_tokens += sum(s.seq.num_prompt_tokens for s in plan.scheduled
-                                   if s.sample and s.seq.num_output_tokens == 1)
-        stats.generation_tokens += num_sampled
-        elapsed = time.perf_counter() - started
-        stats.num_steps += 1
-        stats.step_time_total += elapsed
-        stats.step_times.append(elapsed)
-
-    def _record_spec(self, drafted: int, accepted: int, by_position: list[int]) -> None:
-        stats = self.stats
-        stats.spec_draft_tokens += drafted
-        stats.spec_accepted_tokens += accepted
-        if len(stats.spec_accepted_by_position) < len(by_position):
-            stats.spec_accepted_by_position += [0] * (len(by_position) - len(stats.spec_accepted_by_position))
-        for position, count in enumerate(by_position):
-            stats.spec_accepted_by_position[position] += count
-
     def get_stats(self) -> EngineStats:
-        stats, kv = self.stats, self.scheduler.kv
-        stats.num_running = len(self.scheduler.running)
-        stats.num_waiting = len(self.scheduler.waiting)
-        stats.kv_cache_usage = kv.pool.usage
-        stats.num_preemptions = self.scheduler.num_preemptions
-        stats.num_swapped = len(self.scheduler.swapped)
-        stats.kv_blocks_swapped_out = self.scheduler.swap.stats.blocks_swapped_out
-        stats.kv_blocks_swapped_in = self.scheduler.swap.stats.blocks_swapped_in
-        if self.kv_connector is not None:
-            moved = self.kv_connector.stats
-            stats.kv_connector_blocks_loaded, stats.kv_connector_blocks_saved = moved.blocks_loaded, moved.blocks_saved
-            stats.kv_connector_blocks_rejected, stats.kv_connector_store_errors = (moved.blocks_rejected,
-                                                                                   moved.store_errors)
-        stats.prefix_cache_queries = kv.stats.queries
-        stats.prefix_cache_hits = kv.stats.hits
-        return stats
+        self.scheduler.read_gauges(self.stats)
+        return self.stats
 
     def stream(self, requests: Iterable[tuple], max_pending: int | None = None,
                should_stop: Callable[[], bool] | None = None) -> Iterator[RequestOutput]:
@@ -319,14 +269,3 @@ class LLMEngine:
             for request_id in added:
                 self.abort(request_id)
 
-
-def eos_token_ids(model_dir, tokenizer) -> set[int]:
-    """EOS ids from generation_config.json (what `generate` stops on) and the tokenizer."""
-    ids: set[int] = set()
-    path = model_dir / "generation_config.json"
-    if path.is_file():
-        value = json.loads(path.read_text()).get("eos_token_id")
-        ids.update(value if isinstance(value, list) else [] if value is None else [value])
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return ids

@@ -1,74 +1,32 @@
-"""The memory plan, made once at start-up: how many KV blocks fit beside the weights, the activation peak of
-the largest step, the CUDA graphs' pool and the draft proposer (its weights and its KV pool over the same block
-ids). Reads the runner it plans for (its model, shapes and attention factory); builds nothing it keeps. With an
-FP8 KV cache (engine/kv_quant.py) it also fixes the pool's scales (calibrated or given) and counts one byte per
-element."""
+"""The memory plan, made once at start-up between loading the model and allocating its KV pool: how many KV blocks
+fit beside the weights, the activation peak of the largest step, the CUDA graphs' pool and the draft proposer (its
+weights and its KV pool over the same block ids). Works from the model's `ModelShape`; on CUDA it profiles a
+forward of the model (`ModelProbe`), building nothing it keeps. With an FP8 KV cache (engine/kv_quant.py) it also
+fixes the pool's scales (calibrated or given) and counts one byte per element. The runner is handed the `KVPlan`."""
 
 from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from engine.attention.base import allocate_kv_pool, zero_blocks
 from engine.batch import BatchItem, build_step_batch
+from engine.kv_cache_interface import KVPlan, ModelProbe, ModelShape
 from engine.kv_quant import KVScales, kv_scales_for
 from engine.models.llama import head_dim_of
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 from engine.spec_decode.config import SpeculativeConfig
 
+if TYPE_CHECKING:
+    from engine.config import EngineConfig
+
+__all__ = ["KVPlan", "ModelProbe", "ModelShape", "plan_kv_cache"]
+
 log = logging.getLogger("tokenmill.engine")
-
-
-@dataclass
-class KVPlan:
-    """The memory plan: everything the engine holds at its peak, and the budget it must fit in."""
-
-    num_blocks: int
-    bytes_per_block: int  # target KV, all layers, K and V
-    weights_bytes: int
-    activation_bytes: int  # peak of the largest step (measured on CUDA, estimated on CPU)
-    budget_bytes: int  # what weights + everything below may take together
-    draft_bytes_per_block: int = 0  # the draft proposer's own KV pool over the same block ids
-    draft_weights_bytes: int = 0
-    graph_pool_bytes: int = 0  # CUDA graphs' private memory pool
-    other_bytes: int = 0  # CUDA: device memory already used besides the weights (context, other processes)
-    kv_scales: KVScales | None = None  # FP8 pool: its per-layer, per-head scales; None: the model's dtype
-    model_dtype_bytes_per_block: int = 0  # FP8 pool: a block's bytes in the model's dtype, for the log
-
-    @property
-    def kv_bytes(self) -> int:
-        return self.num_blocks * (self.bytes_per_block + self.draft_bytes_per_block)
-
-    @property
-    def total_bytes(self) -> int:
-        return (self.weights_bytes + self.other_bytes + self.activation_bytes + self.graph_pool_bytes
-                + self.draft_weights_bytes + self.kv_bytes)
-
-    def describe(self, block_size: int, max_model_len: int) -> str:
-        tokens = (self.num_blocks - 1) * block_size
-        mib = 2**20
-        draft = (f", draft weights {self.draft_weights_bytes / mib:.0f} MiB + draft KV "
-                 f"{self.num_blocks * self.draft_bytes_per_block / mib:.0f} MiB" if self.draft_bytes_per_block else "")
-        graphs = f", CUDA graph pool {self.graph_pool_bytes / mib:.0f} MiB" if self.graph_pool_bytes else ""
-        return (f"KV cache: {self.num_blocks - 1} blocks x {block_size} tokens = {tokens:,} tokens "
-                f"({(self.num_blocks * self.bytes_per_block) / 2**30:.2f} GiB); "
-                f"max concurrency at {max_model_len} tokens/request: {tokens / max_model_len:.1f}x; "
-                f"weights {self.weights_bytes / mib:.0f} MiB, "
-                f"activation peak {self.activation_bytes / mib:.0f} MiB{graphs}{draft}; "
-                f"total {self.total_bytes / mib:.0f} MiB of a {self.budget_bytes / mib:.0f} MiB budget"
-                + self.describe_fp8())
-
-    def describe_fp8(self) -> str:
-        if self.kv_scales is None:
-            return ""
-        ratio = self.model_dtype_bytes_per_block / self.bytes_per_block
-        return (f"; FP8 (e4m3) blocks of {self.bytes_per_block / 2**10:.0f} KiB instead of "
-                f"{self.model_dtype_bytes_per_block / 2**10:.0f} KiB: {ratio:.2f}x the blocks in the same memory")
 
 
 def available_host_memory() -> int:
@@ -86,7 +44,7 @@ def kv_bytes_per_block(num_layers: int, num_kv_heads: int, block_size: int, head
     return 2 * num_layers * num_kv_heads * block_size * head_dim * element
 
 
-def draft_memory(settings: dict[str, Any] | None, runner) -> tuple[int, int]:
+def draft_memory(settings: dict[str, Any] | None, shape: ModelShape) -> tuple[int, int]:
     """(weights bytes, KV bytes per block) that the proposer of `settings` adds to the target's: a draft
     model's weights and KV pool, the self-draft's KV pool over the target's first layers, nothing for
     n-gram lookups. Read before the proposer exists, so the memory plan can count it."""
@@ -97,77 +55,79 @@ def draft_memory(settings: dict[str, Any] | None, runner) -> tuple[int, int]:
     from engine.models.llama import LlamaForCausalLM
 
     config = SpeculativeConfig.from_dict(settings)
-    element = runner.dtype.itemsize
+    element = shape.dtype.itemsize
     if config.method == "self":
-        layers = config.self_draft_layers(runner.num_layers)
-        return 0, kv_bytes_per_block(layers, runner.num_kv_heads, runner.block_size, runner.head_dim, element)
+        layers = config.self_draft_layers(shape.num_layers)
+        return 0, kv_bytes_per_block(layers, shape.num_kv_heads, shape.block_size, shape.head_dim, element)
     if config.method != "draft":
         return 0, 0
     hf_config = load_config(resolve_model(config.model))
     with torch.device("meta"):
-        model = LlamaForCausalLM(hf_config, runner.max_model_len)
+        model = LlamaForCausalLM(hf_config, shape.max_model_len)
     weights = sum(p.numel() for p in model.parameters()) * element
     return weights, kv_bytes_per_block(hf_config.num_hidden_layers, hf_config.num_key_value_heads,
-                                       runner.block_size, head_dim_of(hf_config), element)
+                                       shape.block_size, head_dim_of(hf_config), element)
 
 
-def activation_peak(runner, kv_scales: KVScales | None = None) -> int:
+def activation_peak(config: EngineConfig, shape: ModelShape, probe: ModelProbe,
+                    kv_scales: KVScales | None = None) -> int:
     """Peak activation memory of the largest step: measured with a profiling forward on CUDA, estimated on CPU."""
-    config, model = runner.config, runner.model
     tokens = config.max_num_batched_tokens
-    if runner.device.type == "cuda":
-        return profile_forward_peak(runner, tokens, config.max_num_seqs, kv_scales)
-    element = runner.dtype.itemsize
-    per_token = (4 * model.config.hidden_size + 3 * model.config.intermediate_size
-                 + (runner.num_heads + 2 * runner.num_kv_heads) * runner.head_dim * 2) * element
-    attention = min(tokens, runner.max_model_len) ** 2 * runner.num_heads * element  # masked scores, worst case
-    logits = config.max_num_seqs * runner.vocab_size * 4 * 3
+    if shape.device.type == "cuda":
+        return profile_forward_peak(shape, probe, tokens, config.max_num_seqs, kv_scales)
+    element = shape.dtype.itemsize
+    per_token = (4 * shape.hidden_size + 3 * shape.intermediate_size
+                 + (shape.num_heads + 2 * shape.num_kv_heads) * shape.head_dim * 2) * element
+    attention = min(tokens, shape.max_model_len) ** 2 * shape.num_heads * element  # masked scores, worst case
+    logits = config.max_num_seqs * shape.vocab_size * 4 * 3
     return tokens * per_token + attention + logits
 
 
-def graph_pool_peak(runner, kv_scales: KVScales | None = None) -> int:
+def graph_pool_peak(config: EngineConfig, shape: ModelShape, probe: ModelProbe,
+                    kv_scales: KVScales | None = None) -> int:
     """The CUDA graphs' private pool: graphs keep the intermediate tensors of a decode forward at the largest
     captured batch, beside whatever an eager step allocates. Estimated by the peak of an eager forward of that
     many tokens (the graphs share one pool, largest captured first)."""
-    if not runner.uses_cuda_graphs():
+    if not shape.cuda_graphs:
         return 0
     from engine.cuda_graphs import capture_sizes
 
-    return profile_forward_peak(runner, capture_sizes(runner.config.max_num_seqs)[-1], 0, kv_scales)
+    return profile_forward_peak(shape, probe, capture_sizes(config.max_num_seqs)[-1], 0, kv_scales)
 
 
 @torch.inference_mode()
-def profile_forward_peak(runner, num_tokens: int, num_logit_rows: int, kv_scales: KVScales | None = None) -> int:
+def profile_forward_peak(shape: ModelShape, probe: ModelProbe, num_tokens: int, num_logit_rows: int,
+                         kv_scales: KVScales | None = None) -> int:
     """Bytes a forward of `num_tokens` prompt tokens (sequences of at most max_model_len) and the sampling of
     `num_logit_rows` rows allocate at their peak, beyond what was allocated before; run over a scratch KV pool
     just big enough, whose own size is left out. CUDA only."""
-    bs, device = runner.block_size, runner.device
-    lengths = [min(runner.max_model_len, num_tokens - start) for start in range(0, num_tokens, runner.max_model_len)]
+    bs, device, model = shape.block_size, shape.device, probe.model
+    lengths = [min(shape.max_model_len, num_tokens - start) for start in range(0, num_tokens, shape.max_model_len)]
     num_blocks = 1 + sum(-(-n // bs) for n in lengths)
     torch.cuda.synchronize(device)
     before = torch.cuda.memory_allocated(device)
-    k, v = allocate_kv_pool(runner.num_layers, runner.num_kv_heads, num_blocks, bs, runner.head_dim, runner.dtype,
+    k, v = allocate_kv_pool(shape.num_layers, shape.num_kv_heads, num_blocks, bs, shape.head_dim, shape.dtype,
                             device, kv_scales)
     zero_blocks(k + v, 0, num_blocks)
     scratch = torch.cuda.memory_allocated(device) - before
-    attention = runner.make_backend(k, v)
+    attention = probe.make_attention(k, v)
     items, next_block = [], 1
     for index, length in enumerate(lengths):
         seq = Sequence(-1 - index, "profile", [0] * length, SamplingParams(max_tokens=1))
         seq.block_table = list(range(next_block, next_block + -(-length // bs)))
         next_block += len(seq.block_table)
         items.append(BatchItem(seq, 0, seq.token_ids))
-    batch, _ = build_step_batch(items, bs, runner.tensor)
+    batch, _ = build_step_batch(items, bs, probe.to_tensor)
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     attention.begin_step(batch)
     stage_input = None  # a pipeline stage after the first starts from hidden states
-    if runner.model.embed_tokens is None:
-        stage_input = torch.zeros(num_tokens, runner.model.config.hidden_size, dtype=runner.dtype, device=device)
-    hidden = runner.model(batch.input_ids, batch.positions, attention.forward, hidden=stage_input)
-    if num_logit_rows and runner.model.embed_tokens is not None:  # the first stage alone computes logits
+    if model.embed_tokens is None:
+        stage_input = torch.zeros(num_tokens, shape.hidden_size, dtype=shape.dtype, device=device)
+    hidden = model(batch.input_ids, batch.positions, attention.forward, hidden=stage_input)
+    if num_logit_rows and model.embed_tokens is not None:  # the first stage alone computes logits
         rows = torch.arange(num_logit_rows, device=device) % hidden.shape[0]
-        logits = runner.model.compute_logits(hidden.index_select(0, rows))
+        logits = model.compute_logits(hidden.index_select(0, rows))
         torch.softmax(logits.float(), dim=-1).cumsum(dim=-1)  # the sampler's float32 copies
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - before - scratch
@@ -176,21 +136,20 @@ def profile_forward_peak(runner, num_tokens: int, num_logit_rows: int, kv_scales
     return max(peak, 0)
 
 
-def plan_kv_cache(runner) -> KVPlan:
+def plan_kv_cache(config: EngineConfig, shape: ModelShape, probe: ModelProbe) -> KVPlan:
     """Blocks for the KV pools (the target's and the draft proposer's, over the same block ids) from what is
     left of the budget after weights, the activation peak, the draft model and the CUDA graphs' pool. CUDA:
     `memory_utilization` of the device for all of it; CPU: at most `cpu_kv_cache_space` for the pools, within
     80% of the host's available memory."""
-    config = runner.config
-    kv_scales = kv_scales_for(runner)  # FP8: one byte per element
-    model_dtype_per_block = kv_bytes_per_block(runner.num_layers, runner.num_kv_heads, runner.block_size,
-                                               runner.head_dim, runner.dtype.itemsize)
-    per_block = model_dtype_per_block if kv_scales is None else model_dtype_per_block // runner.dtype.itemsize
-    draft_weights, draft_per_block = draft_memory(config.speculative_config, runner)
-    weights = sum(p.numel() * p.element_size() for p in runner.model.parameters())
-    activation = activation_peak(runner, kv_scales)
-    graph_pool = graph_pool_peak(runner, kv_scales)
-    needed_blocks = config.max_num_seqs * -(-runner.max_model_len // runner.block_size) + 1
+    kv_scales = kv_scales_for(config, shape, probe.model)  # FP8: one byte per element
+    model_dtype_per_block = kv_bytes_per_block(shape.num_layers, shape.num_kv_heads, shape.block_size,
+                                               shape.head_dim, shape.dtype.itemsize)
+    per_block = model_dtype_per_block if kv_scales is None else model_dtype_per_block // shape.dtype.itemsize
+    draft_weights, draft_per_block = draft_memory(config.speculative_config, shape)
+    weights = shape.weights_bytes
+    activation = activation_peak(config, shape, probe, kv_scales)
+    graph_pool = graph_pool_peak(config, shape, probe, kv_scales)
+    needed_blocks = config.max_num_seqs * shape.max_blocks_per_seq + 1
     other = 0
     fixed = weights + activation + graph_pool + draft_weights
     if config.num_kv_blocks is not None:
@@ -200,15 +159,14 @@ def plan_kv_cache(runner) -> KVPlan:
         if config.kv_cache_memory is not None:
             kv_budget = config.kv_cache_memory
             budget = fixed + kv_budget
-        elif runner.device.type == "cuda":
+        elif shape.device.type == "cuda":
             torch.cuda.empty_cache()  # memory cached by torch but free would otherwise count as used
-            free, total = torch.cuda.mem_get_info(runner.device)
+            free, total = torch.cuda.mem_get_info(shape.device)
             other = max(total - free - weights, 0)
             budget = int(total * config.memory_utilization)
             kv_budget = budget - other - fixed
-        else:
-            ranks = runner.tp.world_size if getattr(runner, "tp", None) else 1  # TP ranks or stages share the host
-            budget = weights + int(available_host_memory() * 0.8 / ranks)  # the weights are loaded already
+        else:  # TP ranks or stages share the host
+            budget = weights + int(available_host_memory() * 0.8 / shape.num_ranks)  # the weights are loaded already
             kv_budget = min(config.cpu_kv_cache_space, budget - fixed)
         num_blocks = min(kv_budget // (per_block + draft_per_block), needed_blocks)
         if num_blocks < 2:
@@ -218,5 +176,5 @@ def plan_kv_cache(runner) -> KVPlan:
                                f"{draft_weights / 2**20:.0f} MiB, other {other / 2**20:.0f} MiB)")
     plan = KVPlan(int(num_blocks), per_block, weights, activation, int(budget), draft_per_block,
                   draft_weights, graph_pool, other, kv_scales, model_dtype_per_block)
-    log.info(plan.describe(runner.block_size, runner.max_model_len))
+    log.info(plan.describe(shape.block_size, shape.max_model_len))
     return plan

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.step_types import SchedulerOutput
 
 
 @dataclass
@@ -32,6 +37,26 @@ class EngineStats:
     step_times: deque[float] = field(default_factory=lambda: deque(maxlen=4096), repr=False)  # recent steps
     num_requests_finished: int = 0
     num_requests_failed: int = 0
+
+    def record_step(self, plan: SchedulerOutput, num_prefill_tokens: int, num_sampled: int, started: float) -> None:
+        """A step that ran `plan` (updated already), begun at `started` (time.perf_counter)."""
+        self.computed_prefill_tokens += num_prefill_tokens
+        self.prompt_tokens += sum(s.seq.num_prompt_tokens for s in plan.scheduled
+                                  if s.sample and s.seq.num_output_tokens == 1)
+        self.generation_tokens += num_sampled
+        elapsed = time.perf_counter() - started
+        self.num_steps += 1
+        self.step_time_total += elapsed
+        self.step_times.append(elapsed)
+
+    def record_spec(self, drafted: int, accepted: int, by_position: list[int]) -> None:
+        """A step's speculative drafts: verified, accepted, and accepted at each draft position."""
+        self.spec_draft_tokens += drafted
+        self.spec_accepted_tokens += accepted
+        if len(self.spec_accepted_by_position) < len(by_position):
+            self.spec_accepted_by_position += [0] * (len(by_position) - len(self.spec_accepted_by_position))
+        for position, count in enumerate(by_position):
+            self.spec_accepted_by_position[position] += count
 
     def snapshot(self) -> dict:
         data = asdict(self)

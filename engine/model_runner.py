@@ -1,13 +1,14 @@
 """The only place that builds tensors for a step: turns a scheduler plan into a flat batch, copies blocks,
 runs the model over the paged KV pool and hands the logits rows to the sampler. Loading is `model_loader`'s,
-the pool's size `memory_plan`'s and sampling the `Sampler`'s."""
+the pool's size `memory_plan`'s (from the runner's `shape`; the runner is given the plan, `initialize_kv_cache`) and
+sampling the `Sampler`'s."""
 
 from __future__ import annotations
 
 import logging
-from contextlib import contextmanager
+from contextlib import nullcontext
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
@@ -15,9 +16,9 @@ from engine import heap
 from engine.attention.base import AttentionBackend, StepBatch, allocate_kv_pool
 from engine.batch import BatchItem, PoolZeroing, build_step_batch
 from engine.config import EngineConfig
+from engine.kv_cache_interface import KVPlan, ModelProbe, ModelShape
 from engine.kv_transfer import KVTransfer
 from engine.lora.manager import LoRAManager
-from engine.memory_plan import plan_kv_cache
 from engine.model_loader import load_model, pick_device, pick_dtype
 from engine.models import cpu_gemm
 from engine.models.cpu_gemm import INVARIANT_ROWS
@@ -25,16 +26,14 @@ from engine.models.llama import head_dim_of
 from engine.sampler import Sampler
 from engine.step_types import ModelRunnerOutput, SampleLayout, SchedulerOutput, StepInput
 
-if TYPE_CHECKING:
-    from engine.distributed.group import TensorParallelGroup
-
 log = logging.getLogger("tokenmill.engine")
 
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_dir: Path, hf_config, max_model_len: int,
-                 sampler: Sampler | None = None, tp: TensorParallelGroup | None = None) -> None:
-        """`tp`: this rank's group when the model is sharded over ranks (engine/distributed/)."""
+                 sampler: Sampler | None = None, tp: Any = None) -> None:
+        """`tp`: this rank's group when the model is sharded over ranks (a subclass in engine/distributed/ loads
+        its shard)."""
         self.config = config
         self.tp = tp
         self.device = pick_device(config.device) if tp is None else tp.device
@@ -53,26 +52,35 @@ class ModelRunner:
         self.num_heads = shard.num_attention_heads
         self.head_dim = head_dim_of(shard)
         self.vocab_size = hf_config.vocab_size
-        self.kv_plan = plan_kv_cache(self)
-        if tp is not None:  # every rank's pool has as many blocks as the smallest plan allows
-            self.kv_plan.num_blocks = tp.min_int(self.kv_plan.num_blocks)
-        k, v = allocate_kv_pool(self.num_layers, self.num_kv_heads, self.kv_plan.num_blocks, self.block_size,
-                                self.head_dim, self.dtype, self.device, self.kv_plan.kv_scales)
+        self.sampler = sampler or Sampler(config.seed)
+        self.shape = ModelShape(self.num_layers, self.num_heads, self.num_kv_heads, self.head_dim, shard.hidden_size,
+                                shard.intermediate_size, self.vocab_size, self.dtype, self.device, self.block_size,
+                                max_model_len, sum(p.numel() * p.element_size() for p in self.model.parameters()),
+                                tp.world_size if tp is not None else 1, self.uses_cuda_graphs())
+        self.probe = ModelProbe(self.model, self.make_backend, self.tensor)  # what the memory plan may run
+
+    def initialize_kv_cache(self, plan: KVPlan) -> None:
+        """Allocate the KV pool of the memory plan (every rank's as many blocks as the smallest plan allows), its
+        attention backend and block copies, and capture the CUDA graphs over it."""
+        config = self.config
+        if self.tp is not None:
+            plan.num_blocks = self.tp.min_int(plan.num_blocks)
+        self.kv_plan = plan
+        k, v = allocate_kv_pool(self.num_layers, self.num_kv_heads, plan.num_blocks, self.block_size,
+                                self.head_dim, self.dtype, self.device, plan.kv_scales)
         self.attention = self.make_backend(k, v)
         self.zeroing = PoolZeroing(k + v)
         # copy-on-write and swap copies of the pool's blocks (swap bookkeeping: engine/swap.py)
         self.transfer = KVTransfer(self.attention.k_caches + self.attention.v_caches, self.zeroing, self.tensor,
                                    config.swap_space)
-        self.sampler = sampler or Sampler(config.seed)
         self.graphs = None  # decode steps as CUDA graphs (engine/cuda_graphs.py): CUDA and the Triton backend only
-        if self.uses_cuda_graphs():
+        if self.shape.cuda_graphs:
             from engine.cuda_graphs import DecodeGraphs
 
             reserved = torch.cuda.memory_reserved(self.device)
-            self.graphs = DecodeGraphs.for_runner(self)
+            self.graphs = DecodeGraphs.build(self.model, self.attention, self.shape, config.max_num_seqs)
             taken = torch.cuda.memory_reserved(self.device) - reserved
-            log.info("CUDA graphs reserved %.0f MiB (planned %.0f MiB)", taken / 2**20,
-                     self.kv_plan.graph_pool_bytes / 2**20)
+            log.info("CUDA graphs reserved %.0f MiB (planned %.0f MiB)", taken / 2**20, plan.graph_pool_bytes / 2**20)
         self.batch_invariant = False
         if config.batch_invariant == "auto":
             config.batch_invariant = self.device.type == "cpu" and cpu_gemm.invariant_kernels(self.dtype)
@@ -82,12 +90,8 @@ class ModelRunner:
         self.set_batch_invariant(config.batch_invariant)  # after the graphs: they replay only with it off
 
     def load(self, model_dir: Path, hf_config):
-        """The model; a tensor-parallel rank's shard of it (a pipeline stage's runner loads its layers)."""
-        if self.tp is None:
-            return load_model(model_dir, hf_config, self.max_model_len, self.dtype, self.device)
-        from engine.distributed.sharding import load_shard
-
-        return load_shard(model_dir, hf_config, self.max_model_len, self.dtype, self.device, self.tp)
+        """The model (a tensor-parallel rank's or a pipeline stage's runner loads its part)."""
+        return load_model(model_dir, hf_config, self.max_model_len, self.dtype, self.device)
 
     def set_batch_invariant(self, on: bool) -> None:
         """Fixed-shape GEMMs and one attention path (see engine/models/cpu_gemm.py, engine/attention/), on or off.
@@ -150,27 +154,29 @@ class ModelRunner:
         step = StepInput(plan.block_copies, items, layout.batch_rows(rows), plan.blocks_to_swap_out,
                          plan.blocks_to_swap_in, plan.kv_loads)
         if self.tp is None:
-            logits = self.run(step, batch)
+            ran = self.run(step, batch)
         else:
             self.tp.send(step.for_ranks())
-            logits = self.tp.fail_stop(self.run, step, batch)
-        if logits is None:
+            ran = self.tp.fail_stop(self.run, step, batch)
+        if ran is None:
             return ModelRunnerOutput()
-        return ModelRunnerOutput.of(self.sampler.sample(layout, logits))
+        logits, hidden = ran
+        return ModelRunnerOutput.of(self.sampler.sample(layout, logits), hidden)
 
     def run_remote(self, step: StepInput) -> None:
         """Another rank: rank 0's step, run alongside it."""
         with torch.inference_mode():
             self.run(step)
 
-    def run(self, step: StepInput, batch: StepBatch | None = None) -> torch.Tensor | None:
+    def run(self, step: StepInput, batch: StepBatch | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Copy and swap blocks, run the model over the step's items (`batch`: their flat batch, when built
-        already); the logits of its sample rows (None without any, and on ranks other than 0)."""
+        already); the logits of its sample rows and their hidden states (None without any, and on ranks other
+        than 0)."""
         self.transfer.apply(step)
         if batch is None:
             batch, _ = self.prepare(step.items)
         batch.sample_indices = self.tensor(step.sample_rows)
-        with collectives(self.tp):
+        with self.tp.collectives() if self.tp is not None else nullcontext():  # every rank runs this step
             if self.graphs is not None and not self.batch_invariant and self.graphs.can_run(batch):  # replay a decode
                 hidden = self.graphs.run(batch)
             else:
@@ -178,22 +184,9 @@ class ModelRunner:
                 hidden = self.model(batch.input_ids, batch.positions, self.attention.forward)
             if not step.sample_rows:
                 return None
-            self.sample_hidden = hidden.index_select(0, batch.sample_indices)  # Medusa heads read these
-            logits = self.model.compute_logits(self.sample_hidden)
+            hidden = hidden.index_select(0, batch.sample_indices)
+            logits = self.model.compute_logits(hidden)
             if self.tp is not None:  # each rank holds a slice of the vocabulary
                 logits = self.tp.gather_columns(logits)
-                return None if logits is None else logits[:, :self.vocab_size]
-            return logits
-
-
-@contextmanager
-def collectives(tp: TensorParallelGroup | None):
-    """The layers' all-reduces run inside (every rank runs the same step)."""
-    if tp is None:
-        yield
-        return
-    tp.active = True
-    try:
-        yield
-    finally:
-        tp.active = False
+                return None if logits is None else (logits[:, :self.vocab_size], hidden)
+            return logits, hidden

@@ -16,7 +16,7 @@ seed gives another text now, from the same distribution.)
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 import torch
@@ -24,13 +24,17 @@ import torch
 from engine.attention.cpu_kernel import sampling_library
 from engine.logits_processors import apply_logits_processors
 from engine.outputs import Logprob, SampleLogprobs
-from engine.spec_decode.verifier import verify_drafts
 from engine.step_types import SampleLayout, SamplerOutput
 
 if TYPE_CHECKING:
     from engine.sampling_params import SamplingParams
     from engine.sequence import Sequence
     from engine.structured_outputs import StructuredOutputs
+
+
+# (logits rows, sequences, drafts, draft distributions, sampler) -> each sequence's accepted drafts and one more token:
+# the speculative decoder's verification (engine/spec_decode/verifier.py's verify_drafts)
+VerifyDrafts = Callable[..., list[list[int]]]
 
 
 def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
@@ -52,9 +56,11 @@ def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
 
 class Sampler:
     def __init__(self, seed: int = 0, stop_token_ids: frozenset[int] = frozenset(),
-                 structured: StructuredOutputs | None = None) -> None:
-        """`stop_token_ids`: EOS ids, masked under min_tokens; `structured`: the engine's grammars."""
+                 structured: StructuredOutputs | None = None, verify_drafts: VerifyDrafts | None = None) -> None:
+        """`stop_token_ids`: EOS ids, masked under min_tokens; `structured`: the engine's grammars; `verify_drafts`:
+        how drafts are accepted, plugged in by the engine (a sampler without it verifies none)."""
         self.seed = seed
+        self.verify_drafts = verify_drafts
         self.generator = torch.Generator().manual_seed(seed)
         self.generators: dict[int, torch.Generator] = {}  # seq_id -> its seeded stream (drafts, accept tests)
         self.unseeded_draws = 0  # rows of unseeded requests drawn so far: their noise keys
@@ -93,8 +99,8 @@ class Sampler:
         if layout.drafts:
             ids = list(layout.drafts)
             rows = [logits[layout.first_row[i]:layout.first_row[i] + 1 + len(layout.drafts[i])] for i in ids]
-            verified = verify_drafts(rows, [seqs[i] for i in ids], [layout.drafts[i] for i in ids],
-                                     [layout.draft_probs.get(i) for i in ids], self)
+            verified = self.verify_drafts(rows, [seqs[i] for i in ids], [layout.drafts[i] for i in ids],
+                                          [layout.draft_probs.get(i) for i in ids], self)
             tokens.update(zip(ids, verified, strict=True))
         tokens = {i: tokens[i] for i in seqs}  # in layout order
         return SamplerOutput(tokens, record_logprobs(logprobs, layout, tokens) if logprobs is not None else {})

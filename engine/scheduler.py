@@ -21,6 +21,7 @@ from engine.swap import SWAP_MIN_COMPUTED_TOKENS, SwapSpace
 
 if TYPE_CHECKING:
     from engine.kv_connector.base import KVConnector
+    from engine.metrics import EngineStats
 
 __all__ = ["Scheduler", "SchedulerLimits", "ScheduledSeq", "SchedulerOutput"]
 
@@ -297,10 +298,16 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self._enqueue(seq, front=True)
 
-    def preempt(self, seq: Sequence) -> None:
-        """Preempt a running sequence between steps (a beam whose sibling was preempted: beams run together)."""
-        if seq.status is SequenceStatus.RUNNING:
-            self._preempt(seq)
+    def preempt_together(self, seqs: list[Sequence]) -> None:
+        """Preempt the running ones of `seqs` between steps and queue them next to each other, so that admission
+        meets them in one run (a beam group whose beam was preempted: beams holding blocks while a sibling cannot
+        come back would stall)."""
+        for seq in seqs:
+            if seq.status is SequenceStatus.RUNNING:
+                self._preempt(seq)
+        seq_ids = {seq.seq_id for seq in seqs}
+        _queue_together(self.waiting, seq_ids)
+        _queue_together(self.swapped, seq_ids)
 
     def _swaps(self, seq: Sequence) -> bool:
         """Is seq swapped rather than recomputed (when the swap space has room)?"""
@@ -309,19 +316,20 @@ class Scheduler:
             return seq.num_computed_tokens >= SWAP_MIN_COMPUTED_TOKENS
         return mode == "swap"
 
-    def update(self, out: SchedulerOutput, output: ModelRunnerOutput,
-               stopped: dict[int, str] | None = None) -> list[Sequence]:
+    def update_from_output(self, out: SchedulerOutput, output: ModelRunnerOutput, stopped: dict[int, str] | None = None,
+                           forks: dict[int, list[Sequence]] | None = None) -> list[Sequence]:
         """Advance the counters of every scheduled sequence and append each one's new tokens, looked up by id
-        in `output` (the accepted drafts, then one sampled token); forked samples join the running list here.
-        `stopped`: seq_id -> the stop string its new text reached, which finishes it. Returns the sequences
-        that finished; their blocks are freed. Slots taken for drafts that were not accepted are released."""
-        stopped = stopped or {}
+        in `output` (the accepted drafts, then one sampled token); forked samples join the running list here, the
+        plan's and `forks` (a beam picked twice). `stopped`: seq_id -> the stop string its new text reached, which
+        finishes it. Returns the sequences that finished; their blocks are freed. Slots taken for drafts that were
+        not accepted, or withheld, are released."""
+        stopped, forks = stopped or {}, forks or {}
         finished = []
         for seq, num_new, sample in out.scheduled:
             seq.num_computed_tokens += num_new
             if not sample:
                 continue
-            children = out.forks.get(seq.seq_id, [])
+            children = out.forks.get(seq.seq_id, []) + forks.get(seq.seq_id, [])
             if children:
                 seq.children = children
             for child in children:
@@ -335,6 +343,9 @@ class Scheduler:
                 if self._append(member, new_tokens, stopped.get(member.seq_id)):
                     finished.append(member)
             if seq.seq_id in out.spec_lookahead and not seq.is_finished:
+                self.kv.trim(seq)
+        for seq in out.spec_withheld:
+            if not seq.is_finished:
                 self.kv.trim(seq)
         return finished
 
@@ -364,6 +375,24 @@ class Scheduler:
         self.finish(seq, reason)
         return True
 
+    def read_gauges(self, stats: EngineStats) -> None:
+        """Set `stats`' gauges and counters of what the scheduler holds: queues, KV pool, swap, prefix cache and KV
+        connector."""
+        kv = self.kv
+        stats.num_running, stats.num_waiting = len(self.running), len(self.waiting)
+        stats.num_swapped = len(self.swapped)
+        stats.kv_cache_usage = kv.pool.usage
+        stats.num_preemptions = self.num_preemptions
+        stats.kv_blocks_swapped_out = self.swap.stats.blocks_swapped_out
+        stats.kv_blocks_swapped_in = self.swap.stats.blocks_swapped_in
+        if self.connector is not None:
+            moved = self.connector.stats
+            stats.kv_connector_blocks_loaded, stats.kv_connector_blocks_saved = moved.blocks_loaded, moved.blocks_saved
+            stats.kv_connector_blocks_rejected, stats.kv_connector_store_errors = (moved.blocks_rejected,
+                                                                                   moved.store_errors)
+        stats.prefix_cache_queries = kv.stats.queries
+        stats.prefix_cache_hits = kv.stats.hits
+
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         """Finish a waiting, running or swapped sequence and release its blocks (host blocks too)."""
         if seq.status is SequenceStatus.RUNNING:
@@ -381,3 +410,14 @@ class Scheduler:
 
 def _priority_key(seq: Sequence) -> tuple[int, float, int]:
     return seq.priority, seq.arrival_time, seq.seq_id
+
+
+def _queue_together(queue: deque[Sequence], seq_ids: set[int]) -> None:
+    """Move the queued sequences of `seq_ids` next to the first of them."""
+    members = [s for s in queue if s.seq_id in seq_ids]
+    if len(members) < 2:
+        return
+    first = next(i for i, s in enumerate(queue) if s.seq_id in seq_ids)
+    rest = [s for s in queue if s.seq_id not in seq_ids]
+    queue.clear()
+    queue.extend(rest[:first] + members + rest[first:])

@@ -4,6 +4,7 @@ matched by position."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -35,6 +36,7 @@ class SchedulerOutput:
 
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    spec_withheld: list[Sequence] = field(default_factory=list)  # given draft slots but no drafts (`withhold_drafts`)
     forks: dict[int, list[Sequence]] = field(default_factory=dict)  # parent seq_id -> samples 1..n-1
     spec_lookahead: dict[int, int] = field(default_factory=dict)  # seq_id -> draft tokens it has slots for
     spec_token_ids: dict[int, list[int]] = field(default_factory=dict)  # seq_id -> drafts verified this step
@@ -53,9 +55,23 @@ class SchedulerOutput:
         """Every sequence that gets tokens this step."""
         return [seq for _, seqs in self.sample_groups() for seq in seqs]
 
+    def withhold_drafts(self, seqs: list[Sequence]) -> None:
+        """No drafts for `seqs` this step (beams advance one token at a time); the scheduler's update releases the
+        slots it took for them."""
+        for seq in seqs:
+            del self.spec_lookahead[seq.seq_id]
+            self.spec_withheld.append(seq)
+
     @property
     def num_batched_tokens(self) -> int:
         return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        """Tokens computed this step that are not a decode's one (prompt chunks, recomputed tokens); read it before
+        the update advances the sequences."""
+        return sum(s.num_new_tokens for s in self.scheduled
+                   if not (s.num_new_tokens == 1 and s.seq.num_computed_tokens >= s.seq.num_prompt_tokens))
 
     @property
     def is_empty(self) -> bool:
@@ -146,21 +162,55 @@ class SamplerOutput:
 
 @dataclass
 class ModelRunnerOutput:
-    """One step's result by sequence id (vLLM v1's `ModelRunnerOutput`); `seq_ids` lists who got tokens."""
+    """One step's result by sequence id (vLLM v1's `ModelRunnerOutput`); `seq_ids` lists who got tokens.
+    `sample_hidden`: the final hidden states at the logits rows (`SampleLayout`'s rows), which Medusa heads read."""
 
     seq_ids: list[int] = field(default_factory=list)
     sampled_token_ids: dict[int, list[int]] = field(default_factory=dict)
     logprobs: dict[int, SampleLogprobs] = field(default_factory=dict)
+    sample_hidden: torch.Tensor | None = None
 
     @classmethod
-    def of(cls, sampled: SamplerOutput | dict[int, list[int]]) -> ModelRunnerOutput:
+    def of(cls, sampled: SamplerOutput | dict[int, list[int]],
+           sample_hidden: torch.Tensor | None = None) -> ModelRunnerOutput:
         if isinstance(sampled, dict):
             sampled = SamplerOutput(sampled)
-        return cls(list(sampled.sampled_token_ids), sampled.sampled_token_ids, sampled.logprobs)
+        return cls(list(sampled.sampled_token_ids), sampled.sampled_token_ids, sampled.logprobs, sample_hidden)
 
     def tokens_of(self, seq_id: int) -> list[int]:
         return self.sampled_token_ids[seq_id]
 
+    def edited(self, edits: StepEdits) -> ModelRunnerOutput:
+        """This output as the step's hooks decided (a new one: this one is left as the runner made it)."""
+        if not (edits.tokens or edits.drop_logprobs):
+            return self
+        return ModelRunnerOutput(self.seq_ids, {**self.sampled_token_ids, **edits.tokens},
+                                 {i: lp for i, lp in self.logprobs.items() if i not in edits.drop_logprobs},
+                                 self.sample_hidden)
+
     @property
     def num_tokens(self) -> int:
         return sum(map(len, self.sampled_token_ids.values()))
+
+
+@dataclass
+class StepEdits:
+    """What the step's hooks (engine/step_hooks.py) decide after the runner, applied by the step in one place: `tokens`
+    replace sequences' sampled ones ([]: the sequence gives its token back), `forks` (parent seq_id -> new sequences)
+    join the running ones at the scheduler's update beside the plan's, and the logprobs of `drop_logprobs` are not
+    kept. Beam search picks each beam's token this way."""
+
+    tokens: dict[int, list[int]] = field(default_factory=dict)
+    forks: dict[int, list[Sequence]] = field(default_factory=dict)
+    drop_logprobs: set[int] = field(default_factory=set)
+
+    @classmethod
+    def merge(cls, edits: Iterable[StepEdits | None]) -> StepEdits:
+        merged = cls()
+        for edit in edits:
+            if edit is not None:
+                merged.tokens.update(edit.tokens)
+                for parent, children in edit.forks.items():
+                    merged.forks.setdefault(parent, []).extend(children)
+                merged.drop_logprobs |= edit.drop_logprobs
+        return merged

@@ -71,7 +71,7 @@ def generate_answers(model_dir: Path, prompts: list[list[int]], settings: TrainS
         layout = SampleLayout.of(plan)
         for seq_id, seq in layout.seqs.items():
             if output.sampled_token_ids.get(seq_id):
-                rows.setdefault(seq.request_id, []).append(runner.sample_hidden[layout.first_row[seq_id]].float())
+                rows.setdefault(seq.request_id, []).append(output.sample_hidden[layout.first_row[seq_id]].float())
         return output
 
     runner.execute = recording_execute

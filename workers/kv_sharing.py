@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit, urlunsplit
 
-from engine.kv_connector.store import secret_bytes
+from engine.config import secret_bytes
 
 if TYPE_CHECKING:
     from ingest.config import ServiceConfig

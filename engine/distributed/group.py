@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pickle
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
@@ -39,6 +40,15 @@ class TensorParallelGroup:
         else:
             self.compute = _gloo(dist.PrefixStore("compute", store), rank, world_size, COLLECTIVE_TIMEOUT)
         self.control = _gloo(dist.PrefixStore("control", store), rank, world_size, IDLE_TIMEOUT)
+
+    @contextmanager
+    def collectives(self) -> Iterator[None]:
+        """The layers' all-reduces run inside (every rank runs the same step)."""
+        self.active = True
+        try:
+            yield
+        finally:
+            self.active = False
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of every rank's `x`, in place."""

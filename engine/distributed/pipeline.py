@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
+from contextlib import nullcontext
 from functools import partial
 from pathlib import Path
 from typing import NamedTuple
@@ -19,8 +20,9 @@ import torch.distributed as dist
 from engine.batch import BatchItem, build_step_batch
 from engine.config import EngineConfig
 from engine.distributed.group import RankFailure, TensorParallelGroup
+from engine.distributed.sharding import ShardRunner, load_shard
 from engine.model_loader import finish_loading, materialize
-from engine.model_runner import ModelRunner, collectives
+from engine.model_runner import ModelRunner
 from engine.models.llama import LlamaForCausalLM
 from engine.step_types import StepInput
 
@@ -45,7 +47,7 @@ def rank_classes(config: EngineConfig) -> tuple[Callable[..., TensorParallelGrou
     """The group (made from rank, world size, store, device) and runner of each rank of a multi-process engine."""
     if config.pipeline_parallel_size > 1:
         return partial(PipelineGroup, tp_size=config.tensor_parallel_size), PipelineRunner
-    return TensorParallelGroup, ModelRunner
+    return TensorParallelGroup, ShardRunner
 
 
 class PipelineGroup(TensorParallelGroup):
@@ -162,15 +164,13 @@ class PipelineRunner(ModelRunner):
         self.layer_range = stage_layers(hf_config.num_hidden_layers, group.num_stages)[group.stage]
         if group.shard is None:
             return load_stage(model_dir, hf_config, self.max_model_len, self.dtype, self.device, self.layer_range)
-        from engine.distributed.sharding import load_shard
-
         return load_shard(model_dir, hf_config, self.max_model_len, self.dtype, self.device, group.shard,
                           self.layer_range)
 
-    def run(self, step: StepInput, batch=None) -> torch.Tensor | None:
+    def run(self, step: StepInput, batch=None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """This stage's layers over the step's micro-batches (`batch`, the whole step's, is not used); on rank 0 the
-        logits of the step's sample rows (None without any, and on the other ranks). Each rank of a stage trades
-        with the rank of the same tensor-parallel rank in the stage before and after it."""
+        logits of the step's sample rows and their hidden states (None without any, and on the other ranks). Each
+        rank of a stage trades with the rank of the same tensor-parallel rank in the stage before and after it."""
         group, width = self.tp, self.model.config.hidden_size
         first, last = group.stage == 0, group.stage == group.num_stages - 1
         stride = group.tp_size  # between the same tensor-parallel rank of neighbouring stages
@@ -179,7 +179,7 @@ class PipelineRunner(ModelRunner):
         self.split_steps += len(parts) > 1
         sends: list[tuple] = []
         try:
-            with collectives(group.shard):
+            with group.shard.collectives() if group.shard is not None else nullcontext():
                 for part in parts:
                     part_batch, _ = self.prepare(part.items)
                     hidden = None if first else group.receive_hidden(len(part_batch.positions), width, self.dtype,
@@ -197,9 +197,10 @@ class PipelineRunner(ModelRunner):
         finally:
             group.wait(sends)
 
-    def logits(self, parts: list[MicroBatch], order: list[int] | None, last_stage_rank: int) -> torch.Tensor | None:
-        """The first stage: the logits of the rows the last stage sends back, in the step's order (on rank 0; None
-        on the stage's other tensor-parallel ranks, which gather their vocabulary columns to it)."""
+    def logits(self, parts: list[MicroBatch], order: list[int] | None,
+               last_stage_rank: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The first stage: the logits of the rows the last stage sends back, in the step's order, and those rows
+        (on rank 0; None on the stage's other tensor-parallel ranks, which gather their vocabulary columns to it)."""
         group, width = self.tp, self.model.config.hidden_size
         received = [group.receive_hidden(len(part.sample_rows), width, self.dtype, last_stage_rank)
                     for part in parts if part.sample_rows]
@@ -208,6 +209,6 @@ class PipelineRunner(ModelRunner):
             hidden = hidden.index_select(0, self.tensor(order))
         logits = self.model.compute_logits(hidden)
         if group.shard is None:
-            return logits
+            return logits, hidden
         logits = group.shard.gather_columns(logits)
-        return None if logits is None else logits[:, :self.vocab_size]
+        return None if logits is None else (logits[:, :self.vocab_size], hidden)

@@ -42,6 +42,18 @@ def world_size_of(config: EngineConfig) -> int:
     return config.tensor_parallel_size * config.pipeline_parallel_size
 
 
+def start_ranks(config: EngineConfig, hf_config, model_dir: Path, max_model_len: int) -> tuple[Ranks, type]:
+    """Rank 0 of a multi-process engine: the model checked against the split, the other ranks started, and the
+    runner class rank 0 runs (engine/distributed/pipeline.py's `rank_classes`)."""
+    from engine.distributed.pipeline import check_stages, rank_classes
+    from engine.distributed.sharding import check_divisible
+
+    check_divisible(hf_config, config.tensor_parallel_size)
+    check_stages(hf_config.num_hidden_layers, config.pipeline_parallel_size)
+    runner_class = rank_classes(config)[1]
+    return Ranks.start(config, model_dir, max_model_len), runner_class
+
+
 class Ranks:
     """Rank 0's group and the processes of the other ranks."""
 

@@ -16,6 +16,7 @@ from torch import nn
 
 from engine.distributed.group import TensorParallelGroup
 from engine.model_loader import finish_loading, materialize
+from engine.model_runner import ModelRunner
 from engine.models.cpu_gemm import Linear
 from engine.models.llama import LlamaForCausalLM, head_dim_of
 
@@ -141,3 +142,10 @@ def load_shard(model_dir: Path, hf_config, max_positions: int, dtype: torch.dtyp
     model.load_hf_weights(shard_weights(files, hf_config, group.rank, group.world_size,
                                         lambda name: model.stage_name(name) is not None))
     return finish_loading(model, hf_config, max_positions, dtype, device)
+
+
+class ShardRunner(ModelRunner):
+    """A tensor-parallel rank's runner: its shard of the model."""
+
+    def load(self, model_dir: Path, hf_config) -> LlamaForCausalLM:
+        return load_shard(model_dir, hf_config, self.max_model_len, self.dtype, self.device, self.tp)

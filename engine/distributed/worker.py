@@ -36,6 +36,7 @@ def main(spec: dict) -> None:
     from engine.distributed.pipeline import rank_classes
     from engine.distributed.ranks import cpu_threads_per_rank, ranks_device
     from engine.hf_files import load_config
+    from engine.memory_plan import plan_kv_cache
 
     rank, world_size = spec["rank"], spec["world_size"]
     config = EngineConfig.from_kwargs(**spec["config"])
@@ -48,6 +49,7 @@ def main(spec: dict) -> None:
     group = group_class(rank, world_size, store, device)
     model_dir = Path(spec["model_dir"])
     runner = runner_class(config, model_dir, load_config(model_dir), spec["max_model_len"], tp=group)
+    runner.initialize_kv_cache(plan_kv_cache(config, runner.shape, runner.probe))  # the pool all ranks agree on
     try:
         while (step := group.receive()) is not None:
             runner.run_remote(step)

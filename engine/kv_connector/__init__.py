@@ -1,7 +1,8 @@
 """KV connector: engines share computed KV blocks through a byte store (a shared directory, Redis, any get/put store),
 so one engine (a producer) computes a prompt's prefill and another (a consumer) loads it (docs/kv-connector.md).
-`config` imports no torch; `factory.create_kv_connector` builds the connector an engine runs with."""
+Its settings, `KVTransferConfig`, live with the engine's (engine/config.py); `factory.create_kv_connector` builds
+the connector an engine runs with."""
 
-from engine.kv_connector.config import KV_CONNECTORS, KV_ROLES, KVTransferConfig
+from engine.config import KV_CONNECTORS, KV_ROLES, KVTransferConfig
 
 __all__ = ["KV_CONNECTORS", "KV_ROLES", "KVTransferConfig"]

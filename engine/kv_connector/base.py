@@ -20,15 +20,16 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from engine.kv_connector.config import KVTransferConfig
-from engine.kv_connector.store import ByteStore, contains, seal, secret_bytes, unseal
+from engine.config import KVTransferConfig, secret_bytes
+from engine.kv_connector.store import ByteStore, contains, seal, unseal
+from engine.step_hooks import StepHook
 from engine.step_types import KVLoad
 
 if TYPE_CHECKING:
     from engine.block_pool import KVCacheManager
     from engine.kv_transfer import KVTransfer
     from engine.sequence import Sequence
-    from engine.step_types import SchedulerOutput
+    from engine.step_types import ModelRunnerOutput, SchedulerOutput
 
 log = logging.getLogger("tokenmill.engine")
 
@@ -44,10 +45,11 @@ class KVConnectorStats:
     store_errors: int = 0  # get/put calls that raised (the block is computed, or not saved)
 
 
-class KVConnector:
+class KVConnector(StepHook):
     """`store`: where blocks live; `namespace`: the keyed digest of the model's identity that starts every key
     (factory.namespace_of); `kv`: the engine's block manager (block hashes); `transfer`: the runner's block copier
-    (reads and writes pool blocks). The secret (config's `kv_secret`) seals blocks and keys their names."""
+    (reads and writes pool blocks). The secret (config's `kv_secret`) seals blocks and keys their names. A hook of
+    the engine step: it saves after the runner."""
 
     def __init__(self, config: KVTransferConfig, store: ByteStore, namespace: str, kv: KVCacheManager,
                  transfer: KVTransfer) -> None:
@@ -115,6 +117,9 @@ class KVConnector:
             self._staged = None
 
     # worker side
+
+    def after_execute(self, plan: SchedulerOutput, output: ModelRunnerOutput, started: float) -> None:
+        self.wait_for_save(plan)  # the full blocks this step computed, while the plan still holds them
 
     def wait_for_save(self, plan: SchedulerOutput) -> None:
         """Store the full blocks this step computed (run after the forward, before the blocks can be freed) that

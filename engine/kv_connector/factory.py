@@ -9,15 +9,16 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from engine.config import KVTransferConfig, secret_bytes
 from engine.kv_connector.base import KVConnector
-from engine.kv_connector.config import KVTransferConfig
 from engine.kv_connector.redis_connector import RedisConnector
 from engine.kv_connector.shared_storage import SharedStorageConnector
-from engine.kv_connector.store import secret_bytes, write_whole
+from engine.kv_connector.store import write_whole
 
 if TYPE_CHECKING:
     from engine.block_pool import KVCacheManager
-    from engine.model_runner import ModelRunner
+    from engine.kv_cache_interface import KVScales, ModelShape
+    from engine.kv_transfer import KVTransfer
 
 CONNECTORS: dict[str, type[KVConnector]] = {"SharedStorageConnector": SharedStorageConnector,
                                             "RedisConnector": RedisConnector}
@@ -66,23 +67,23 @@ def _write_quietly(path: Path, text: str) -> None:
         pass
 
 
-def model_identity(model_dir: Path, runner: ModelRunner, extra_namespace: str | None = None) -> dict:
+def model_identity(model_dir: Path, shape: ModelShape, pool: KVTransfer, kv_scales: KVScales | None,
+                   extra_namespace: str | None = None) -> dict:
     """What makes blocks interchangeable: the model's weights (a digest of its files, whatever its name) and
     config.json, its dtype, the pool's element type and layout, FP8 scales, and a namespace of the user's."""
     config_file = Path(model_dir) / "config.json"
-    attention = runner.attention
-    scales = [s.detach().cpu().numpy().tobytes() for s in (attention.k_scales, attention.v_scales) if s is not None]
+    scales = [s.detach().cpu().numpy().tobytes() for s in (kv_scales.k, kv_scales.v)] if kv_scales else []
     return {
         "weights": weights_digest(model_dir),
         "model_config": hashlib.sha256(config_file.read_bytes()).hexdigest() if config_file.is_file() else None,
-        "dtype": str(runner.dtype),
-        "kv_dtype": str(attention.k_caches[0].dtype),
+        "dtype": str(shape.dtype),
+        "kv_dtype": str(pool.caches[0].dtype),
         "kv_scales": hashlib.sha256(b"".join(scales)).hexdigest() if scales else None,
-        "block_size": runner.block_size,
-        "num_layers": runner.num_layers,
-        "num_kv_heads": runner.num_kv_heads,
-        "head_dim": runner.head_dim,
-        "bytes_per_block": runner.transfer.bytes_per_block,
+        "block_size": shape.block_size,
+        "num_layers": shape.num_layers,
+        "num_kv_heads": shape.num_kv_heads,
+        "head_dim": shape.head_dim,
+        "bytes_per_block": pool.bytes_per_block,
         "tensor_parallel": [0, 1],  # rank, size: kv_transfer_config refuses tensor_parallel_size > 1
         "namespace": extra_namespace,
     }
@@ -93,12 +94,14 @@ def namespace_of(identity: dict, secret: bytes) -> str:
     return hmac.new(secret, json.dumps(identity, sort_keys=True).encode(), hashlib.sha256).hexdigest()[:32]
 
 
-def create_kv_connector(config: KVTransferConfig | None, model_dir: Path, runner: ModelRunner,
-                        kv: KVCacheManager) -> KVConnector | None:
+def create_kv_connector(config: KVTransferConfig | None, model_dir: Path, shape: ModelShape, pool: KVTransfer,
+                        kv_scales: KVScales | None, kv: KVCacheManager) -> KVConnector | None:
+    """The connector of `config` (None without one) over the runner's KV pool (`pool`: its block copies, and the FP8
+    `kv_scales` its blocks are stored with)."""
     if config is None:
         return None
     cls = CONNECTORS[config.kv_connector]
     extra = config.kv_connector_extra_config
-    identity = model_identity(model_dir, runner, extra.get("namespace"))
+    identity = model_identity(model_dir, shape, pool, kv_scales, extra.get("namespace"))
     namespace = namespace_of(identity, secret_bytes(extra.get("kv_secret")))
-    return cls(config, cls.make_store(extra), namespace, kv, runner.transfer)
+    return cls(config, cls.make_store(extra), namespace, kv, pool)

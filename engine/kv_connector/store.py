@@ -16,7 +16,6 @@ from urllib.parse import unquote, urlparse
 
 MAGIC = b"TMKV\x02"  # format tag and version (1: an unkeyed sha256, no longer trusted)
 DIGEST_SIZE = 32  # HMAC-SHA256
-MIN_SECRET_BYTES = 16
 REDIS_TIMEOUT_S = 2.0  # connect and read: a Redis that hangs costs this, then the block is computed
 KEY_PATTERN = re.compile(r"[A-Za-z0-9._-]+(/[A-Za-z0-9._-]+)*")
 
@@ -25,16 +24,6 @@ class ByteStore(Protocol):
     def get(self, key: str) -> bytes | None: ...
 
     def put(self, key: str, data: bytes) -> None: ...
-
-
-def secret_bytes(secret: str | bytes) -> bytes:
-    """The deployment's KV secret as bytes; ValueError when it is missing or shorter than MIN_SECRET_BYTES."""
-    raw = secret.encode() if isinstance(secret, str) else secret if isinstance(secret, bytes) else b""
-    if len(raw) < MIN_SECRET_BYTES:
-        raise ValueError(f"the KV secret (kv_connector_extra_config['kv_secret']) must be at least "
-                         f"{MIN_SECRET_BYTES} bytes, e.g. secrets.token_urlsafe(32), the same on every engine that "
-                         f"shares blocks")
-    return raw
 
 
 def seal(key: str, payload: bytes, secret: bytes) -> bytes:

@@ -21,6 +21,19 @@ from engine.lora.request import LoRARequest
 log = logging.getLogger("tokenmill.lora")
 
 
+def adapter_for(manager: LoRAManager | None, request: LoRARequest | None) -> LoRAAdapter | None:
+    """The adapter a request runs with (None: the base model), loaded by the engine's `manager` (None: the engine
+    serves no adapters); ValueError, saying why, when it cannot be served."""
+    if request is None:
+        return None
+    if not isinstance(request, LoRARequest):
+        raise ValueError(f"lora_request must be a LoRARequest, got {type(request).__name__}")
+    if manager is None:
+        raise ValueError(f"request names LoRA adapter {request.lora_name!r} but the engine serves none: "
+                         "start it with enable_lora=True")
+    return manager.load(request)
+
+
 @dataclass
 class LoRAStep:
     """The running step's rows: each one's slot (-1: base), and the projections some row's adapter changes."""

@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import json
+import time
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
 from engine.spec_decode.config import SpeculativeConfig
 from engine.spec_decode.decoder import SpecDecoder, draft_key
 from engine.spec_decode.draft import DraftSetup
+from engine.step_hooks import StepHook
 
 if TYPE_CHECKING:
-    from engine.model_runner import ModelRunner
-    from engine.sampler import Sampler
+    from engine.metrics import EngineStats
+    from engine.sequence import Sequence
+    from engine.step_types import ModelRunnerOutput, SchedulerOutput
 
 MAX_SPEC_DECODERS = 4  # speculative settings kept ready (jobs switch between them)
 MAX_DRAFT_PROPOSERS = 2  # distinct draft models (or self-draft depths) kept, each with its own KV pool
@@ -23,15 +26,17 @@ def settings_key(settings: dict[str, Any] | None) -> str | None:
     return json.dumps(settings, sort_keys=True) if settings else None
 
 
-class SpecDecoderCache:
+class SpecDecoderCache(StepHook):
     """Decoders keyed by the JSON of their settings, least recently used first. Decoders of the same draft share
     its proposer (model and KV pool). At most MAX_SPEC_DECODERS decoders and MAX_DRAFT_PROPOSERS distinct drafts
-    are kept: the least recently used go first (the engine's own, `default`, is never dropped)."""
+    are kept: the least recently used go first (the engine's own, `default`, is never dropped). A hook of the engine
+    step (engine/step_hooks.py): the current decoder proposes drafts before the runner and observes after it."""
 
-    def __init__(self, default: dict[str, Any] | None, runner: ModelRunner, sampler: Sampler,
-                 tensor_parallel: bool) -> None:
+    def __init__(self, default: dict[str, Any] | None, setup: DraftSetup, tensor_parallel: bool,
+                 stats: EngineStats) -> None:
+        """`setup`: what a draft proposer takes from the target's side; `stats`: the engine's, counting drafts."""
         self.default = default
-        self.runner, self.sampler, self.tensor_parallel = runner, sampler, tensor_parallel
+        self.setup, self.tensor_parallel, self.stats = setup, tensor_parallel, stats
         self.decoders: OrderedDict[str, SpecDecoder] = OrderedDict()
         self.current: SpecDecoder | None = None
         self.key: str | None = None  # the setting of `current`
@@ -54,6 +59,18 @@ class SpecDecoderCache:
         self.current = self.decoders.get(key) if key else None
         self.key = key
         return self.current
+
+    def lookahead(self, running: list[Sequence]) -> int:
+        """Draft tokens the scheduler makes room for this step (0: no speculation)."""
+        return self.current.lookahead(running) if self.current else 0
+
+    def before_execute(self, plan: SchedulerOutput) -> None:
+        if self.current:
+            plan.spec_token_ids, plan.spec_draft_probs = self.current.propose(plan)
+
+    def after_execute(self, plan: SchedulerOutput, output: ModelRunnerOutput, started: float) -> None:
+        if self.current:
+            self.stats.record_spec(*self.current.observe(plan, output, time.perf_counter() - started))
 
     def _new_decoder(self, config: SpeculativeConfig) -> SpecDecoder:
         if config.method == "medusa" and self.tensor_parallel:
@@ -78,8 +95,4 @@ class SpecDecoderCache:
             dropped = draft_key(decoders[oldest[0]].config)
             for key in [k for k in oldest if draft_key(decoders[k].config) == dropped]:
                 del decoders[key]
-        runner = self.runner
-        setup = DraftSetup(runner.model, runner.num_blocks, runner.block_size, runner.max_model_len, runner.dtype,
-                           runner.device, runner.kv_plan.draft_bytes_per_block, runner.make_backend, runner.tensor,
-                           self.sampler, lambda: getattr(runner, "sample_hidden", None))
-        return SpecDecoder(config, setup, draft=shared)
+        return SpecDecoder(config, self.setup, draft=shared)

@@ -17,33 +17,30 @@ from engine.sequence import Sequence
 from engine.spec_decode.config import SpeculativeConfig
 
 if TYPE_CHECKING:
+    from engine.kv_cache_interface import KVPlan, ModelShape
     from engine.sampler import Sampler
 
 log = logging.getLogger("tokenmill.engine")
 
 
 class DraftSetup(NamedTuple):
-    """What a draft proposer takes from the target's side: its model, the pool's shape and device, the
-    attention factory and tensor maker, and the sampler whose streams the drafts draw from."""
+    """What a draft proposer takes from the target's side: its model and shape, the memory plan (the pool's blocks
+    and the room planned for the draft's), the attention factory and tensor maker, and the sampler whose streams the
+    drafts draw from."""
 
     model: LlamaForCausalLM  # the target model (a self-draft runs its first layers)
-    num_blocks: int
-    block_size: int
-    max_model_len: int
-    dtype: torch.dtype
-    device: torch.device
-    planned_bytes_per_block: int  # the memory plan's room per block for the draft's KV pool
+    shape: ModelShape  # block size, max_model_len, dtype and device
+    plan: KVPlan  # num_blocks, and draft_bytes_per_block: the plan's room per block for the draft's KV pool
     make_attention: Callable[..., AttentionBackend]  # (k caches, v caches, num_heads) -> a backend
     to_tensor: Callable[[list], torch.Tensor]
     sampler: Sampler  # its `probabilities`, and each sequence's stream (`generator_of`)
-    sample_hidden: Callable[[], torch.Tensor | None] | None = None  # the last step's hidden states at its logits rows
 
 
 class DraftProposer:
     def __init__(self, config: SpeculativeConfig, setup: DraftSetup) -> None:
         from engine.hf_files import load_config
 
-        self.setup = setup
+        self.setup, shape = setup, setup.shape
         target = setup.model
         if config.method == "self":
             self.model = target
@@ -55,21 +52,22 @@ class DraftProposer:
             if hf_config.vocab_size != target.config.vocab_size:
                 raise ValueError(f"the draft model's vocabulary ({hf_config.vocab_size}) differs from the "
                                  f"target's ({target.config.vocab_size}): it must share the target's tokenizer")
-            self.model = load_model(draft_dir, hf_config, setup.max_model_len, setup.dtype, setup.device)
+            self.model = load_model(draft_dir, hf_config, shape.max_model_len, shape.dtype, shape.device)
             self.num_layers = hf_config.num_hidden_layers
-        k, v = allocate_kv_pool(self.num_layers, hf_config.num_key_value_heads, setup.num_blocks, setup.block_size,
-                                head_dim_of(hf_config), setup.dtype, setup.device)
+        num_blocks = setup.plan.num_blocks
+        k, v = allocate_kv_pool(self.num_layers, hf_config.num_key_value_heads, num_blocks, shape.block_size,
+                                head_dim_of(hf_config), shape.dtype, shape.device)
         self.attention = setup.make_attention(k, v, hf_config.num_attention_heads)
         self.zeroing = PoolZeroing(k + v)
         pool_bytes = sum(t.nbytes for t in k + v)
-        if pool_bytes > setup.num_blocks * setup.planned_bytes_per_block:
+        if pool_bytes > num_blocks * setup.plan.draft_bytes_per_block:
             log.warning("the draft's KV pool (%.0f MiB) was not in the memory plan: set speculative_config on the "
                         "engine, not only per job, to count it", pool_bytes / 2**20)
 
     def _run(self, items: list[BatchItem]) -> torch.Tensor:
         """Draft logits at each item's last token."""
         self.zeroing.cover(items)
-        batch, rows = build_step_batch(items, self.setup.block_size, self.setup.to_tensor)
+        batch, rows = build_step_batch(items, self.setup.shape.block_size, self.setup.to_tensor)
         self.attention.begin_step(batch)
         hidden = self.model(batch.input_ids, batch.positions, self.attention.forward, self.num_layers)
         last = self.setup.to_tensor([rows[i.seq.seq_id].last for i in items])

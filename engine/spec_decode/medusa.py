@@ -91,13 +91,12 @@ class MedusaProposer:
 
     def __init__(self, config, setup: DraftSetup) -> None:
         target = setup.model
-        self.setup = setup
         heads = MedusaHeads.load(config.model, target.config.hidden_size, target.config.vocab_size)
         if config.num_speculative_tokens > heads.num_heads:  # each head drafts one position
             log.info("num_speculative_tokens %d lowered to the Medusa head's %d heads", config.num_speculative_tokens,
                      heads.num_heads)
             config.num_speculative_tokens = heads.num_heads
-        self.heads = heads.to(device=setup.device, dtype=setup.dtype).eval()
+        self.heads = heads.to(device=setup.shape.device, dtype=setup.shape.dtype).eval()
         self.vocab = self.heads.vocab
         self.head_weight = target.lm_head_weight.index_select(0, self.vocab).contiguous()
         self.hidden: dict[int, tuple[int, torch.Tensor]] = {}  # seq_id -> (its num_tokens then, hidden state)
@@ -105,7 +104,7 @@ class MedusaProposer:
     @torch.inference_mode()
     def observe(self, plan: SchedulerOutput, output: ModelRunnerOutput) -> None:
         """After a step: the hidden state at the row of each sampled sequence's last new token."""
-        rows = self.setup.sample_hidden()
+        rows = output.sample_hidden
         kept: dict[int, tuple[int, torch.Tensor]] = {}
         if rows is not None:
             layout = SampleLayout.of(plan)

@@ -30,7 +30,7 @@ def tokens(out, *token_lists):
 
 def step(sched, token=5):
     out = sched.schedule()
-    finished = sched.update(out, tokens(out, *[[token]] * len(out.sampled_seqs())))
+    finished = sched.update_from_output(out, tokens(out, *[[token]] * len(out.sampled_seqs())))
     return out, finished
 
 
@@ -118,7 +118,7 @@ def test_finish_on_eos_stop_token_and_length():
     for seq in (eos_seq, stop_seq, length_seq):
         sched.add(seq)
     out = sched.schedule()
-    finished = sched.update(out, tokens(out, [EOS], [7], [5]))
+    finished = sched.update_from_output(out, tokens(out, [EOS], [7], [5]))
     assert [s.finish_reason for s in finished] == [FinishReason.STOP, FinishReason.STOP, FinishReason.LENGTH]
     assert eos_seq.stop_reason == EOS and stop_seq.stop_reason == 7
     assert sched.kv.pool.num_free_blocks == sched.kv.usable_blocks and not sched.running
@@ -130,7 +130,7 @@ def test_ignore_eos_keeps_going():
     sched.add(seq)
     for _ in range(3):
         out = sched.schedule()
-        sched.update(out, tokens(out, [EOS]))
+        sched.update_from_output(out, tokens(out, [EOS]))
     assert seq.output_token_ids == [EOS] * 3 and seq.finish_reason is FinishReason.LENGTH
 
 
@@ -185,16 +185,16 @@ def test_draft_slots_are_taken_for_decodes_only_and_rejected_ones_released():
     sched.add(seq)
     out = sched.schedule(num_spec_tokens=3)
     assert out.spec_lookahead == {}  # a prefill gets no drafts
-    sched.update(out, tokens(out, [5]))
+    sched.update_from_output(out, tokens(out, [5]))
     out = sched.schedule(num_spec_tokens=3)
     assert out.spec_lookahead == {0: 3} and len(seq.block_table) == 2  # positions 4..7
     out.spec_token_ids = {0: [6, 7, 8]}
-    sched.update(out, tokens(out, [6, 9]))  # one draft accepted, then a recovered token
+    sched.update_from_output(out, tokens(out, [6, 9]))  # one draft accepted, then a recovered token
     assert seq.output_token_ids == [5, 6, 9] and seq.num_computed_tokens == 6
     assert len(seq.block_table) == 2
     out = sched.schedule(num_spec_tokens=3)  # positions 6..9: a third block for the drafts
     assert out.spec_lookahead == {0: 3} and len(seq.block_table) == 3
-    sched.update(out, tokens(out, [1]))  # every draft rejected: the third block goes back
+    sched.update_from_output(out, tokens(out, [1]))  # every draft rejected: the third block goes back
     assert len(seq.block_table) == 2 and sched.kv.pool.num_free_blocks == sched.kv.usable_blocks - 2
 
 
@@ -205,7 +205,7 @@ def test_drafts_stop_at_max_tokens_and_at_a_finishing_token():
     step(sched)
     out = sched.schedule(num_spec_tokens=8)
     assert out.spec_lookahead == {0: 1}  # room for 2 more tokens: 1 draft + 1 sampled
-    finished = sched.update(out, tokens(out, [EOS, 7]))
+    finished = sched.update_from_output(out, tokens(out, [EOS, 7]))
     assert finished == [seq] and seq.output_token_ids == [5, EOS] and seq.finish_reason is FinishReason.STOP
 
 
@@ -344,7 +344,7 @@ def test_update_reads_each_sequences_tokens_by_id_whatever_the_output_order():
             sched.add(seq)
         out = sched.schedule()
         by_id = {seq.seq_id: [100 + seq.seq_id] for seq in out.sampled_seqs()}
-        sched.update(out, ModelRunnerOutput.of(dict(reversed(by_id.items())) if shuffled else by_id))
+        sched.update_from_output(out, ModelRunnerOutput.of(dict(reversed(by_id.items())) if shuffled else by_id))
         results.append([seq.output_token_ids for seq in seqs])
     assert results[0] == results[1] == [[100], [101], [102]]
 
@@ -355,8 +355,8 @@ def test_a_stop_string_finishes_a_sequence_and_wins_over_a_stop_token():
     sched.add(going)
     sched.add(stopping)
     out = sched.schedule()
-    finished = sched.update(out, tokens(out, [5], [EOS]), stopped={1: "stop"})
+    finished = sched.update_from_output(out, tokens(out, [5], [EOS]), stopped={1: "stop"})
     assert finished == [stopping] and stopping.stop_reason == "stop" and stopping.output_token_ids == [EOS]
     out = sched.schedule()
-    assert sched.update(out, tokens(out, [6]), stopped={0: "x"}) == [going] and going.stop_reason == "x"
+    assert sched.update_from_output(out, tokens(out, [6]), stopped={0: "x"}) == [going] and going.stop_reason == "x"
     assert going.finish_reason is FinishReason.STOP and not sched.running

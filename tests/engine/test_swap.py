@@ -36,7 +36,7 @@ def make_seq(seq_id: int, prompt_len: int, max_tokens: int = 8, n: int = 1) -> S
 def step(sched: Scheduler):
     out = sched.schedule()
     sampled = [s.seq_id for s in out.sampled_seqs()]
-    sched.update(out, ModelRunnerOutput.of({seq_id: [5] for seq_id in sampled}))
+    sched.update_from_output(out, ModelRunnerOutput.of({seq_id: [5] for seq_id in sampled}))
     return out
 
 

@@ -83,6 +83,7 @@ def test_padded_decode_buffers_match_hf(eager, model):
     path, prompts, reference = model
     llm = run_engine(path, max_num_seqs=3, enforce_eager=True)
     runner = llm.engine.runner
-    runner.graphs = DecodeGraphs.for_runner(runner, capture=not eager)
+    runner.graphs = DecodeGraphs.build(runner.model, runner.attention, runner.shape, runner.config.max_num_seqs,
+                                       capture=not eager)
     assert_identical(llm, prompts, reference)
     assert runner.graphs.replays > 0 and set(runner.graphs.sizes) == {1, 2, 4}
