@@ -134,7 +134,7 @@ class EngineConfig:
     num_threads: int | None = None  # torch CPU threads; default: torch's own choice
     speculative_config: dict[str, Any] | None = None
     # A request's output is bit-identical however it is batched (fixed-shape GEMMs, one attention path); "auto":
-    # on where it costs nothing, i.e. our own GEMM kernels run the model's dtype (engine/models/cpu_gemm.py)
+    # on where it costs nothing, i.e. our own GEMM kernels run the model's dtype (engine/kernels/cpu_gemm.py)
     batch_invariant: bool | str = False
     tensor_parallel_size: int = 1  # processes the model is sharded over (engine/distributed/)
     pipeline_parallel_size: int = 1  # processes the model's layers are split over, in stages (distributed/pipeline.py)

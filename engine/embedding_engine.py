@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
-from engine import heap
-from engine.attention import cpu_kernel
+from engine import malloc_tuning
 from engine.config import EngineConfig
+from engine.kernels import cpu_kernel
 from engine.model_loader import materialize, pick_device, pick_dtype, resolve_model
 from engine.models.bert import SUPPORTED_MODEL_TYPES, BertEncoder, PackedBatch
 from engine.outputs import EmbeddingOutput, EmbeddingRequestOutput
@@ -74,7 +74,7 @@ class EmbeddingEngine:
         if config.num_threads and self.device.type == "cpu":
             torch.set_num_threads(config.num_threads)
         if self.device.type == "cpu":
-            heap.keep_freed_memory()
+            malloc_tuning.keep_freed_memory()
         self.dtype = pick_dtype(config.dtype, self.device)
         float32_split = self._float32_split(config.float32_matmul_precision)
         self.model = load_encoder(self.model_dir, hf_config, self.dtype, self.device, float32_split=float32_split)

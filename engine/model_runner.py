@@ -12,16 +12,16 @@ from typing import Any
 
 import torch
 
-from engine import heap
+from engine import malloc_tuning
 from engine.attention.base import AttentionBackend, StepBatch, allocate_kv_pool
 from engine.batch import BatchItem, PoolZeroing, build_step_batch
 from engine.config import EngineConfig
+from engine.kernels import cpu_gemm
+from engine.kernels.cpu_gemm import INVARIANT_ROWS
 from engine.kv_cache_interface import KVPlan, ModelProbe, ModelShape
 from engine.kv_transfer import KVTransfer
 from engine.lora.manager import LoRAManager
 from engine.model_loader import load_model, pick_device, pick_dtype
-from engine.models import cpu_gemm
-from engine.models.cpu_gemm import INVARIANT_ROWS
 from engine.models.llama import head_dim_of
 from engine.sampler import Sampler
 from engine.step_types import ModelRunnerOutput, SampleLayout, SchedulerOutput, StepInput
@@ -41,7 +41,7 @@ class ModelRunner:
         if config.num_threads and self.device.type == "cpu":
             torch.set_num_threads(config.num_threads)
         if self.device.type == "cpu":
-            heap.keep_freed_memory()
+            malloc_tuning.keep_freed_memory()
         self.block_size = config.block_size
         self.max_model_len = max_model_len
         self.model = self.load(model_dir, hf_config)
@@ -94,7 +94,7 @@ class ModelRunner:
         return load_model(model_dir, hf_config, self.max_model_len, self.dtype, self.device)
 
     def set_batch_invariant(self, on: bool) -> None:
-        """Fixed-shape GEMMs and one attention path (see engine/models/cpu_gemm.py, engine/attention/), on or off.
+        """Fixed-shape GEMMs and one attention path (see engine/kernels/cpu_gemm.py, engine/attention/), on or off.
         A tensor-parallel engine keeps the mode it started with: the other ranks set theirs at start."""
         if self.tp is not None and on != self.config.batch_invariant:
             raise ValueError("a tensor-parallel engine runs in the batch-invariant mode it started with "

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.attention.cpu_kernel import sampling_library
+from engine.kernels.cpu_kernel import sampling_library
 from engine.logits_processors import apply_logits_processors
 from engine.outputs import Logprob, SampleLogprobs
 from engine.step_types import SampleLayout, SamplerOutput

@@ -66,7 +66,7 @@ def _rss_mib() -> tuple[int, int]:
 
 def _release_heap() -> None:
     """End the engine threads (an engine thread keeps its engine alive; the next shard starts one) and hand the
-    freed heap back to the OS (engine/heap.py keeps it otherwise)."""
+    freed heap back to the OS (engine/malloc_tuning.py keeps it otherwise)."""
     if loops := sys.modules.get("workers.engine_loop"):
         loops.release_loops()
     gc.collect()

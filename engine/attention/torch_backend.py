@@ -24,8 +24,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.attention import cpu_kernel
 from engine.attention.base import AttentionBackend, PrefillGroup, StepBatch, per_token_tables, shared_prefix_blocks
+from engine.kernels import cpu_kernel
 from engine.kv_quant import dequantize, quantize
 
 MIN_SHARED_BLOCKS = 4  # below this, reading the shared prefix per sequence costs less than a second pass

@@ -15,9 +15,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.distributed.group import TensorParallelGroup
+from engine.kernels.cpu_gemm import Linear
 from engine.model_loader import finish_loading, materialize
 from engine.model_runner import ModelRunner
-from engine.models.cpu_gemm import Linear
 from engine.models.llama import LlamaForCausalLM, head_dim_of
 
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")

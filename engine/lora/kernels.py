@@ -2,7 +2,7 @@
 projection's output for a whole mixed batch, `out[t] += (x[t] @ lora_a[s].T) @ lora_b[s]` for s = slots[t] >= 0,
 rows of slot -1 (the base model) untouched. Sums in float32; out's value plus the product rounded to its dtype once.
 
-- CPU: the C kernel (engine/attention/csrc/lora.c), which groups the rows by slot so each adapter's weights are
+- CPU: the C kernel (engine/kernels/csrc/lora.c), which groups the rows by slot so each adapter's weights are
   read once per group (`TOKENMILL_CPU_LORA_KERNEL=0`, or no compiler: the torch reference);
 - CUDA: the Triton kernels (engine/lora/triton_kernels.py; without triton: the torch reference).
 
@@ -18,7 +18,7 @@ import os
 
 import torch
 
-from engine.attention import cpu_kernel
+from engine.kernels import cpu_kernel
 from engine.lora.grouping import segments
 
 log = logging.getLogger("tokenmill.lora")

@@ -126,7 +126,7 @@ class LoRAManager:
                     a[index], b[index] = stack_a.data_ptr(), stack_b.data_ptr()
             rank = (ctypes.c_int64 * len(PROJECTIONS))(*(self.stacks[(0, p)][0].shape[1] for p in PROJECTIONS))
             tables = self._pointer_tables[step.projections] = (a, b, rank)
-        from engine.attention.cpu_kernel import DecodeLoRA
+        from engine.kernels.cpu_kernel import DecodeLoRA
 
         return DecodeLoRA(step.slots, self.max_loras, *tables)
 

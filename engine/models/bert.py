@@ -1,7 +1,7 @@
 """BERT-style encoder (BERT, MiniLM, ...) over one packed token batch: no KV cache, no padding in the
 projections, the MLP or LayerNorm, which run on the flat tokens.
 
-The batch is rows ordered by length. On CPU, where the C kernels build (engine/attention/cpu_kernel.py),
+The batch is rows ordered by length. On CPU, where the C kernels build (engine/kernels/cpu_kernel.py),
 attention runs over the packed rows with no padding at all, the residual add and LayerNorm are one pass, and
 GELU runs inside the up projection's oneDNN GEMM. Otherwise attention runs per bucket of rows of like length (the
 longest at most `BUCKET_SLACK` times the shortest) as one [rows, heads, longest, head_dim] call: a bucket of one
@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import cpu_kernel
-from engine.models.cpu_gemm import ONEDNN_ROWS, Linear, onednn_rows
+from engine.kernels import cpu_kernel
+from engine.kernels.cpu_gemm import ONEDNN_ROWS, Linear, onednn_rows
 from engine.pooling import pool
 
 SUPPORTED_MODEL_TYPES = ("bert",)

@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import cpu_kernel
-from engine.models.cpu_gemm import AMX_MAX_ROWS, Linear, PackedWeight
+from engine.kernels import cpu_kernel
+from engine.kernels.cpu_gemm import AMX_MAX_ROWS, Linear, PackedWeight
 
 if TYPE_CHECKING:
     from engine.lora.manager import LoRAManager

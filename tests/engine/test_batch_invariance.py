@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.models.cpu_gemm import INVARIANT_ROWS, Linear
+from engine.kernels.cpu_gemm import INVARIANT_ROWS, Linear
 from engine.spec_decode.cost import StepCost
 from tests.engine.cpu_flags import expected_bfloat16_kernel, expected_fixed_float32_kernel
 

@@ -6,7 +6,7 @@ import platform
 import pytest
 import torch
 
-from engine.attention import cpu_kernel
+from engine.kernels import cpu_kernel
 from tests.engine.cpu_flags import (
     AMX_FLAGS,
     AVX512_FLAGS,

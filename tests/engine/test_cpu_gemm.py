@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.attention import cpu_kernel
-from engine.models.cpu_gemm import (
+from engine.kernels import cpu_kernel
+from engine.kernels.cpu_gemm import (
     INVARIANT_ROWS,
     Linear,
     PackedWeight,
@@ -115,7 +115,7 @@ def test_the_float32_kernel_is_timed_once_per_shape_and_can_be_forced(monkeypatc
 
 def test_the_float32_choice_is_kept_for_the_next_process(monkeypatch, tmp_path):
     """A worker's next start reads the timed choice from $TOKENMILL_HOME/gemm-choices.json instead of timing."""
-    from engine.models import cpu_gemm
+    from engine.kernels import cpu_gemm
 
     monkeypatch.setenv("TOKENMILL_HOME", str(tmp_path))
     timed = []

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.attention import cpu_kernel
+from engine.kernels import cpu_kernel
 from engine.models.llama import rotate_half
 
 TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=1.6e-2, atol=1e-2)}
@@ -83,7 +83,7 @@ def test_silu_mul(ops, dtype, rows, inter):
 SUBNORMALS_AFTER_KERNELS = """
 import platform, sys, torch
 torch.set_num_threads(2)
-from engine.attention import cpu_kernel
+from engine.kernels import cpu_kernel
 dtype = getattr(torch, sys.argv[1])
 ops = cpu_kernel.layer_ops(dtype)
 many = torch.full((1 << 22,), 1e-39)  # large enough for torch to split it over its threads

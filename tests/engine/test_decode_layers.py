@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.models import cpu_gemm
+from engine.kernels import cpu_gemm
 from tests.engine.cpu_flags import amx_expected, avx512_expected
 
 PROMPTS = ["The three primary colors are red, yellow and", "Write a haiku about the sea at night.",

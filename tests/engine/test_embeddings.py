@@ -123,7 +123,7 @@ def test_without_amx_the_encoder_ops_never_take_the_tiles(monkeypatch):
     """On every CPU: as built without AMX (amx_ready False), bfloat16 encoder attention stays off the tiles."""
     import torch
 
-    from engine.attention import cpu_kernel
+    from engine.kernels import cpu_kernel
 
     if amx_expected():
         monkeypatch.setattr(cpu_kernel, "amx_ready", lambda: False)
@@ -136,7 +136,7 @@ def test_the_tiles_attention_kernel_matches_softmax_attention_per_row():
     """Rows of 1 to 256 tokens (across tile edges), head_dim 32 and 64, against torch's attention in float32."""
     import torch
 
-    from engine.attention import cpu_kernel
+    from engine.kernels import cpu_kernel
 
     ops = cpu_kernel.encoder_ops(torch.bfloat16)
     assert ops.tiles_take(32) and ops.tiles_take(64)
@@ -156,9 +156,9 @@ def test_float32_matmul_precision_high_runs_on_amx_tiles_within_the_bound(senten
     """float32 with matmul precision "high": on CPUs with AMX every projection runs as three bfloat16 products on
     the tiles, still within the bound against sentence-transformers and batched the same as alone; elsewhere as
     "highest", with a warning that says so."""
-    from engine.attention import cpu_kernel
     from engine.config import EngineConfig
-    from engine.models.cpu_gemm import Linear
+    from engine.kernels import cpu_kernel
+    from engine.kernels.cpu_gemm import Linear
 
     with pytest.raises(ValueError, match="float32_matmul_precision must be one of"):
         EngineConfig(model=MODEL, float32_matmul_precision="medium")

@@ -16,9 +16,9 @@ if not CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (as test_triton_kernels)
 
 from engine import LLM, SamplingParams  # noqa: E402
-from engine.attention import cpu_kernel  # noqa: E402
 from engine.attention.base import allocate_kv_pool, zero_blocks  # noqa: E402
 from engine.attention.torch_backend import TorchAttention  # noqa: E402
+from engine.kernels import cpu_kernel  # noqa: E402
 from engine.kv_quant import FP8_DTYPE, FP8_MAX, KVScales, dequantize, quantize, save_scales  # noqa: E402
 from tests.engine.test_triton_kernels import DEVICE, Case, build_step, rel_error  # noqa: E402
 from tests.engine.triton_compile import HOPPER_SHARED_BYTES, hopper_shared_bytes  # noqa: E402

@@ -20,7 +20,7 @@ CUDA = torch.cuda.is_available()
 if not CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported; only Triton reads it
 
-from engine.attention import cpu_kernel  # noqa: E402
+from engine.kernels import cpu_kernel  # noqa: E402
 from engine.lora import kernels  # noqa: E402
 from tests.engine.cpu_flags import cpu_flags  # noqa: E402
 from tests.engine.triton_compile import HOPPER_SHARED_BYTES, hopper_shared_bytes  # noqa: E402
@@ -182,7 +182,7 @@ def test_c_kernel_built_for_avx2_only(tmp_path, dtype):
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         pytest.skip("no C compiler")
-    csrc = ROOT / "engine" / "attention" / "csrc"
+    csrc = ROOT / "engine" / "kernels" / "csrc"
     target = tmp_path / "lora_avx2.so"
     done = subprocess.run([compiler, *AVX2_FLAGS, str(csrc / "lora.c"), "-o", str(target), "-lm"],
                           capture_output=True, text=True)

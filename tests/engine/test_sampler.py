@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from engine.attention.cpu_kernel import sampling_library
+from engine.kernels.cpu_kernel import sampling_library
 from engine.sampler import Sampler, apply_top_k, apply_top_p, exponential_noise, exponential_race, noise_key, noise_rows
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import engine.attention.torch_backend as tb
-from engine.attention import cpu_kernel
 from engine.attention.base import StepBatch, allocate_kv_pool
+from engine.kernels import cpu_kernel
 
 
 def test_decode_groups_cut_sorted_lengths_where_it_saves_reading():

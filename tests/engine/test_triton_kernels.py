@@ -20,11 +20,11 @@ if not CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported; only Triton reads it
 import triton  # noqa: E402, F401  (in the dev extra: a missing triton fails here, never skips)
 
-from engine.attention import cpu_kernel  # noqa: E402
 from engine.attention import triton_kernels as tk  # noqa: E402
 from engine.attention.base import PrefillGroup, StepBatch  # noqa: E402
 from engine.attention.torch_backend import TorchAttention  # noqa: E402
 from engine.attention.triton_backend import TritonAttention  # noqa: E402
+from engine.kernels import cpu_kernel  # noqa: E402
 from tests.engine.triton_compile import HOPPER_SHARED_BYTES, hopper_shared_bytes  # noqa: E402
 
 DEVICE = torch.device("cuda" if CUDA else "cpu")

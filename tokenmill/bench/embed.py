@@ -73,7 +73,7 @@ def run_tokenmill(model: str, texts: list[str], dtype: str, threads: int, batch_
 
 def matmul_high_runs() -> bool:
     """float32_matmul_precision="high" changes anything on this CPU: the AMX tiles run the float32 GEMMs."""
-    from engine.models.cpu_gemm import GEMM_PROBE, split_runs
+    from engine.kernels.cpu_gemm import GEMM_PROBE, split_runs
 
     return split_runs(GEMM_PROBE, GEMM_PROBE)
 

@@ -1,7 +1,7 @@
 """`bench int8`: do int8 GEMMs (AMX-int8 / AVX-512 VNNI) pay over the engine's bfloat16 ones at the model's shapes?
 
 Each shape and row count times, interleaved so machine load hits them alike, best of N:
-- bfloat16: the engine's own linear (`engine.models.cpu_gemm.Linear`, prepacked: AMX where it runs) and `F.linear`;
+- bfloat16: the engine's own linear (`engine.kernels.cpu_gemm.Linear`, prepacked: AMX where it runs) and `F.linear`;
 - int8 GEMMs alone: `torch._int_mm` (int8 x int8 -> int32) and oneDNN's quantized linear
   (`torch.ops.onednn.qlinear_pointwise`, as inductor's x86 quantization uses it), where this torch has it;
 - W8A8 in full, as vLLM's compressed-tensors W8A8 (dynamic symmetric per-token activations, per-channel weights):
@@ -151,7 +151,7 @@ def interleaved_best(paths: dict[str, Callable[[], object]], repeats: int) -> di
 def measure(shapes: list[Shape], rows: tuple[int, ...] = ROWS, repeats: int = 10, seed: int = 0,
             skipped: dict[str, str] | None = None) -> list[Timing]:
     """Every path at every shape and row count; `skipped` collects path -> why it did not run."""
-    from engine.models.cpu_gemm import Linear
+    from engine.kernels.cpu_gemm import Linear
 
     skipped = {} if skipped is None else skipped
     generator = torch.Generator().manual_seed(seed)

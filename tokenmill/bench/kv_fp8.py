@@ -139,7 +139,7 @@ def decode_kernel_call(query_dtype: torch.dtype, fp8: bool, seqs: int, context: 
                        group: int = 3, head_dim: int = 64, block_size: int = 16, seed: int = 0):
     """(a call of the C paged decode kernel over `seqs` sequences of `context` tokens each, their blocks scattered
     over a pool twice their size; the K and V bytes it reads)."""
-    from engine.attention import cpu_kernel
+    from engine.kernels import cpu_kernel
     from engine.kv_quant import quantize
 
     generator = torch.Generator().manual_seed(seed)

@@ -79,11 +79,11 @@ def profiled() -> Iterator[StepProfile]:
     """Timers on the engine's functions (every instance) while inside; removed on the way out."""
     import torch.nn.functional as F
 
-    from engine.attention import cpu_kernel
     from engine.attention.torch_backend import TorchAttention
+    from engine.kernels import cpu_gemm, cpu_kernel
     from engine.llm_engine import LLMEngine
     from engine.model_runner import ModelRunner
-    from engine.models import cpu_gemm, llama
+    from engine.models import llama
     from engine.sampler import Sampler
 
     profile = StepProfile()

@@ -8,7 +8,7 @@
   SiLU(gate) * up, one pass each instead of several torch ops (`TOKENMILL_CPU_LAYER_OPS=0`: torch);
 - an encoder layer's attention over packed rows of any lengths, with no padding, and its residual add +
   LayerNorm (encoder_ops.c; `TOKENMILL_CPU_LAYER_OPS=0`: torch);
-- GEMMs on prepacked weights, batch-invariant by construction, used by engine/models/cpu_gemm.py: bfloat16 on
+- GEMMs on prepacked weights, batch-invariant by construction, used by engine/kernels/cpu_gemm.py: bfloat16 on
   Intel AMX tiles (amx_gemm.c), and bfloat16 (avx512_bf16) and float32 on AVX-512 vectors (avx512_gemm.c).
 - a Llama-style model's decoder layers in one call (decode_layers.c) for steps whose tokens all go through the
   decode kernel and whose projections all run on our GEMMs: the kernels above, in the Python loop's order, without

@@ -8,9 +8,9 @@ import pytest
 
 STEPS = """
 import ctypes, resource, sys
-from engine import heap
+from engine import malloc_tuning
 if sys.argv[1] == "keep":
-    assert heap.keep_freed_memory()
+    assert malloc_tuning.keep_freed_memory()
 libc = ctypes.CDLL("libc.so.6")
 libc.malloc.restype, libc.malloc.argtypes, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_size_t], [ctypes.c_void_p]
 sizes = [int(mib * (1 << 20)) for mib in (4.7, 1.5, 6.0, 1.5, 12.0, 1.5)]  # an encoder layer's activations

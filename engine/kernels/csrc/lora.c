@@ -10,7 +10,7 @@
  * - expand: out += h @ B[s], a block's rows by a tile of columns summed in registers over R, one contiguous load
  *   of each B row's tile serving every row of the block; the threads split the columns.
  * GCC vector extensions (the compiler's vector registers: AVX-512 or AVX2 with -march=native) keep the sums in
- * registers; no intrinsics. Built by engine/attention/cpu_kernel.py. */
+ * registers; no intrinsics. Built by engine/kernels/cpu_kernel.py. */
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>

@@ -1,6 +1,6 @@
 /* Paged decode attention on the CPU, float32 or bfloat16 (computed in float32): one query token per sequence,
  * keys and values read straight from the block pool (no gather), online softmax per block. Built at first use
- * by engine/attention/cpu_kernel.py.
+ * by engine/kernels/cpu_kernel.py.
  *
  * q      [S, Hkv, G, D]        the decode queries, G query heads per KV head, rows q_stride elements apart
  * k, v   [Hkv, NB, BS, D]      one layer's pool

@@ -12,7 +12,7 @@
  * ordered int32s, which vectorises.
  * The exact keys use only IEEE +, -, *, / and frexp's split, in the same order as sampler.py's torch fallback (this
  * file is built without contraction into fused multiply-adds or reassociation), so both pick bit-identical tokens.
- * Built by engine/attention/cpu_kernel.py (`sampling_library`). */
+ * Built by engine/kernels/cpu_kernel.py (`sampling_library`). */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>

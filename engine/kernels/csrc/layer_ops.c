@@ -1,6 +1,6 @@
 /* A decoder layer's elementwise steps on the CPU, fused, float32 or bfloat16 (computed in float32, rounded where
  * Hugging Face's bfloat16 model rounds): RMSNorm with the residual add before it, RoPE in place, SiLU(gate) * up.
- * Built with paged_decode.c by engine/attention/cpu_kernel.py. Rows run in parallel when there are enough. */
+ * Built with paged_decode.c by engine/kernels/cpu_kernel.py. Rows run in parallel when there are enough. */
 #include <math.h>
 #include <stdint.h>
 

@@ -1,5 +1,5 @@
 /* An encoder layer's attention and residual LayerNorm on the CPU, float32 or bfloat16, over a packed batch: rows of
- * tokens one after another, no padding. Built with the other kernels by engine/attention/cpu_kernel.py.
+ * tokens one after another, no padding. Built with the other kernels by engine/kernels/cpu_kernel.py.
  *
  * packed_attention: qkv [tokens, 3 * H * D] (q, k, v of each token), rows at starts[r] of lengths[r] tokens;
  *   out [tokens, H * D] = softmax(q k^T * scale) v within each row (bidirectional). One (row, head) per task: its

@@ -1,5 +1,5 @@
 """Prepacked CPU GEMMs: each weight is reordered once into the kernel's blocked layout instead of on every
-call, as vLLM's CPU build does. Our own kernels (engine/attention/csrc/) sum every output in one fixed order
+call, as vLLM's CPU build does. Our own kernels (engine/kernels/csrc/) sum every output in one fixed order
 whatever the number of rows, so they are batch-invariant as they are:
 - "amx": bfloat16 on Intel AMX tiles (amx_gemm.c; it streams the weight with prefetch, 1.2-2x oneDNN at decode
   batches of 1-64 rows on a 2-core Xeon; over `AMX_MAX_ROWS` rows, outside batch-invariant mode, oneDNN);
@@ -37,8 +37,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from engine.attention import cpu_kernel
 from engine.home import tokenmill_home
+from engine.kernels import cpu_kernel
 
 log = logging.getLogger("tokenmill.cpu_gemm")
 
