@@ -7,7 +7,7 @@ import os
 import re
 from dataclasses import dataclass
 
-from ingest.job_request import MAX_REQUEST_BYTES
+from ingest.job_request import MAX_JOB_REQUEST_BYTES
 from ingest.policy import FrontDoorPolicy
 from storage.db import resolve_url
 from storage.objectstore import S3Options
@@ -80,7 +80,7 @@ class ServiceConfig:
             sweep_interval_s=_number("SWEEP_INTERVAL_S", 30),
             sweep_grace_s=_number("SWEEP_GRACE_S", 600),
             fair_share_shards=int(_number("FAIR_SHARE_SHARDS", 4)),
-            max_spec_bytes=int(_number("MAX_REQUEST_BYTES", MAX_REQUEST_BYTES)),
+            max_spec_bytes=int(_number("MAX_SPEC_BYTES", MAX_JOB_REQUEST_BYTES)),
             schedule_interval_s=_number("SCHEDULE_INTERVAL_S", 60),
             s3=S3Options(endpoint_url=env_setting("S3_ENDPOINT_URL")),
             bucket_uri=bucket,

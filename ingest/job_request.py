@@ -55,7 +55,7 @@ from storage.models import JobSource
 from storage.objectstore import S3Options, check_output_uri, normalize_uri
 
 MAX_INLINE_ROWS = 10_000
-MAX_REQUEST_BYTES = 1 << 20  # default of TOKENMILL_MAX_SPEC_BYTES (a message or a sidecar)
+MAX_JOB_REQUEST_BYTES = 1 << 20  # default of TOKENMILL_MAX_SPEC_BYTES (a message or a sidecar)
 MAX_DEPTH = 32  # nesting of arrays and objects in a spec
 PRIORITY_BOUND = 2**31  # priorities are 32-bit in the database
 MAX_CACHE_SALT = 256
@@ -247,7 +247,7 @@ def _check_types(settings: dict[str, Any], config: type) -> None:
                              f"got {type(value).__name__} {value!r}")
 
 
-def parse_request(payload: bytes | str | None, max_bytes: int = MAX_REQUEST_BYTES, **defaults: Any) -> JobRequest:
+def parse_request(payload: bytes | str | None, max_bytes: int = MAX_JOB_REQUEST_BYTES, **defaults: Any) -> JobRequest:
     """A JobRequest from JSON text; `defaults` fill fields the document leaves out. Raises JobRequestError for
     anything that is not a valid spec: no payload, too large, not UTF-8 JSON, nested too deep, wrong types."""
     if payload is None:

@@ -19,7 +19,7 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
 from ingest.intake import Intake, content_key
-from ingest.job_request import MAX_REQUEST_BYTES, JobRequestError, NewJob, parse_request
+from ingest.job_request import MAX_JOB_REQUEST_BYTES, JobRequestError, NewJob, parse_request
 from storage.faults import crash_point, is_transient
 from storage.models import JobSource, RejectedMessage
 
@@ -42,7 +42,7 @@ def kafka_consumer(bootstrap: str, topic: str, group: str):
 
 class JobConsumer:
     def __init__(self, intake: Intake, bootstrap: str, topic: str, group: str,
-                 max_bytes: int = MAX_REQUEST_BYTES) -> None:
+                 max_bytes: int = MAX_JOB_REQUEST_BYTES) -> None:
         self.intake, self.bootstrap, self.topic, self.group = intake, bootstrap, topic, group
         self.max_bytes = max_bytes
 

@@ -23,7 +23,7 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
 from ingest.intake import Intake, Submission
-from ingest.job_request import MAX_REQUEST_BYTES, JobRequestError, parse_request
+from ingest.job_request import MAX_JOB_REQUEST_BYTES, JobRequestError, parse_request
 from storage.faults import is_transient
 from storage.models import InboxObject, JobSource, utcnow
 from storage.objectstore import TMP_PREFIX, S3Store, normalize_uri
@@ -61,7 +61,7 @@ class InboxEntry:
 
 class InboxWatcher:
     def __init__(self, intake: Intake, inbox_uri: str, results_uri: str, settle_s: float = 5.0,
-                 max_bytes: int = MAX_REQUEST_BYTES) -> None:
+                 max_bytes: int = MAX_JOB_REQUEST_BYTES) -> None:
         self.intake = intake
         inbox = normalize_uri(inbox_uri)
         if not inbox.startswith("s3://"):

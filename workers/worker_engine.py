@@ -17,7 +17,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ingest.config import env_setting
 from workers.shards import is_embedding_engine
 
 if TYPE_CHECKING:
@@ -72,6 +71,7 @@ class WorkerEngine:
     @classmethod
     def from_env(cls) -> WorkerEngine:
         from engine.config import DEFAULT_MODEL
+        from ingest.config import env_setting  # here: the in-process path imports this module without the engine
 
         raw = env_setting("WORKER_ENGINE", "{}")
         try:
