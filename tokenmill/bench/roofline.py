@@ -254,8 +254,6 @@ def record_run(model: str, workload: Workload, dtype: str, **engine_kwargs) -> R
     for out, length in zip(outputs, workload.output_lens, strict=True):
         if len(out.outputs[0].token_ids) != length:
             raise RuntimeError(f"tokenmill generated {len(out.outputs[0].token_ids)} tokens, expected {length}")
-    if llm.engine.ranks is not None:
-        llm.engine.shutdown()
     del llm, engine
     gc.collect()
     return RecordedRun(steps, wall, len(workload.prompts), workload.useful_tokens)
