@@ -130,7 +130,7 @@ def main() -> int:
             hit = (at_point(*AT_POINTS[fault], state_dir, stack_module, sessions, expected, top_up, started)
                    and fault in HITS_RUNNING_SHARDS)
         elif fault == "cancel-job":
-            running = wait_for_work(sessions, expected, top_up)
+            wait_for_work(sessions, expected, top_up)
             hit = cancel_running_job(sessions, expected, may_end_cancelled, started)
         else:
             running = wait_for_work(sessions, expected, top_up)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from tokenmill.bench.throughput_cli import add_workload_options
+
 DEFAULT_PROMPTS = 16
 
 
@@ -21,16 +23,11 @@ def register(benches: argparse._SubParsersAction) -> None:
                     "Each step's floor is max(GEMM FLOPs / peak, (weights + KV bytes read) / bandwidth). The table "
                     "gives, per phase (prefill, decode, total), each part's seconds, the floor, the measured "
                     "seconds and the floor as a percentage of them.")
-    parser.add_argument("--model", default="smollm2-135m", help="model name or directory (default: smollm2-135m)")
-    parser.add_argument("--dataset", choices=("mixed", "sharegpt"), default="mixed",
-                        help="mixed: the held-out mixed chat workload (--min-tokens/--max-tokens set its output "
-                             "lengths); sharegpt: vLLM's benchmark data, sampled as `bench throughput` samples it "
-                             "(default: mixed)")
-    parser.add_argument("--num-prompts", type=int, default=DEFAULT_PROMPTS,
-                        help=f"requests in the workload (default: {DEFAULT_PROMPTS}, about a minute in all on 2 "
-                             "cores; `bench throughput` runs 64 mixed or 200 ShareGPT)")
-    parser.add_argument("--min-tokens", type=int, default=16, help="shortest forced output (default: 16)")
-    parser.add_argument("--max-tokens", type=int, default=192, help="longest forced output (default: 192)")
+    add_workload_options(
+        parser, sharegpt_help="vLLM's benchmark data, sampled as `bench throughput` samples it",
+        prompts_default=DEFAULT_PROMPTS,
+        prompts_help=f"requests in the workload (default: {DEFAULT_PROMPTS}, about a minute in all on 2 cores; "
+                     "`bench throughput` runs 64 mixed or 200 ShareGPT)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                         help="the model's dtype (default: float32; bfloat16 needs avx512_bf16 or AMX)")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"),

