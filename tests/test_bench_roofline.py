@@ -44,6 +44,19 @@ def test_each_step_is_held_to_the_larger_of_its_compute_and_memory_time():
     assert phase_floors(steps, ROOF)[2].measured_s == pytest.approx(19.0)  # without the wall time: the steps'
 
 
+def test_limits_a_step_of_the_run_beat_are_raised_to_it():
+    """A limit measured on a busy machine comes out low: a step faster than the floor raises it to that step's
+    rate, so no phase lies under its floor."""
+    fast_gemm = StepRecord(50, 0, 2, 50, seconds=2.51)  # 5,020 FLOPs in 2.51 s: 2,000 FLOP/s, twice the limit
+    fast_read = StepRecord(0, 4, 4, 400, seconds=0.2)  # 0.44 s of GEMMs, 5,100 bytes in 0.2 s: 25,500 B/s
+    slow = StepRecord(0, 8, 8, 8, seconds=2.0)
+    roof, raised = ROOF.raised_to([fast_gemm, fast_read, slow])
+    assert (roof.peak_flops, roof.bandwidth) == pytest.approx((2200, 25_500))  # fast_read's 440 FLOPs in 0.2 s
+    assert len(raised) == 2 and "GEMM peak raised to" in raised[0] and "bandwidth raised to" in raised[1]
+    assert all(roof.floor(s) <= s.seconds * 1.000001 for s in (fast_gemm, fast_read, slow))
+    assert ROOF.raised_to([slow]) == (ROOF, [])  # a run under both limits leaves them as measured
+
+
 def test_stream_counts_its_bytes_as_stream_does():
     stream = stream_bandwidth(8 << 20, repeats=2)
     assert stream.array_bytes == 8 << 20

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import gc
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -74,6 +74,19 @@ class Roofline:
     def floor(self, step: StepRecord) -> float:
         gemm, weights, kv = self.parts(step)
         return max(gemm, weights + kv)
+
+    def raised_to(self, steps: list[StepRecord]) -> tuple[Roofline, list[str]]:
+        """These limits, raised to any rate a step of the run itself reached (a limit measured on a busy machine
+        comes out low, and a floor above the measured time says nothing), with what was raised."""
+        timed = [step for step in steps if step.seconds > 0]
+        flops = max((self.parts(s)[0] * self.peak_flops / s.seconds for s in timed), default=0.0)
+        moved = max(((self.parts(s)[1] + self.parts(s)[2]) * self.bandwidth / s.seconds for s in timed), default=0.0)
+        raised = []
+        if flops > self.peak_flops:
+            raised.append(f"GEMM peak raised to {flops / 1e9:.1f} GFLOP/s, a step of the run's own")
+        if moved > self.bandwidth:
+            raised.append(f"bandwidth raised to {moved / 1e9:.1f} GB/s, a step of the run's own")
+        return replace(self, peak_flops=max(flops, self.peak_flops), bandwidth=max(moved, self.bandwidth)), raised
 
 
 @dataclass

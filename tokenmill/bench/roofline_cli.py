@@ -88,6 +88,9 @@ def run_roofline(args: argparse.Namespace) -> int:
     console.print(f"running tokenmill ({args.dtype}, KV cache {args.kv_cache_dtype}) ...")
     run = roofline.record_run(str(model_dir), workload, args.dtype, num_threads=args.threads,
                               kv_cache_dtype=args.kv_cache_dtype)
+    model, raised = model.raised_to(run.steps)
+    for line in raised:
+        console.print(f"{line}: the limits measured above were low (a busy machine?)")
     phases = roofline.phase_floors(run.steps, model, run.wall_seconds)
     title = (f"roofline: {args.dataset}, {run.num_prompts} prompts, {run.output_tokens:,} output tokens, "
              f"{args.dtype}, KV cache {args.kv_cache_dtype}")
@@ -104,7 +107,7 @@ def run_roofline(args: argparse.Namespace) -> int:
                                   "best": stream.best},
                        "peak": {"flops_per_s": peak_flops, "where": where, "limit_tok_s": measured.limit,
                                 "limit_rows": measured.limit_rows, "square_gflops": measured.square_gflops},
-                       "roofline": dataclasses.asdict(model),
+                       "roofline": dataclasses.asdict(model), "raised": raised,
                        "phases": [{**dataclasses.asdict(p), "share": p.share} for p in phases],
                        "wall_seconds": run.wall_seconds, "output_tokens": run.output_tokens,
                        "steps": [dataclasses.asdict(s) for s in run.steps]}, f, indent=2)
