@@ -45,7 +45,7 @@ def pytest_runtest_protocol(item, nextitem):
     """After each test file (once its last test has let go of the file's fixtures), and after any test that leaves
     RSS above TRIM_ABOVE_MIB: end the engine threads, drop its engines and hand freed heap back to the OS (glibc
     keeps it otherwise), so the suite's RSS stays near one test's peak; with TOKENMILL_TEST_RSS=FILE, log there the
-    RSS and the seconds of each file."""
+    lane, RSS and the seconds of each file."""
     _file_started.setdefault(item.path, time.monotonic())
     result = yield
     if nextitem is None or nextitem.path != item.path:
@@ -83,8 +83,8 @@ def _release_memory(path: Path, seconds: float) -> None:
     if log := os.environ.get("TOKENMILL_TEST_RSS"):
         rss, peak = _rss_mib()
         with open(log, "a") as f:
-            f.write(f"{path.relative_to(Path(__file__).parent.parent)} rss={rss} MiB peak={peak} MiB "
-                    f"seconds={seconds:.1f}\n")
+            f.write(f"{os.environ.get('PYTEST_XDIST_WORKER', 'main')} {path.relative_to(Path(__file__).parent.parent)} "
+                    f"rss={rss} MiB peak={peak} MiB seconds={seconds:.1f}\n")
 
 
 @pytest.fixture(scope="session")
