@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ingest.sampling import kept_beams
+from ingest.row_checks import CheckedRow, RowChecks
 from storage.formats import Request, RowError
 from workers.shards import (
     EmbeddingRow,
@@ -60,7 +60,7 @@ def shards_in_flight(max_num_seqs: int, rows_per_shard: int, kv_rows: int | None
 class RowSettings:
     """How a job's rows run: its sampling defaults, engine request priority, prefix-cache salt, speculative
     decoding and batch-invariant settings (None: the engine's own), the model names its rows may give (none: any)
-    and the LoRA adapters they may name."""
+    and the LoRA adapters they may name. `checks` gives the row checks (`ingest.row_checks`) they make."""
 
     defaults: dict[str, Any]
     priority: int = 0
@@ -73,13 +73,16 @@ class RowSettings:
     adapters: dict[str, LoRARequest | str] = field(default_factory=dict)
     adapter_names: frozenset[str] = frozenset()  # every adapter its rows may name (default: those of `adapters`)
 
+    def checks(self) -> RowChecks:
+        return RowChecks(self.defaults, self.models, self.adapters, self.adapter_names, self.truncate_inputs)
+
 
 @dataclass(eq=False)
 class Ticket:
     """One shard handed to the engine thread; `done` is set when all its rows finished, or it was cancelled or
     failed (`error`). Its request ids are `prefix` + row index, unique in the engine."""
 
-    rows: list[Request | RowError]
+    rows: list[CheckedRow | RowError]  # checked on the shard's thread (`ingest.row_checks`)
     prefix: str
     settings: RowSettings
     outcome: ShardOutcome = field(default_factory=ShardOutcome)
@@ -90,9 +93,8 @@ class Ticket:
     fed: bool = False
     suspect: bool = False  # it was in the engine when a step raised: it runs again alone
     request_ids: set[str] = field(default_factory=set)  # its requests still in the engine
-    bad_adapters: dict[str, str] = field(default_factory=dict)  # adapters the engine refused: name -> why
     solo: deque | None = None  # its rows raised in the engine: the rows still to run, one at a time
-    solo_row: Request | RowError | None = None  # while `solo`: the row in the engine
+    solo_row: CheckedRow | RowError | None = None  # while `solo`: the row in the engine
 
     def restart(self) -> None:
         self.outcome, self.rows_done, self.tokens, self.fed, self.suspect = ShardOutcome(), 0, 0, False, True
@@ -109,15 +111,14 @@ class TextRow:
     """A generation row in the engine: one request."""
 
     ticket: Ticket
-    row: Request
-    top_k: int | None  # the row's logprobs top-k
-    beams: int | None = None  # a beam search row: how many of its beams, best first, are its choices
-    params: Any = None  # the sampling it runs with
+    row: CheckedRow
 
     def collect(self, output: RequestOutput) -> None:
-        if self.beams is not None:
-            output.outputs = output.outputs[:self.beams]
-        collect_row(self.ticket.outcome, self.row, output, self.top_k, self.params)
+        row = self.row
+        if row.beams is not None:
+            output.outputs = output.outputs[:row.beams]
+        top_k = None if row.beams else row.params.logprobs  # the row's logprobs top-k
+        collect_row(self.ticket.outcome, row.request, output, top_k, row.params)
         self.ticket.rows_done += 1
         self.ticket.tokens += _tokens(output)
 
@@ -168,8 +169,9 @@ class EngineLoop:
     def run(self, settings: RowSettings, rows: list[Request | RowError], prefix: str,
             should_stop: Callable[[], bool] = lambda: False, progress: Progress | None = None) -> ShardOutcome:
         """Run one shard's rows in the shared engine and wait for them; a stop request (asked every POLL_S)
-        aborts its rows and returns the outcome with `cancelled` set. An error of this shard is raised."""
-        ticket = Ticket(rows, prefix, settings)
+        aborts its rows and returns the outcome with `cancelled` set. An error of this shard is raised. The rows
+        are checked here, on the shard's thread (their LoRA adapters loaded), before the engine thread sees them."""
+        ticket = Ticket(settings.checks().check_rows(self.engine, rows), prefix, settings)
         self.inbox.put(("run", ticket))
         reported = (0, 0)
         cancel_deadline = None
@@ -277,45 +279,29 @@ class EngineLoop:
             ticket.fed = True
         self._finish_if_done(ticket)
 
-    def _add_rows(self, ticket: Ticket, rows: list[Request | RowError]) -> None:
+    def _add_rows(self, ticket: Ticket, rows: list[CheckedRow | RowError]) -> None:
         if self.engine.embedding_size is not None:
             self._add_embedding_rows(ticket, rows)
             return
-        settings = ticket.settings
-        adapter_names = settings.adapter_names or settings.adapters.keys()
         token_ids = tokenize_rows(self.engine, rows)
         for item in rows:
-            prepared = item if isinstance(item, RowError) else prepare_row(
-                self.engine, settings.defaults, item, settings.models, adapter_names, token_ids.get(item.row))
-            if not isinstance(prepared, RowError):
-                prepared = self._add_text_row(ticket, item, *prepared)
+            prepared = item if isinstance(item, RowError) else prepare_row(self.engine, item, token_ids.get(item.row))
             if isinstance(prepared, RowError):
                 ticket.outcome.errors.append(prepared)
                 ticket.rows_done += 1
+            else:
+                self._add_text_row(ticket, item, prepared[0])
 
-    def _add_text_row(self, ticket: Ticket, item: Request, token_ids: list[int], params) -> RowError | None:
-        """Add a prepared row to the engine, with its LoRA adapter if it names one; the row's error when the
-        adapter cannot be served (the engine's reason, given once per shard and adapter)."""
+    def _add_text_row(self, ticket: Ticket, item: CheckedRow, token_ids: list[int]) -> None:
+        """Add a prepared row to the engine, with its LoRA adapter (loaded by its check) if it names one."""
         settings = ticket.settings
-        name = item.model if isinstance(item.model, str) else None
-        adapter = settings.adapters.get(name) if name else None
-        if isinstance(adapter, str) or name in ticket.bad_adapters:
-            return RowError(item.row, item.custom_id, "invalid_adapter", ticket.bad_adapters.get(name, adapter))
         request_id = f"{ticket.prefix}{item.row}"
-        try:
-            self.engine.add_request(request_id, token_ids, params, settings.priority, settings.cache_salt,
-                                    *(() if adapter is None else (adapter,)))  # the base model: as before LoRA
-        except ValueError as problem:  # the engine could not load the adapter (rank, target modules, files)
-            if adapter is None:
-                raise
-            ticket.bad_adapters[name] = str(problem)
-            return RowError(item.row, item.custom_id, "invalid_adapter", str(problem))
-        beams = kept_beams(params, item.params, settings.defaults)
-        self.pending[request_id] = TextRow(ticket, item, None if beams else params.logprobs, beams, params)
+        self.engine.add_request(request_id, token_ids, item.params, settings.priority, settings.cache_salt,
+                                *(() if item.adapter is None else (item.adapter,)))  # the base model: as before LoRA
+        self.pending[request_id] = TextRow(ticket, item)
         ticket.request_ids.add(request_id)
-        return None
 
-    def _add_embedding_rows(self, ticket: Ticket, rows: list[Request | RowError]) -> None:
+    def _add_embedding_rows(self, ticket: Ticket, rows: list[CheckedRow | RowError]) -> None:
         """Embedding rows: one engine request per input (request id: prefix, row, '.', input index), added
         shortest first, so that each engine step holds inputs of like lengths."""
         ticket.outcome.embedding_size = self.engine.embedding_size
@@ -323,7 +309,7 @@ class EngineLoop:
         inputs = []
         for item in rows:
             prepared = item if isinstance(item, RowError) else prepare_embedding_row(
-                self.engine, item, settings.truncate_inputs, settings.models)
+                self.engine, item, settings.truncate_inputs)
             if isinstance(prepared, RowError):
                 ticket.outcome.errors.append(prepared)
                 ticket.rows_done += 1

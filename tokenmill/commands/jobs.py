@@ -302,6 +302,7 @@ def _choose_model(args: argparse.Namespace) -> None:
     a mixed file that name another model fail alone with model_not_found)."""
     from engine.model_loader import BUNDLED_MODELS
     from ingest.job_request import JobRequestError
+    from ingest.row_checks import choose_model
     from storage.formats import JSONL_SUFFIXES
     from storage.formats.jsonl import models_named
     from storage.objectstore import S3Options, normalize_uri, open_file_store
@@ -319,18 +320,9 @@ def _choose_model(args: argparse.Namespace) -> None:
     except (OSError, ValueError):  # not there, not readable: the job's validation says so
         return
     aliases = {*(args.served_model_name or []), *lora_modules(args)}
-    wanted = {model for model in named if model is not None}
-    if not args.model_given and None not in named and len(wanted) == 1:
-        [model] = wanted
-        if model in BUNDLED_MODELS and model not in aliases:
-            args.model = model
-    served = {args.model, *aliases}
-    if wanted and None not in named and not wanted & served:
-        listing = ", ".join(f"{model!r} ({count} rows, first on line {line})"
-                            for model, (count, line) in sorted(named.items()))
-        raise JobRequestError(f"every row of {args.input} names a model this run does not serve: {listing}; it serves "
-                        f"{', '.join(map(repr, sorted(served)))}. Give --model (bundled: "
-                        f"{', '.join(BUNDLED_MODELS)}), or --served-model-name for another name of it")
+    args.model, refused = choose_model(named, args.model, args.model_given, aliases, BUNDLED_MODELS, args.input)
+    if refused:
+        raise JobRequestError(refused)
 
 
 def database_option(url: str | None) -> str:
