@@ -34,7 +34,7 @@ from storage.models import Job, JobStatus, Shard, ShardStatus
 from storage.objectstore import InputChanged
 from storage.states import CANCELLABLE, TERMINAL, is_terminal, transition
 from workers.engine_loop import release_loop, shards_in_flight
-from workers.job_steps import JobSteps, discard_if_ended
+from workers.job_steps import JobSteps, ValidatedInput, discard_if_ended
 from workers.progress import NoProgress, Progress
 from workers.shard_step import ShardStep
 from workers.sweep import expire_overdue
@@ -64,10 +64,11 @@ class JobBusy(RuntimeError):
 
 
 def run_job(sessions: sessionmaker[Session], job_id: str, engine_provider: EngineFactory,
-            progress: Progress | None = None) -> Job:
+            progress: Progress | None = None, validated: ValidatedInput | None = None) -> Job:
     """Take the job as far as it goes in this process: to completed, failed or cancelled. `engine_provider`
-    turns the job's engine settings into the engine its shards run on."""
-    return JobRunner(sessions, job_id, engine_provider, progress or NoProgress()).run()
+    turns the job's engine settings into the engine its shards run on. `validated`: its input, read before the
+    job was made (`tokenmill run`), which its validating step takes instead of reading it again."""
+    return JobRunner(sessions, job_id, engine_provider, progress or NoProgress(), validated).run()
 
 
 def cancel_job(sessions: sessionmaker[Session], ref: str) -> Job:
@@ -94,8 +95,8 @@ class JobRunner:
     through the engine loop (several in flight), finalize."""
 
     def __init__(self, sessions: sessionmaker[Session], job_id: str, engine_provider: EngineFactory,
-                 progress: Progress) -> None:
-        self.steps = JobSteps(sessions, job_id, progress)
+                 progress: Progress, validated: ValidatedInput | None = None) -> None:
+        self.steps = JobSteps(sessions, job_id, progress, validated)
         self.shard_step = ShardStep(self.steps)
         self.engine_provider = engine_provider
         self._engine: LLMEngine | None = None
