@@ -113,7 +113,7 @@ class RowChecks:
     adapters: Mapping[str, Any] = field(default_factory=dict)
     adapter_names: frozenset[str] = frozenset()
     truncate_inputs: bool = False
-    _loaded: dict[str, Any] = field(default_factory=dict, repr=False)  # adapter name -> adapter, or why not
+    _adapters_loaded: dict[str, Any] = field(default_factory=dict, repr=False)  # adapter name -> adapter, or why not
 
     def check_rows(self, engine: Any, rows: list[Request | RowError]) -> list[CheckedRow | RowError]:
         """Each row checked against `engine` (the one it will run on); a row that failed earlier stays as it is."""
@@ -184,10 +184,10 @@ class RowChecks:
         served: not resolved (a fetch that failed), or refused by the engine (rank, target modules, files)."""
         if not isinstance(model, str) or model not in self.adapters:
             return None
-        if model not in self._loaded:
+        if model not in self._adapters_loaded:
             request = self.adapters[model]
             try:
-                self._loaded[model] = request if isinstance(request, str) else engine.load_adapter(request)
+                self._adapters_loaded[model] = request if isinstance(request, str) else engine.load_adapter(request)
             except ValueError as problem:
-                self._loaded[model] = str(problem)
-        return self._loaded[model]
+                self._adapters_loaded[model] = str(problem)
+        return self._adapters_loaded[model]

@@ -1,8 +1,11 @@
-"""The one shard executor: every shard, of the Celery worker and of `tokenmill run` alike, runs through the
-engine thread of its process (one per engine). That thread alone owns the `LLMEngine` and steps it; each shard is
-handed over from its own thread (a `run_shard` task, or one of `tokenmill run`'s), which waits for its rows. So
-the next shard's rows are admitted while the previous shard's tail decodes, and shards of several jobs share the
-engine (ordered by their request priority when the engine's `scheduling_policy` is `priority`).
+"""The one shard executor, the engine service: every shard, of the Celery worker and of `tokenmill run` alike,
+runs through an `EngineLoop`, the engine thread of one engine, started and closed by whoever owns the engine (the
+worker process, `workers.worker_engine.WorkerProcess`; a job run in process, `workers.inprocess.JobRunner`) and
+handed to the shards; nothing looks it up. That thread alone owns the `LLMEngine` and steps it; each shard is
+handed over from its own thread (a `run_shard` task, or one of `tokenmill run`'s), which waits for its rows. The
+shard's thread talks to it by typed messages only (`SubmitRows`, `CancelRows`, `Close`). So the next shard's rows
+are admitted while the previous shard's tail decodes, and shards of several jobs share the engine (ordered by
+their request priority when the engine's `scheduling_policy` is `priority`).
 
 The waiting thread asks the database once a second whether the job still runs (`StatusWatch`) and reports
 progress; the shard's lease is renewed by a `LeaseHeartbeat` thread. A cancel aborts only that shard's requests.
@@ -106,6 +109,28 @@ class Ticket:
         return not self.request_ids and (self.fed if self.solo is None else not self.solo)
 
 
+@dataclass(frozen=True, eq=False)
+class SubmitRows:
+    """A shard's checked rows for the engine thread to admit."""
+
+    ticket: Ticket
+
+
+@dataclass(frozen=True, eq=False)
+class CancelRows:
+    """Drop a shard's rows: its job stopped."""
+
+    ticket: Ticket
+
+
+@dataclass(frozen=True)
+class Close:
+    """End the engine thread; the shards still in it fail."""
+
+
+Message = SubmitRows | CancelRows | Close
+
+
 @dataclass(eq=False)
 class TextRow:
     """A generation row in the engine: one request."""
@@ -138,17 +163,18 @@ class EmbeddingInput:
 
 
 class EngineLoop:
-    """The engine thread of one engine. `run` is called from the shards' threads; everything else runs on the
-    engine thread, which alone touches the engine."""
+    """The engine service: the engine thread of one engine, started here and ended by `close` (its owner's).
+    `run` is called from the shards' threads; everything else runs on the engine thread, which alone touches
+    the engine. Only one loop may step an engine at a time."""
 
     def __init__(self, engine: BatchEngine, watchdog_s: float = WATCHDOG_S,
                  on_stuck: Callable[[], None] | None = None) -> None:
         self.engine = engine
-        self.inbox: queue.Queue[tuple[str, Ticket]] = queue.Queue()
+        self.inbox: queue.Queue[Message] = queue.Queue()
         self.waiting: deque[Ticket] = deque()  # submitted, not yet admitted
         self.active: list[Ticket] = []  # admitted, oldest first
         self.pending: dict[str, TextRow | EmbeddingInput] = {}  # by request id
-        self._spec_seen = (0, 0)
+        self._spec_seen = _spec_counts(engine)  # the engine's, counted before this loop (an earlier job's)
         self.progressed = time.monotonic()  # the last engine step that returned, or the last idle moment:
         # the watchdog counts from it while any shard is in `active` (admitted, or being admitted)
         self.watchdog_s, self.on_stuck = watchdog_s, on_stuck or _exit_stuck
@@ -160,7 +186,7 @@ class EngineLoop:
 
     def close(self, timeout_s: float = 30) -> None:
         """End both threads, so that the engine can be freed; shards still in it fail."""
-        self.inbox.put(("close", None))
+        self.inbox.put(Close())
         self.thread.join(timeout_s)
         self.watchdog.join(timeout_s)
 
@@ -172,14 +198,14 @@ class EngineLoop:
         aborts its rows and returns the outcome with `cancelled` set. An error of this shard is raised. The rows
         are checked here, on the shard's thread (their LoRA adapters loaded), before the engine thread sees them."""
         ticket = Ticket(settings.checks().check_rows(self.engine, rows), prefix, settings)
-        self.inbox.put(("run", ticket))
+        self.inbox.put(SubmitRows(ticket))
         reported = (0, 0)
         cancel_deadline = None
         while not ticket.done.wait(POLL_S):
             reported = _report(progress, ticket, reported)
             if cancel_deadline is None and should_stop():
                 cancel_deadline = time.monotonic() + CANCEL_WAIT_S
-                self.inbox.put(("cancel", ticket))
+                self.inbox.put(CancelRows(ticket))
             elif cancel_deadline is not None and time.monotonic() > cancel_deadline:
                 log.warning("shard %s: the engine thread did not drop its rows within %.0f s of the cancel; "
                             "the shard ends cancelled without it", prefix, CANCEL_WAIT_S)
@@ -222,17 +248,18 @@ class EngineLoop:
     def _receive(self, block: bool) -> None:
         while True:
             try:
-                what, ticket = self.inbox.get(block=block, timeout=POLL_S if block else None)
+                message = self.inbox.get(block=block, timeout=POLL_S if block else None)
             except queue.Empty:
                 return
             block = False
-            if what == "run":
-                self.waiting.append(ticket)
-            elif what == "cancel":
-                self._cancel(ticket)
-            elif what == "close":
-                self.closed.set()
-                return
+            match message:
+                case SubmitRows(ticket):
+                    self.waiting.append(ticket)
+                case CancelRows(ticket):
+                    self._cancel(ticket)
+                case Close():
+                    self.closed.set()
+                    return
 
     def _cancel(self, ticket: Ticket) -> None:
         if ticket.done.is_set():
@@ -369,8 +396,7 @@ class EngineLoop:
 
     def _credit_speculation(self) -> None:
         """Speculation counts go to the oldest shard in the engine (the engine counts them per step)."""
-        spec = self.engine.spec.stats if self.engine.spec else None
-        seen = (spec.draft_tokens, spec.accepted_tokens) if spec else (0, 0)
+        seen = _spec_counts(self.engine)
         if self.active and seen >= self._spec_seen:
             outcome = self.active[0].outcome
             outcome.spec_draft_tokens += seen[0] - self._spec_seen[0]
@@ -430,6 +456,12 @@ class EngineLoop:
         ticket.done.set()
 
 
+def _spec_counts(engine: BatchEngine) -> tuple[int, int]:
+    """The draft and accepted tokens the engine's speculative decoder counted so far."""
+    spec = getattr(engine, "spec", None)
+    return (spec.stats.draft_tokens, spec.stats.accepted_tokens) if spec else (0, 0)
+
+
 def _exit_stuck() -> None:
     logging.shutdown()
     os._exit(75)
@@ -445,33 +477,3 @@ def _report(progress: Progress | None, ticket: Ticket, reported: tuple[int, int]
     if progress is not None and (rows, tokens) != reported:
         progress.advance(rows - reported[0], tokens - reported[1])
     return rows, tokens
-
-
-_loops: dict[int, EngineLoop] = {}
-_loops_lock = threading.Lock()
-
-
-def loop_for(engine: BatchEngine) -> EngineLoop:
-    """The engine thread of this engine (one per engine of the process), started at first use."""
-    with _loops_lock:
-        if id(engine) not in _loops:
-            _loops[id(engine)] = EngineLoop(engine)
-        return _loops[id(engine)]
-
-
-def release_loop(engine: BatchEngine) -> None:
-    """End this engine's thread, if it has one: its owner is done with the engine (`tokenmill run` after its job,
-    an in-process executor when it closes), and the loop would otherwise keep it alive with the process."""
-    with _loops_lock:
-        loop = _loops.pop(id(engine), None)
-    if loop is not None:
-        loop.close()
-
-
-def release_loops() -> None:
-    """End every engine's thread (the tests do, after each file)."""
-    with _loops_lock:
-        loops = list(_loops.values())
-        _loops.clear()
-    for loop in loops:
-        loop.close()

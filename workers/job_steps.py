@@ -27,14 +27,12 @@ from storage.models import FailedRow, Job, JobStatus, Shard, ShardStatus, utcnow
 from storage.objectstore import InputChanged, ObjectStore, open_file_store, open_store
 from storage.states import TERMINAL, transition
 from workers.finalize import delete_uncommitted_parts, discard_outputs, finalize_outputs, remove_stray_parts
-from workers.leases import LeaseHeartbeat, job_claim
+from workers.leases import HeldHere, LeaseHeartbeat, job_claim
 from workers.progress import NoProgress, Progress
 
 log = logging.getLogger("tokenmill.jobs")
 
 S = JobStatus
-STEPS_HERE: set[str] = set()  # the jobs whose step this process holds now
-_steps_lock = threading.Lock()
 
 
 @dataclass(eq=False)
@@ -100,11 +98,13 @@ def discard_if_ended(sessions: sessionmaker[Session], job: Job) -> None:
 
 
 class JobSteps:
-    """The steps of one job. Each opens its own transactions and locks the job row before it changes it."""
+    """The steps of one job. Each opens its own transactions and locks the job row before it changes it. `held`:
+    what this process runs now, shared by the steps of the process's owner (default: these steps' own)."""
 
     def __init__(self, sessions: sessionmaker[Session], job_id: str, progress: Progress | None = None,
-                 validated: ValidatedInput | None = None) -> None:
+                 validated: ValidatedInput | None = None, held: HeldHere | None = None) -> None:
         self.sessions, self.job_id = sessions, job_id
+        self.held = held if held is not None else HeldHere()
         self.progress = progress or NoProgress()
         self.worker = worker_id()
         self.step_token: int | None = None  # the job's claim token while this holds its step (claim_step)
@@ -165,7 +165,7 @@ class JobSteps:
         finishing (its worker died each time) fails the job. `release` lets go."""
         with self.sessions.begin() as session:
             job, now = self.job_row(session), db_now(session)
-            if job.status != status or self.held_by_another(job.worker, job.lease_expires_at, job.id in STEPS_HERE,
+            if job.status != status or self.held_by_another(job.worker, job.lease_expires_at, self.held.job(job.id),
                                                              now):
                 return False
             if max_attempts is not None and job.attempts >= max_attempts:
@@ -194,8 +194,7 @@ class JobSteps:
         repo.fence(job)
         job.lease_expires_at = now + LEASE
         self.step_token = job.claim_token
-        with _steps_lock:
-            STEPS_HERE.add(job.id)
+        self.held.hold(job_claim(job.id))
         self.heartbeat.add(job_claim(job.id), job.claim_token)
 
     def holds_step(self, job: Job) -> bool:
@@ -211,8 +210,7 @@ class JobSteps:
         (a transient fault, not the work)."""
         self.close()
         self.heartbeat.discard(job_claim(self.job_id))
-        with _steps_lock:
-            STEPS_HERE.discard(self.job_id)
+        self.held.let_go(job_claim(self.job_id))
         with self.sessions.begin() as session:
             job = self.job_row(session)
             if job.status in TERMINAL and job.worker == self.worker:  # ended (perhaps fenced by this very step)

@@ -273,7 +273,6 @@ def run(args: argparse.Namespace) -> int:
     from ingest.intake import submit
     from storage import db
     from tokenmill.progress import JobProgressBar
-    from workers.engine_loop import release_loop
     from workers.inprocess import run_job
 
     console = Console(soft_wrap=True)
@@ -290,20 +289,12 @@ def run(args: argparse.Namespace) -> int:
     console.print(f"job [bold]{job.id}[/bold] ({submission.outcome}): {_where(job.input_uri)} -> "
                   f"{_where(job.output_uri)}", highlight=False)
     load_engine = _load_engine if args.metrics_port is None else _serving_metrics(args.metrics_port, sessions)
-    loaded = []
-
-    def load_and_keep(settings: dict):
-        loaded.append(load_engine(settings))
-        return loaded[-1]
-
     try:
-        with JobProgressBar(Console(stderr=True)) as progress:
-            job = run_job(sessions, job.id, load_and_keep, progress, validated)
-    finally:  # its engine thread would keep the engine alive when main() is called again in one process
+        with JobProgressBar(Console(stderr=True)) as progress:  # the run closes its engine service when it ends
+            job = run_job(sessions, job.id, load_engine, progress, validated)
+    finally:
         if validated is not None:
             validated.close()
-        for engine in loaded:
-            release_loop(engine)
     _print_summary(console, job, url if args.database_url else None)
     return 0 if job.status == "completed" else 1
 
