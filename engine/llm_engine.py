@@ -15,6 +15,7 @@ from engine.config import EngineConfig
 from engine.distributed.group import RankFailure
 from engine.hf_files import eos_token_ids, load_config, load_tokenizer
 from engine.kv_connector.factory import create_kv_connector
+from engine.lora.adapter import LoRAAdapter
 from engine.lora.manager import adapter_for
 from engine.lora.request import LoRARequest
 from engine.memory_plan import plan_kv_cache
@@ -148,15 +149,23 @@ class LLMEngine:
             raise ValueError(f"prompt token ids must be integers in [0, {self.runner.vocab_size})")
         return list(prompt)
 
+    def load_adapter(self, lora_request: LoRARequest) -> LoRAAdapter:
+        """The LoRA adapter read into host memory (kept in the engine's adapter cache), for `add_request` to take as
+        it is: any thread may load it, so that the thread stepping the engine reads no adapter from disk.
+        ValueError when the engine cannot serve it, saying why."""
+        adapter = adapter_for(self.runner.lora, lora_request)
+        assert adapter is not None
+        return adapter
+
     def add_request(self, request_id: str | None, prompt: Prompt,
                     params: SamplingParams | BeamSearchParams | None = None, priority: int = 0,
-                    cache_salt: str | None = None, lora_request: LoRARequest | None = None) -> str:
+                    cache_salt: str | None = None, lora_request: LoRARequest | LoRAAdapter | None = None) -> str:
         """Queue a request. One that can never run comes back from the next `step()` with an error.
         With `BeamSearchParams` it is a beam search (engine/beam_search.py): its output holds the beams, best first.
         `priority` orders admission under `scheduling_policy="priority"` (lower first); requests share
         prefix-cache blocks only with requests of the same `cache_salt` (None: the shared, unsalted cache).
-        `lora_request`: the LoRA adapter it runs with (needs `enable_lora`); ValueError when the adapter cannot be
-        served, saying why."""
+        `lora_request`: the LoRA adapter it runs with (needs `enable_lora`), or the adapter `load_adapter` loaded;
+        ValueError when the adapter cannot be served, saying why."""
         params = params or SamplingParams()
         beam = params if isinstance(params, BeamSearchParams) else None
         if beam is not None:

@@ -25,8 +25,8 @@ class BatchEngine(Protocol):
 
     def add_request(self, request_id: str, prompt: str | list[int], params: Any = None, priority: int = 0,
                     cache_salt: str | None = None, lora_request: Any = None) -> str:
-        """`lora_request`: an `engine.LoRARequest` (text engines with enable_lora); ValueError when the adapter
-        cannot be served."""
+        """`lora_request`: an `engine.LoRARequest`, or the adapter a text engine's `load_adapter` loaded (text engines
+        with enable_lora); ValueError when the adapter cannot be served."""
 
     def abort(self, request_id: str) -> bool: ...
 

@@ -31,7 +31,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import re
 import uuid
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
@@ -40,6 +39,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, 
 
 from engine.config import DEFAULT_MODEL, EngineConfig
 from engine.spec_decode.config import SpeculativeConfig
+from ingest.row_checks import MODEL_NAME, model_name_problem
 from ingest.sampling import sampling_params
 from storage.formats import Limits
 from storage.job_settings import (
@@ -59,7 +59,6 @@ MAX_JOB_REQUEST_BYTES = 1 << 20  # default of TOKENMILL_MAX_SPEC_BYTES (a messag
 MAX_DEPTH = 32  # nesting of arrays and objects in a spec
 PRIORITY_BOUND = 2**31  # priorities are 32-bit in the database
 MAX_CACHE_SALT = 256
-MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 MAX_LORA_MODULES = 64  # adapters one job may name
 # bounds of the speculative settings a job may set (the engine checks the rest)
 SPECULATIVE_BOUNDS = {"prompt_lookup_max": (1, 64), "prompt_lookup_min": (1, 64), "max_verify_tokens": (1, 1024),
@@ -221,15 +220,9 @@ class JobRequest(BaseModel):
 
 
 def check_model_name(field: str, name: Any) -> None:
-    """JobRequestError unless name is a model registered here (`tokenmill model list`): a name, never a path."""
-    from engine.model_loader import list_models
-
-    if not isinstance(name, str) or not MODEL_NAME.fullmatch(name):
-        raise JobRequestError(f"{field}: {name!r} is not a model name (letters, digits, '.', '_', '-'; no paths)")
-    registered = [row["name"] for row in list_models()]
-    if name not in registered:
-        raise JobRequestError(f"{field}: unknown model {name!r}; registered: {', '.join(registered)} "
-                        f"(tokenmill model list)")
+    """JobRequestError unless name is a model registered here (`ingest.row_checks.model_name_problem`)."""
+    if problem := model_name_problem(field, name):
+        raise JobRequestError(problem)
 
 
 _SCALARS: dict[str, tuple[type, ...]] = {"int": (int,), "float": (int, float), "str": (str,)}

@@ -208,8 +208,9 @@ class ObjectStore(ABC):
         with self.open(key) as f:
             return f.read()
 
-    def pin(self, key: str) -> dict[str, Any]:
-        """What the object is now, to read exactly this version later (`open_pinned`, `check_pin`)."""
+    def pin(self, key: str, sha256: str | None = None) -> dict[str, Any]:
+        """What the object is now, to read exactly this version later (`open_pinned`, `check_pin`). `sha256`: its
+        hash, when a reader computed it on its way through (a store that pins by hash then reads nothing)."""
         return self.fingerprint(key)
 
     def check_pin(self, key: str, pin: dict[str, Any]) -> None:
@@ -288,13 +289,16 @@ class LocalStore(ObjectStore):
         stat = self.path(key).stat()
         return {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
 
-    def pin(self, key: str) -> dict[str, Any]:
-        """Size and mtime (checked before and after every shard's read), and a hash (checked on a resume)."""
-        digest = hashlib.sha256()
-        with self.open(key) as f:
-            while chunk := f.read(READ_BUFFER):
-                digest.update(chunk)
-        return {**self.fingerprint(key), "sha256": digest.hexdigest()}
+    def pin(self, key: str, sha256: str | None = None) -> dict[str, Any]:
+        """Size and mtime (checked before and after every shard's read), and a hash (checked on a resume): the one
+        given, else read here."""
+        if sha256 is None:
+            digest = hashlib.sha256()
+            with self.open(key) as f:
+                while chunk := f.read(READ_BUFFER):
+                    digest.update(chunk)
+            sha256 = digest.hexdigest()
+        return {**self.fingerprint(key), "sha256": sha256}
 
 
 def _fsync_dir(path: Path) -> None:

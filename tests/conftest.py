@@ -65,10 +65,8 @@ def _rss_mib() -> tuple[int, int]:
 
 
 def _release_heap() -> None:
-    """End the engine threads (an engine thread keeps its engine alive; the next shard starts one) and hand the
-    freed heap back to the OS (engine/malloc_tuning.py keeps it otherwise)."""
-    if loops := sys.modules.get("workers.engine_loop"):
-        loops.release_loops()
+    """Hand the freed heap back to the OS (engine/malloc_tuning.py keeps it otherwise); the engines' threads were
+    closed by their owners (a job's run, a test's fixture)."""
     gc.collect()
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)

@@ -16,11 +16,17 @@ their own, which loads no engine: they never wait for a shard thread, however bu
 
 from __future__ import annotations
 
+import threading
+from typing import TYPE_CHECKING
+
 from celery import Celery
 from celery.signals import beat_init, worker_process_init, worker_ready
 from celery.worker.control import inspect_command
 
 from ingest.config import ServiceConfig
+
+if TYPE_CHECKING:
+    from workers.worker_engine import WorkerProcess
 
 config = ServiceConfig.from_env()
 
@@ -61,6 +67,22 @@ app.conf.update(
 )
 
 
+_starting = threading.Lock()
+
+
+def worker_process() -> WorkerProcess:
+    """What this process holds as a worker (its engine service, the claims it runs now): a
+    `workers.worker_engine.WorkerProcess` owned by the process's Celery app, made when the process starts (or by the
+    first task that needs it, where no worker started it)."""
+    from workers.worker_engine import WorkerProcess
+
+    with _starting:
+        process = getattr(app, "tokenmill_process", None)
+        if process is None:
+            process = app.tokenmill_process = WorkerProcess()
+        return process
+
+
 @worker_process_init.connect
 def _start_worker_process(**_kwargs) -> None:
     """Each prefork pool process: publish job events, and load the engine now rather than at the first shard."""
@@ -83,15 +105,15 @@ def _start_tasks_process(background: bool) -> None:
     import threading
 
     from workers import events
-    from workers.worker_engine import process_engine
 
     events.install(config)
+    process = worker_process()
     if not os.environ.get("TOKENMILL_WORKER_PRELOAD"):
         return
 
     def load() -> None:
         try:
-            process_engine()
+            process.engine_loop()
         except Exception:  # the first shard will raise it again, as the shard's error
             logging.getLogger("tokenmill.worker").exception("could not load the engine")
 

@@ -27,8 +27,7 @@ from storage import claims
 from storage import repository as repo
 from storage.formats import EMBEDDINGS, Request
 from storage.models import Job, JobStatus, Shard, ShardStatus
-from workers import shard_step as shard_steps
-from workers.engine_loop import loop_for
+from workers.engine_loop import EngineLoop
 from workers.job_steps import discard_if_ended
 from workers.kv_sharing import KEY_PREFIX, default_kv_redis_url, deployment_kv_secret, kv_sharing_config
 from workers.leases import Claim, StatusWatch, shard_claim
@@ -101,7 +100,7 @@ class PrefillStep:
     def __init__(self, shard_step: ShardStep) -> None:
         self.shard_step, self.steps = shard_step, shard_step.steps
 
-    def run(self, job: Job, shard: Shard, engine: Callable[[], LLMEngine]) -> bool:
+    def run(self, job: Job, shard: Shard, engine: Callable[[], EngineLoop]) -> bool:
         """Prefill the shard's prompts under its lease, then end the claim, the shard back to pending. True
         when the shard is to go to the model's queue now; False when the claim was lost (whoever took it over, or
         the sweep, sends it) or the job stopped. A prefill that fails costs its loads only: the shard is handed
@@ -109,35 +108,32 @@ class PrefillStep:
         claim = shard_claim(shard.id)
         heartbeat = self.steps.heartbeat
         started = time.perf_counter()
-        with shard_steps._running_lock:
-            shard_steps.RUNNING_HERE.add(shard.id)
+        self.steps.held.hold(claim)
         heartbeat.add(claim, shard.claim_token)
         try:
             with heartbeat:
                 prompts = self._prefill(job, shard, engine, claim)
         finally:
             heartbeat.discard(claim)
-            with shard_steps._running_lock:
-                shard_steps.RUNNING_HERE.discard(shard.id)
+            self.steps.held.let_go(claim)
         handed = through_outages(lambda: self._hand_off(shard))
         log.info("job %s: shard %d: prefilled %d prompt(s) in %.1f s; %s", job.id, shard.index, prompts,
                  time.perf_counter() - started, "handed to the decode workers" if handed else "not handed off "
                  "(its claim was taken over, or the job stopped)")
         return handed
 
-    def _prefill(self, job: Job, shard: Shard, engine: Callable[[], LLMEngine], claim: Claim) -> int:
+    def _prefill(self, job: Job, shard: Shard, engine: Callable[[], EngineLoop], claim: Claim) -> int:
         watch = StatusWatch(self.steps.sessions, job.id, self.steps.heartbeat, claim)
         try:
             if watch.should_stop():
                 return 0
-            loaded = engine()
-            if is_embedding_engine(loaded):  # no KV to hand over
+            loop = engine()
+            if is_embedding_engine(loop.engine):  # no KV to hand over
                 return 0
             rows = prefill_rows(self.steps.read_rows(job, shard))
             settings = dataclasses.replace(self.shard_step.row_settings(job, rows), defaults={"max_tokens": 1},
                                            speculative=None)
-            loop_for(loaded).run(settings, rows, "prefill-" + request_prefix(job, shard), watch.should_stop,
-                                 self.steps.progress)
+            loop.run(settings, rows, "prefill-" + request_prefix(job, shard), watch.should_stop, self.steps.progress)
             return len(rows)
         except Exception as error:
             log.warning("job %s: shard %d: prefill failed (%s: %s); the decode workers compute its prompts", job.id,

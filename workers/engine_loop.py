@@ -1,8 +1,11 @@
-"""The one shard executor: every shard, of the Celery worker and of `tokenmill run` alike, runs through the
-engine thread of its process (one per engine). That thread alone owns the `LLMEngine` and steps it; each shard is
-handed over from its own thread (a `run_shard` task, or one of `tokenmill run`'s), which waits for its rows. So
-the next shard's rows are admitted while the previous shard's tail decodes, and shards of several jobs share the
-engine (ordered by their request priority when the engine's `scheduling_policy` is `priority`).
+"""The one shard executor, the engine service: every shard, of the Celery worker and of `tokenmill run` alike,
+runs through an `EngineLoop`, the engine thread of one engine, started and closed by whoever owns the engine (the
+worker process, `workers.worker_engine.WorkerProcess`; a job run in process, `workers.inprocess.JobRunner`) and
+handed to the shards; nothing looks it up. That thread alone owns the `LLMEngine` and steps it; each shard is
+handed over from its own thread (a `run_shard` task, or one of `tokenmill run`'s), which waits for its rows. The
+shard's thread talks to it by typed messages only (`SubmitRows`, `CancelRows`, `Close`). So the next shard's rows
+are admitted while the previous shard's tail decodes, and shards of several jobs share the engine (ordered by
+their request priority when the engine's `scheduling_policy` is `priority`).
 
 The waiting thread asks the database once a second whether the job still runs (`StatusWatch`) and reports
 progress; the shard's lease is renewed by a `LeaseHeartbeat` thread. A cancel aborts only that shard's requests.
@@ -27,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ingest.sampling import kept_beams
+from ingest.row_checks import CheckedRow, RowChecks
 from storage.formats import Request, RowError
 from workers.shards import (
     EmbeddingRow,
@@ -60,7 +63,7 @@ def shards_in_flight(max_num_seqs: int, rows_per_shard: int, kv_rows: int | None
 class RowSettings:
     """How a job's rows run: its sampling defaults, engine request priority, prefix-cache salt, speculative
     decoding and batch-invariant settings (None: the engine's own), the model names its rows may give (none: any)
-    and the LoRA adapters they may name."""
+    and the LoRA adapters they may name. `checks` gives the row checks (`ingest.row_checks`) they make."""
 
     defaults: dict[str, Any]
     priority: int = 0
@@ -73,13 +76,16 @@ class RowSettings:
     adapters: dict[str, LoRARequest | str] = field(default_factory=dict)
     adapter_names: frozenset[str] = frozenset()  # every adapter its rows may name (default: those of `adapters`)
 
+    def checks(self) -> RowChecks:
+        return RowChecks(self.defaults, self.models, self.adapters, self.adapter_names, self.truncate_inputs)
+
 
 @dataclass(eq=False)
 class Ticket:
     """One shard handed to the engine thread; `done` is set when all its rows finished, or it was cancelled or
     failed (`error`). Its request ids are `prefix` + row index, unique in the engine."""
 
-    rows: list[Request | RowError]
+    rows: list[CheckedRow | RowError]  # checked on the shard's thread (`ingest.row_checks`)
     prefix: str
     settings: RowSettings
     outcome: ShardOutcome = field(default_factory=ShardOutcome)
@@ -90,9 +96,8 @@ class Ticket:
     fed: bool = False
     suspect: bool = False  # it was in the engine when a step raised: it runs again alone
     request_ids: set[str] = field(default_factory=set)  # its requests still in the engine
-    bad_adapters: dict[str, str] = field(default_factory=dict)  # adapters the engine refused: name -> why
     solo: deque | None = None  # its rows raised in the engine: the rows still to run, one at a time
-    solo_row: Request | RowError | None = None  # while `solo`: the row in the engine
+    solo_row: CheckedRow | RowError | None = None  # while `solo`: the row in the engine
 
     def restart(self) -> None:
         self.outcome, self.rows_done, self.tokens, self.fed, self.suspect = ShardOutcome(), 0, 0, False, True
@@ -104,20 +109,41 @@ class Ticket:
         return not self.request_ids and (self.fed if self.solo is None else not self.solo)
 
 
+@dataclass(frozen=True, eq=False)
+class SubmitRows:
+    """A shard's checked rows for the engine thread to admit."""
+
+    ticket: Ticket
+
+
+@dataclass(frozen=True, eq=False)
+class CancelRows:
+    """Drop a shard's rows: its job stopped."""
+
+    ticket: Ticket
+
+
+@dataclass(frozen=True)
+class Close:
+    """End the engine thread; the shards still in it fail."""
+
+
+Message = SubmitRows | CancelRows | Close
+
+
 @dataclass(eq=False)
 class TextRow:
     """A generation row in the engine: one request."""
 
     ticket: Ticket
-    row: Request
-    top_k: int | None  # the row's logprobs top-k
-    beams: int | None = None  # a beam search row: how many of its beams, best first, are its choices
-    params: Any = None  # the sampling it runs with
+    row: CheckedRow
 
     def collect(self, output: RequestOutput) -> None:
-        if self.beams is not None:
-            output.outputs = output.outputs[:self.beams]
-        collect_row(self.ticket.outcome, self.row, output, self.top_k, self.params)
+        row = self.row
+        if row.beams is not None:
+            output.outputs = output.outputs[:row.beams]
+        top_k = None if row.beams else row.params.logprobs  # the row's logprobs top-k
+        collect_row(self.ticket.outcome, row.request, output, top_k, row.params)
         self.ticket.rows_done += 1
         self.ticket.tokens += _tokens(output)
 
@@ -137,17 +163,18 @@ class EmbeddingInput:
 
 
 class EngineLoop:
-    """The engine thread of one engine. `run` is called from the shards' threads; everything else runs on the
-    engine thread, which alone touches the engine."""
+    """The engine service: the engine thread of one engine, started here and ended by `close` (its owner's).
+    `run` is called from the shards' threads; everything else runs on the engine thread, which alone touches
+    the engine. Only one loop may step an engine at a time."""
 
     def __init__(self, engine: BatchEngine, watchdog_s: float = WATCHDOG_S,
                  on_stuck: Callable[[], None] | None = None) -> None:
         self.engine = engine
-        self.inbox: queue.Queue[tuple[str, Ticket]] = queue.Queue()
+        self.inbox: queue.Queue[Message] = queue.Queue()
         self.waiting: deque[Ticket] = deque()  # submitted, not yet admitted
         self.active: list[Ticket] = []  # admitted, oldest first
         self.pending: dict[str, TextRow | EmbeddingInput] = {}  # by request id
-        self._spec_seen = (0, 0)
+        self._spec_seen = _spec_counts(engine)  # the engine's, counted before this loop (an earlier job's)
         self.progressed = time.monotonic()  # the last engine step that returned, or the last idle moment:
         # the watchdog counts from it while any shard is in `active` (admitted, or being admitted)
         self.watchdog_s, self.on_stuck = watchdog_s, on_stuck or _exit_stuck
@@ -159,7 +186,7 @@ class EngineLoop:
 
     def close(self, timeout_s: float = 30) -> None:
         """End both threads, so that the engine can be freed; shards still in it fail."""
-        self.inbox.put(("close", None))
+        self.inbox.put(Close())
         self.thread.join(timeout_s)
         self.watchdog.join(timeout_s)
 
@@ -168,16 +195,17 @@ class EngineLoop:
     def run(self, settings: RowSettings, rows: list[Request | RowError], prefix: str,
             should_stop: Callable[[], bool] = lambda: False, progress: Progress | None = None) -> ShardOutcome:
         """Run one shard's rows in the shared engine and wait for them; a stop request (asked every POLL_S)
-        aborts its rows and returns the outcome with `cancelled` set. An error of this shard is raised."""
-        ticket = Ticket(rows, prefix, settings)
-        self.inbox.put(("run", ticket))
+        aborts its rows and returns the outcome with `cancelled` set. An error of this shard is raised. The rows
+        are checked here, on the shard's thread (their LoRA adapters loaded), before the engine thread sees them."""
+        ticket = Ticket(settings.checks().check_rows(self.engine, rows), prefix, settings)
+        self.inbox.put(SubmitRows(ticket))
         reported = (0, 0)
         cancel_deadline = None
         while not ticket.done.wait(POLL_S):
             reported = _report(progress, ticket, reported)
             if cancel_deadline is None and should_stop():
                 cancel_deadline = time.monotonic() + CANCEL_WAIT_S
-                self.inbox.put(("cancel", ticket))
+                self.inbox.put(CancelRows(ticket))
             elif cancel_deadline is not None and time.monotonic() > cancel_deadline:
                 log.warning("shard %s: the engine thread did not drop its rows within %.0f s of the cancel; "
                             "the shard ends cancelled without it", prefix, CANCEL_WAIT_S)
@@ -220,17 +248,18 @@ class EngineLoop:
     def _receive(self, block: bool) -> None:
         while True:
             try:
-                what, ticket = self.inbox.get(block=block, timeout=POLL_S if block else None)
+                message = self.inbox.get(block=block, timeout=POLL_S if block else None)
             except queue.Empty:
                 return
             block = False
-            if what == "run":
-                self.waiting.append(ticket)
-            elif what == "cancel":
-                self._cancel(ticket)
-            elif what == "close":
-                self.closed.set()
-                return
+            match message:
+                case SubmitRows(ticket):
+                    self.waiting.append(ticket)
+                case CancelRows(ticket):
+                    self._cancel(ticket)
+                case Close():
+                    self.closed.set()
+                    return
 
     def _cancel(self, ticket: Ticket) -> None:
         if ticket.done.is_set():
@@ -277,45 +306,29 @@ class EngineLoop:
             ticket.fed = True
         self._finish_if_done(ticket)
 
-    def _add_rows(self, ticket: Ticket, rows: list[Request | RowError]) -> None:
+    def _add_rows(self, ticket: Ticket, rows: list[CheckedRow | RowError]) -> None:
         if self.engine.embedding_size is not None:
             self._add_embedding_rows(ticket, rows)
             return
-        settings = ticket.settings
-        adapter_names = settings.adapter_names or settings.adapters.keys()
         token_ids = tokenize_rows(self.engine, rows)
         for item in rows:
-            prepared = item if isinstance(item, RowError) else prepare_row(
-                self.engine, settings.defaults, item, settings.models, adapter_names, token_ids.get(item.row))
-            if not isinstance(prepared, RowError):
-                prepared = self._add_text_row(ticket, item, *prepared)
+            prepared = item if isinstance(item, RowError) else prepare_row(self.engine, item, token_ids.get(item.row))
             if isinstance(prepared, RowError):
                 ticket.outcome.errors.append(prepared)
                 ticket.rows_done += 1
+            else:
+                self._add_text_row(ticket, item, prepared[0])
 
-    def _add_text_row(self, ticket: Ticket, item: Request, token_ids: list[int], params) -> RowError | None:
-        """Add a prepared row to the engine, with its LoRA adapter if it names one; the row's error when the
-        adapter cannot be served (the engine's reason, given once per shard and adapter)."""
+    def _add_text_row(self, ticket: Ticket, item: CheckedRow, token_ids: list[int]) -> None:
+        """Add a prepared row to the engine, with its LoRA adapter (loaded by its check) if it names one."""
         settings = ticket.settings
-        name = item.model if isinstance(item.model, str) else None
-        adapter = settings.adapters.get(name) if name else None
-        if isinstance(adapter, str) or name in ticket.bad_adapters:
-            return RowError(item.row, item.custom_id, "invalid_adapter", ticket.bad_adapters.get(name, adapter))
         request_id = f"{ticket.prefix}{item.row}"
-        try:
-            self.engine.add_request(request_id, token_ids, params, settings.priority, settings.cache_salt,
-                                    *(() if adapter is None else (adapter,)))  # the base model: as before LoRA
-        except ValueError as problem:  # the engine could not load the adapter (rank, target modules, files)
-            if adapter is None:
-                raise
-            ticket.bad_adapters[name] = str(problem)
-            return RowError(item.row, item.custom_id, "invalid_adapter", str(problem))
-        beams = kept_beams(params, item.params, settings.defaults)
-        self.pending[request_id] = TextRow(ticket, item, None if beams else params.logprobs, beams, params)
+        self.engine.add_request(request_id, token_ids, item.params, settings.priority, settings.cache_salt,
+                                *(() if item.adapter is None else (item.adapter,)))  # the base model: as before LoRA
+        self.pending[request_id] = TextRow(ticket, item)
         ticket.request_ids.add(request_id)
-        return None
 
-    def _add_embedding_rows(self, ticket: Ticket, rows: list[Request | RowError]) -> None:
+    def _add_embedding_rows(self, ticket: Ticket, rows: list[CheckedRow | RowError]) -> None:
         """Embedding rows: one engine request per input (request id: prefix, row, '.', input index), added
         shortest first, so that each engine step holds inputs of like lengths."""
         ticket.outcome.embedding_size = self.engine.embedding_size
@@ -323,7 +336,7 @@ class EngineLoop:
         inputs = []
         for item in rows:
             prepared = item if isinstance(item, RowError) else prepare_embedding_row(
-                self.engine, item, settings.truncate_inputs, settings.models)
+                self.engine, item, settings.truncate_inputs)
             if isinstance(prepared, RowError):
                 ticket.outcome.errors.append(prepared)
                 ticket.rows_done += 1
@@ -383,8 +396,7 @@ class EngineLoop:
 
     def _credit_speculation(self) -> None:
         """Speculation counts go to the oldest shard in the engine (the engine counts them per step)."""
-        spec = self.engine.spec.stats if self.engine.spec else None
-        seen = (spec.draft_tokens, spec.accepted_tokens) if spec else (0, 0)
+        seen = _spec_counts(self.engine)
         if self.active and seen >= self._spec_seen:
             outcome = self.active[0].outcome
             outcome.spec_draft_tokens += seen[0] - self._spec_seen[0]
@@ -444,6 +456,12 @@ class EngineLoop:
         ticket.done.set()
 
 
+def _spec_counts(engine: BatchEngine) -> tuple[int, int]:
+    """The draft and accepted tokens the engine's speculative decoder counted so far."""
+    spec = getattr(engine, "spec", None)
+    return (spec.stats.draft_tokens, spec.stats.accepted_tokens) if spec else (0, 0)
+
+
 def _exit_stuck() -> None:
     logging.shutdown()
     os._exit(75)
@@ -459,33 +477,3 @@ def _report(progress: Progress | None, ticket: Ticket, reported: tuple[int, int]
     if progress is not None and (rows, tokens) != reported:
         progress.advance(rows - reported[0], tokens - reported[1])
     return rows, tokens
-
-
-_loops: dict[int, EngineLoop] = {}
-_loops_lock = threading.Lock()
-
-
-def loop_for(engine: BatchEngine) -> EngineLoop:
-    """The engine thread of this engine (one per engine of the process), started at first use."""
-    with _loops_lock:
-        if id(engine) not in _loops:
-            _loops[id(engine)] = EngineLoop(engine)
-        return _loops[id(engine)]
-
-
-def release_loop(engine: BatchEngine) -> None:
-    """End this engine's thread, if it has one: its owner is done with the engine (`tokenmill run` after its job,
-    an in-process executor when it closes), and the loop would otherwise keep it alive with the process."""
-    with _loops_lock:
-        loop = _loops.pop(id(engine), None)
-    if loop is not None:
-        loop.close()
-
-
-def release_loops() -> None:
-    """End every engine's thread (the tests do, after each file)."""
-    with _loops_lock:
-        loops = list(_loops.values())
-        _loops.clear()
-    for loop in loops:
-        loop.close()

@@ -5,10 +5,11 @@ tries a job that another live process holds again once that process's lease laps
 Jobs are made by `ingest.intake.submit`.
 
 The process holds the job by a lease on the database's clock for the whole run; its shards run K at a time
-through the same engine loop and the same shard step as a Celery worker's, so the next shard's rows are admitted
-while the current one's tail decodes. A completed shard is never run again, an interrupted one is redone from
-scratch (its part file is overwritten atomically), so every input row lands exactly once in a part file or in
-the error file."""
+through the same engine service (`workers.engine_loop.EngineLoop`, which the runner starts over the engine its
+provider gives and closes when the job's run ends) and the same shard step as a Celery worker's, so the next
+shard's rows are admitted while the current one's tail decodes. A completed shard is never run again, an
+interrupted one is redone from scratch (its part file is overwritten atomically), so every input row lands
+exactly once in a part file or in the error file."""
 
 from __future__ import annotations
 
@@ -33,8 +34,9 @@ from storage.liveness import db_now, runner_alive
 from storage.models import Job, JobStatus, Shard, ShardStatus
 from storage.objectstore import InputChanged
 from storage.states import CANCELLABLE, TERMINAL, is_terminal, transition
-from workers.engine_loop import release_loop, shards_in_flight
-from workers.job_steps import JobSteps, discard_if_ended
+from workers.engine_loop import EngineLoop, shards_in_flight
+from workers.job_steps import JobSteps, ValidatedInput, discard_if_ended
+from workers.leases import HeldHere
 from workers.progress import NoProgress, Progress
 from workers.shard_step import ShardStep
 from workers.sweep import expire_overdue
@@ -64,10 +66,13 @@ class JobBusy(RuntimeError):
 
 
 def run_job(sessions: sessionmaker[Session], job_id: str, engine_provider: EngineFactory,
-            progress: Progress | None = None) -> Job:
+            progress: Progress | None = None, validated: ValidatedInput | None = None,
+            held: HeldHere | None = None) -> Job:
     """Take the job as far as it goes in this process: to completed, failed or cancelled. `engine_provider`
-    turns the job's engine settings into the engine its shards run on."""
-    return JobRunner(sessions, job_id, engine_provider, progress or NoProgress()).run()
+    turns the job's engine settings into the engine its shards run on. `validated`: its input, read before the
+    job was made (`tokenmill run`), which its validating step takes instead of reading it again. `held`: what
+    this process runs now, when the caller runs more than this job (default: this run's own)."""
+    return JobRunner(sessions, job_id, engine_provider, progress or NoProgress(), validated, held).run()
 
 
 def cancel_job(sessions: sessionmaker[Session], ref: str) -> Job:
@@ -94,11 +99,11 @@ class JobRunner:
     through the engine loop (several in flight), finalize."""
 
     def __init__(self, sessions: sessionmaker[Session], job_id: str, engine_provider: EngineFactory,
-                 progress: Progress) -> None:
-        self.steps = JobSteps(sessions, job_id, progress)
+                 progress: Progress, validated: ValidatedInput | None = None, held: HeldHere | None = None) -> None:
+        self.steps = JobSteps(sessions, job_id, progress, validated, held)
         self.shard_step = ShardStep(self.steps)
         self.engine_provider = engine_provider
-        self._engine: LLMEngine | None = None
+        self._loop: EngineLoop | None = None  # the engine service of this run, started at its first shard
 
     def run(self) -> Job:
         steps = self.steps
@@ -120,6 +125,9 @@ class JobRunner:
             raise
         finally:
             steps.release()
+            if self._loop is not None:  # its thread would keep the engine alive
+                self._loop.close()
+                self._loop = None
 
     def _claim(self) -> Job:
         steps = self.steps
@@ -162,23 +170,23 @@ class JobRunner:
             job = steps.job_row(session, lock=False)
             shards = repo.shards(session, job.id)
         todo = [s for s in shards if s.status != ShardStatus.COMPLETED]
-        if todo and self._engine is None:
+        if todo and self._loop is None:
             steps.progress.phase(f"loading {job.model}")
-            self._engine = self.engine_provider(job.settings.engine)
+            self._loop = EngineLoop(self.engine_provider(job.settings.engine))
         steps.progress.phase("generating")
         steps.progress.start(job.requests_total,
                              sum(s.rows_completed + s.rows_failed for s in shards if s not in todo))
         if todo:
-            self._stream_shards(job, todo, self._engine)
+            self._stream_shards(job, todo, self._loop)
         job = steps.load()
         return steps.set_status(S.FINALIZING) if job.status == S.IN_PROGRESS else job
 
-    def _stream_shards(self, job: Job, todo: list[Shard], engine: LLMEngine) -> None:
+    def _stream_shards(self, job: Job, todo: list[Shard], loop: EngineLoop) -> None:
         """The unfinished shards, K at a time, each claimed, run in the engine loop, written and committed as
         soon as its own last row finishes. A shard whose work fails is tried again, SHARD_TRIES times in this run,
         then its rows end as errors. Any other error (the input, a service down) stops new shards from starting and
         is raised once the shards in flight ended."""
-        in_flight = shards_in_flight(engine.config.max_num_seqs, job.settings.shard_size)
+        in_flight = shards_in_flight(loop.engine.config.max_num_seqs, job.settings.shard_size)
         failed: list[BaseException] = []
         stop = threading.Event()
 
@@ -189,7 +197,7 @@ class JobRunner:
                 if claim.decision not in ("run", "exhausted"):
                     return
                 try:
-                    self.shard_step.execute_shard(claim.job, claim.shard, lambda: engine, claim.exhausted)
+                    self.shard_step.execute_shard(claim.job, claim.shard, lambda: loop, claim.exhausted)
                     return
                 except Exception as error:
                     if not _shards_fault(error):
@@ -229,7 +237,8 @@ class LocalExecutor:
                  engine: LLMEngine | None = None, expiry_check_s: float = EXPIRY_CHECK_S) -> None:
         self.sessions, self.engine_settings = sessions, engine_settings
         self.jobs: queue.Queue[str | None] = queue.Queue()
-        self._engine, self._owns_engine = engine, engine is None
+        self._engine = engine
+        self.held = HeldHere()  # the job steps and shards its runs hold now
         self._retries: list[threading.Timer] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tokenmill-jobs", daemon=True)
@@ -268,8 +277,6 @@ class LocalExecutor:
             retry.cancel()
         self.jobs.put(None)
         self._thread.join(timeout_s)
-        if self._owns_engine and self._engine is not None:
-            release_loop(self._engine)
 
     def engine(self, _job_engine_settings: dict[str, Any] | None = None) -> LLMEngine:
         """The process's engine, loaded on first use (a job's own engine settings are refused at intake)."""
@@ -280,7 +287,7 @@ class LocalExecutor:
     def _run(self) -> None:
         while (job_id := self.jobs.get()) is not None:
             try:
-                job = run_job(self.sessions, job_id, self.engine)
+                job = run_job(self.sessions, job_id, self.engine, held=self.held)
                 log.info("job %s %s", job_id, job.status)
             except JobBusy as busy:  # e.g. held by this API's previous process, restarted within its lease
                 delay = busy.lapses_in.total_seconds() + BUSY_RETRY_MARGIN_S

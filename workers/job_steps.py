@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 from sqlalchemy import delete
 from sqlalchemy.orm import Session, sessionmaker
@@ -18,20 +21,62 @@ from sqlalchemy.orm import Session, sessionmaker
 from storage import claims
 from storage import repository as repo
 from storage.faults import crash_point
-from storage.formats import InputError, InputReader, open_input, write_manifest
+from storage.formats import InputError, InputReader, Limits, open_input, write_manifest
 from storage.liveness import LEASE, db_now, holder_alive, worker_id
 from storage.models import FailedRow, Job, JobStatus, Shard, ShardStatus, utcnow
 from storage.objectstore import InputChanged, ObjectStore, open_file_store, open_store
 from storage.states import TERMINAL, transition
 from workers.finalize import delete_uncommitted_parts, discard_outputs, finalize_outputs, remove_stray_parts
-from workers.leases import LeaseHeartbeat, job_claim
+from workers.leases import HeldHere, LeaseHeartbeat, job_claim
 from workers.progress import NoProgress, Progress
 
 log = logging.getLogger("tokenmill.jobs")
 
 S = JobStatus
-STEPS_HERE: set[str] = set()  # the jobs whose step this process holds now
-_steps_lock = threading.Lock()
+
+
+@dataclass(eq=False)
+class ValidatedInput:
+    """An input read through once: its reader (indexed and checked, or `error` saying why it is not valid) and the
+    pin of the version it read. `tokenmill run` reads its input so before the job is made (it picks the model from
+    the rows) and hands it to the job's validating step, which then reads nothing again."""
+
+    uri: str
+    limits: Limits
+    reader: InputReader | None
+    fingerprint: dict[str, Any] | None = None
+    error: Exception | None = None
+
+    def close(self) -> None:
+        if self.reader is not None:
+            self.reader.close()
+
+
+def validate_input(store: ObjectStore, key: str, open_reader: Callable[[], InputReader]
+                   ) -> tuple[InputReader, dict[str, Any]]:
+    """The input's reader, validated in one read (a JSONL file is hashed on the way), and the pin of the version it
+    read; FileNotFoundError when there is none, `InputChanged` when it was replaced meanwhile."""
+    before = store.fingerprint(key)
+    reader = open_reader()
+    reader.validate()
+    fingerprint = store.pin(key, reader.sha256)  # a Parquet file on a local disk is hashed here
+    store.check_pin(key, before)  # not replaced while it was read
+    return reader, fingerprint
+
+
+def read_input(uri: str, s3, limits: Limits, task: str = "generate") -> ValidatedInput:
+    """The input at `uri` validated in one read (`validate_input`); its errors are kept for the job to fail with."""
+    readers: list[InputReader] = []
+
+    def open_reader() -> InputReader:
+        readers.append(open_input(store, key, limits, task=task))
+        return readers[0]
+
+    store, key = open_file_store(uri, s3)
+    try:
+        return ValidatedInput(uri, limits, *validate_input(store, key, open_reader))
+    except (FileNotFoundError, InputError, InputChanged) as error:
+        return ValidatedInput(uri, limits, readers[0] if readers else None, error=error)
 
 
 def discard_if_ended(sessions: sessionmaker[Session], job: Job) -> None:
@@ -53,21 +98,28 @@ def discard_if_ended(sessions: sessionmaker[Session], job: Job) -> None:
 
 
 class JobSteps:
-    """The steps of one job. Each opens its own transactions and locks the job row before it changes it."""
+    """The steps of one job. Each opens its own transactions and locks the job row before it changes it. `held`:
+    what this process runs now, shared by the steps of the process's owner (default: these steps' own)."""
 
-    def __init__(self, sessions: sessionmaker[Session], job_id: str, progress: Progress | None = None) -> None:
+    def __init__(self, sessions: sessionmaker[Session], job_id: str, progress: Progress | None = None,
+                 validated: ValidatedInput | None = None, held: HeldHere | None = None) -> None:
         self.sessions, self.job_id = sessions, job_id
+        self.held = held if held is not None else HeldHere()
         self.progress = progress or NoProgress()
         self.worker = worker_id()
         self.step_token: int | None = None  # the job's claim token while this holds its step (claim_step)
         self.heartbeat = LeaseHeartbeat(sessions)
         self._reader: InputReader | None = None
         self._reader_lock = threading.Lock()
+        self._validated = validated  # the input read before the job was made (`tokenmill run`), for `validate`
 
     def close(self) -> None:
         if self._reader is not None:
             self._reader.close()
             self._reader = None
+        if self._validated is not None:
+            self._validated.close()
+            self._validated = None
 
     # -- state --------------------------------------------------------------------------------------
 
@@ -113,7 +165,7 @@ class JobSteps:
         finishing (its worker died each time) fails the job. `release` lets go."""
         with self.sessions.begin() as session:
             job, now = self.job_row(session), db_now(session)
-            if job.status != status or self.held_by_another(job.worker, job.lease_expires_at, job.id in STEPS_HERE,
+            if job.status != status or self.held_by_another(job.worker, job.lease_expires_at, self.held.job(job.id),
                                                              now):
                 return False
             if max_attempts is not None and job.attempts >= max_attempts:
@@ -142,8 +194,7 @@ class JobSteps:
         repo.fence(job)
         job.lease_expires_at = now + LEASE
         self.step_token = job.claim_token
-        with _steps_lock:
-            STEPS_HERE.add(job.id)
+        self.held.hold(job_claim(job.id))
         self.heartbeat.add(job_claim(job.id), job.claim_token)
 
     def holds_step(self, job: Job) -> bool:
@@ -159,8 +210,7 @@ class JobSteps:
         (a transient fault, not the work)."""
         self.close()
         self.heartbeat.discard(job_claim(self.job_id))
-        with _steps_lock:
-            STEPS_HERE.discard(self.job_id)
+        self.held.let_go(job_claim(self.job_id))
         with self.sessions.begin() as session:
             job = self.job_row(session)
             if job.status in TERMINAL and job.worker == self.worker:  # ended (perhaps fenced by this very step)
@@ -214,11 +264,13 @@ class JobSteps:
             job = self.job_row(session, lock=False)
             started = any(s.attempts for s in job.shards)
         try:
-            store, key = self._input_location(job)
-            fingerprint = store.pin(key)
-            reader = self._reader_for(job)  # with an inbox pin, only the version the inbox listed
-            reader.validate()
-            store.check_pin(key, fingerprint)  # not replaced while it was read
+            if (validated := self._take_validated(job)) is not None:  # read already, before the job was made
+                if validated.error is not None:
+                    raise validated.error
+                reader, fingerprint = validated.reader, validated.fingerprint
+            else:
+                store, key = self._input_location(job)  # with an inbox pin, only the version the inbox listed
+                reader, fingerprint = validate_input(store, key, lambda: self._reader_for(job))
             if not started:
                 self._check_output_empty(job)
         except FileNotFoundError:
@@ -227,6 +279,22 @@ class JobSteps:
             log.warning("job %s failed validation: %s", job.id, error)
             return self.set_status(S.FAILED, error=str(error))
         return self._plan(reader.num_rows, reader.format, fingerprint, started)
+
+    def _take_validated(self, job: Job) -> ValidatedInput | None:
+        """The input read before the job was made, when it is this job's (its URI and limits, no inbox pin); it
+        becomes the reader of the job's shards in this process."""
+        validated, self._validated = self._validated, None
+        if validated is None:
+            return None
+        if (validated.uri, validated.limits) != (job.input_uri, job.settings.limits) or job.settings.inbox_pin:
+            validated.close()
+            return None
+        if validated.reader is not None:
+            with self._reader_lock:
+                if self._reader is not None:
+                    self._reader.close()
+                self._reader = validated.reader
+        return validated
 
     def _check_output_empty(self, job: Job) -> None:
         existing = open_store(job.output_uri, job.settings.s3).list()

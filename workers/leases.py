@@ -1,5 +1,6 @@
 """Holding claims: a `LeaseHeartbeat` renews the leases a process holds (shards, and job steps) on the
-database's clock, from claim to commit; `StatusWatch` tells a running shard when to stop."""
+database's clock, from claim to commit; `HeldHere` is what the process is running now (a claim recorded as this
+process's own holds only while it does); `StatusWatch` tells a running shard when to stop."""
 
 from __future__ import annotations
 
@@ -35,6 +36,31 @@ def shard_claim(shard_id: int) -> Claim:
 
 def job_claim(job_id: str) -> Claim:
     return Claim("job", job_id)
+
+
+class HeldHere:
+    """The job steps and shards a process runs now, kept by whoever owns the process's work (a worker process,
+    `workers.worker_engine.WorkerProcess`; a job run in process) and shared by its steps: a claim recorded under
+    this process's worker id holds only while it is here (else its end was never recorded)."""
+
+    def __init__(self) -> None:
+        self._jobs: set[str] = set()
+        self._shards: set[int] = set()
+        self._lock = threading.Lock()
+
+    def job(self, job_id: str) -> bool:
+        return job_id in self._jobs
+
+    def shard(self, shard_id: int) -> bool:
+        return shard_id in self._shards
+
+    def hold(self, claim: Claim) -> None:
+        with self._lock:
+            (self._jobs if claim.kind == "job" else self._shards).add(claim.id)
+
+    def let_go(self, claim: Claim) -> None:
+        with self._lock:
+            (self._jobs if claim.kind == "job" else self._shards).discard(claim.id)
 
 
 class LeaseHeartbeat:

@@ -15,10 +15,9 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, NamedTuple, TypeVar
+from typing import NamedTuple, TypeVar
 
 from sqlalchemy import select
 
@@ -31,13 +30,10 @@ from storage.models import FailedRow, Job, JobStatus, Shard, ShardStatus, utcnow
 from storage.objectstore import InputChanged, open_store
 from storage.states import transition
 from workers.adapters import AdapterSource, job_adapters, resolve_adapters
-from workers.engine_loop import RowSettings, loop_for
+from workers.engine_loop import EngineLoop, RowSettings
 from workers.job_steps import JobSteps, discard_if_ended
 from workers.leases import Claim, StaleClaim, StatusWatch, shard_claim
 from workers.shards import ShardOutcome, served_models
-
-if TYPE_CHECKING:
-    from engine import LLMEngine
 
 log = logging.getLogger("tokenmill.jobs")
 # how long a shard whose rows are done waits out a database or S3 outage to commit them (rather than redo them)
@@ -47,8 +43,6 @@ REFUND_WAIT_S = 3600.0
 ERROR_WRITE_ATTEMPTS = 3  # claims past the attempt limit that may try to write a shard's rows as errors
 
 S = JobStatus
-RUNNING_HERE: set[int] = set()  # the shards this process is running now
-_running_lock = threading.Lock()
 
 
 class ShardClaim(NamedTuple):
@@ -116,7 +110,7 @@ class ShardStep:
             if shard.status == ShardStatus.COMPLETED:
                 return ShardClaim("done", shard, job)
             if shard.status == ShardStatus.RUNNING and steps.held_by_another(
-                    shard.worker, shard.lease_expires_at, shard.id in RUNNING_HERE, now):
+                    shard.worker, shard.lease_expires_at, steps.held.shard(shard.id), now):
                 return ShardClaim("busy", shard, job)
             if count_attempt and shard.attempts >= max_attempts and cannot_end_with_errors(shard, max_attempts):
                 claims.give_up(job, shard)
@@ -137,19 +131,19 @@ class ShardStep:
             return gave_up
         return ShardClaim("run" if exhausted is None else "exhausted", shard, job, exhausted)
 
-    def execute_shard(self, job: Job, shard: Shard, engine: Callable[[], LLMEngine],
+    def execute_shard(self, job: Job, shard: Shard, engine: Callable[[], EngineLoop],
                       exhausted: str | None = None) -> ShardOutcome:
-        """Run a shard this process has claimed (status running, its lease ours) in the process's engine loop,
-        write its part file and mark it completed, renewing its lease until the commit. A stop request ends it
-        `cancelled`; a lost claim writes nothing (and, not being the work's fault, gives its attempt back); an
-        error (loading the engine included, as `EngineUnavailable`) ends it `failed` and is raised. `exhausted`
-        (an exhausted claim's message): its rows are not run but each written as a `server_error` error."""
+        """Run a shard this process has claimed (status running, its lease ours) in the process's engine service
+        (`engine` gives it, loading the engine at first), write its part file and mark it completed, renewing its
+        lease until the commit. A stop request ends it `cancelled`; a lost claim writes nothing (and, not being
+        the work's fault, gives its attempt back); an error (loading the engine included, as `EngineUnavailable`)
+        ends it `failed` and is raised. `exhausted` (an exhausted claim's message): its rows are not run but each
+        written as a `server_error` error."""
         started = time.perf_counter()
         heartbeat = self.steps.heartbeat
         claim = shard_claim(shard.id)
         key = None
-        with _running_lock:
-            RUNNING_HERE.add(shard.id)
+        self.steps.held.hold(claim)
         heartbeat.add(claim, shard.claim_token)
         try:
             with heartbeat:
@@ -185,17 +179,16 @@ class ShardStep:
             raise
         finally:
             heartbeat.discard(claim)
-            with _running_lock:
-                RUNNING_HERE.discard(shard.id)
+            self.steps.held.let_go(claim)
         return outcome
 
-    def _run_rows(self, job: Job, shard: Shard, engine: LLMEngine, claim: Claim) -> ShardOutcome:
+    def _run_rows(self, job: Job, shard: Shard, loop: EngineLoop, claim: Claim) -> ShardOutcome:
         watch = StatusWatch(self.steps.sessions, job.id, self.steps.heartbeat, claim)
         if watch.should_stop():  # a shard never starts on a job that stopped
             return ShardOutcome(cancelled=True)
         rows = self.steps.read_rows(job, shard)  # read here, not on the engine thread
-        return loop_for(engine).run(self.row_settings(job, rows), rows, request_prefix(job, shard),
-                                    watch.should_stop, self.steps.progress)
+        return loop.run(self.row_settings(job, rows), rows, request_prefix(job, shard), watch.should_stop,
+                        self.steps.progress)
 
     def _rows_as_errors(self, job: Job, shard: Shard, message: str) -> ShardOutcome:
         """The outcome of a shard out of attempts: each row a `server_error` (a row that could not have run keeps
@@ -325,8 +318,9 @@ class ShardStep:
             discard_if_ended(self.steps.sessions, job)
 
 
-def loaded_engine(engine: Callable[[], LLMEngine]) -> LLMEngine:
-    """The process's engine; a load that fails (not for a service being down) raises `EngineUnavailable`."""
+def loaded_engine(engine: Callable[[], EngineLoop]) -> EngineLoop:
+    """The process's engine service; a load that fails (not for a service being down) raises
+    `EngineUnavailable`."""
     try:
         return engine()
     except Exception as error:

@@ -1,16 +1,15 @@
-"""A shard's rows as the engine takes them and gives them back: `prepare_row` renders and tokenizes a row and
-applies its sampling overrides (or gives its error), `collect_row` turns the engine's output into part-file
-records; `ShardOutcome` gathers a shard's records and errors. Embedding rows (`/v1/embeddings`, on an embedding
-model's engine) go through `prepare_embedding_row` and `EmbeddingRow`. The engine loop (`workers.engine_loop`)
-runs them."""
+"""A shard's rows as the engine takes them and gives them back: `prepare_row` renders and tokenizes a row that
+passed its checks (`ingest.row_checks`) and checks its length (or gives its error), `collect_row` turns the
+engine's output into part-file records; `ShardOutcome` gathers a shard's records and errors. Embedding rows
+(`/v1/embeddings`, on an embedding model's engine) go through `prepare_embedding_row` and `EmbeddingRow`. The
+engine loop (`workers.engine_loop`) runs them."""
 
 from __future__ import annotations
 
-from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ingest.sampling import ALLOW_BEAM_SEARCH, ResponseFormatError, check_for_model, sampling_params
+from ingest.row_checks import CheckedRow
 from storage.formats import CHAT, EMBEDDINGS, Request, RowError
 from storage.formats.responses import request_echo
 
@@ -50,39 +49,16 @@ class ShardOutcome:
         }
 
 
-def prepare_row(engine: LLMEngine, defaults: dict[str, Any], request: Request, models: Collection[str] = (),
-                adapters: Collection[str] = (), token_ids: list[int] | None = None
+def prepare_row(engine: LLMEngine, checked: CheckedRow, token_ids: list[int] | None = None
                 ) -> tuple[list[int], SamplingParams] | RowError:
-    """A row as the engine runs it (token ids and sampling parameters, the job's `defaults` under the row's
-    own), or the row's error when it cannot run. A row naming a model outside `models` (when given) and the
-    LoRA `adapters` fails with `model_not_found`. `token_ids`: the row's, tokenized already (`tokenize_rows`)."""
+    """A checked row (`ingest.row_checks`) as the engine runs it, its token ids and sampling parameters, or its
+    error when its content cannot be tokenized or is too long for the model. `token_ids`: the row's, tokenized
+    already (`tokenize_rows`)."""
+    request, params = checked.request, checked.params
+
     def error(code: str, message: str) -> RowError:
         return RowError(request.row, request.custom_id, code, message)
 
-    if unknown := model_not_found(request, models, adapters):
-        return unknown
-    if is_embedding_engine(engine) or request.endpoint == EMBEDDINGS:
-        return error("invalid_request", f"{request.endpoint} needs a model that generates text; "
-                                        f"{engine.config.model!r} embeds (use /v1/embeddings)"
-                     if is_embedding_engine(engine) else
-                     f"model {engine.config.model!r} generates text and has no embeddings: /v1/embeddings "
-                     f"needs an embedding model (e.g. all-minilm-l6-v2)")
-    if request.openai and "beam_width" in request.params and not defaults.get(ALLOW_BEAM_SEARCH):
-        return error("unsupported_parameter", "beam_width is not an OpenAI Batch field: the job must allow beam "
-                                              "search (tokenmill run/submit --allow-beam-search)")
-    try:
-        params = sampling_params(defaults, request.params)
-        if getattr(params, "beam_width", None) is None:
-            check_for_model(params, engine.runner.vocab_size)
-    except ResponseFormatError as problem:
-        return error("invalid_response_format", str(problem))
-    except (ValueError, TypeError) as problem:
-        return error("invalid_parameter", str(problem))
-    if getattr(params, "structured_outputs", None) is not None:
-        try:
-            engine.structured.compile(params.structured_outputs)  # cached per schema
-        except ValueError as problem:
-            return error("invalid_response_format", str(problem))
     try:
         if token_ids is None:
             token_ids = _tokenize(engine, request)
@@ -94,18 +70,6 @@ def prepare_row(engine: LLMEngine, defaults: dict[str, Any], request: Request, m
     if too_long := context_length_error(len(token_ids), params.max_tokens, engine.max_model_len):
         return error("context_length_exceeded", too_long)
     return token_ids, params
-
-
-def model_not_found(request: Request, models: Collection[str], adapters: Collection[str] = ()) -> RowError | None:
-    """The `model_not_found` error of a row naming neither one of `models` (none: any goes) nor an adapter."""
-    model = request.model
-    if not models or model is None or (isinstance(model, str) and (model in models or model in adapters)):
-        return None
-    served = ", ".join(map(repr, sorted(models)))
-    if adapters:
-        served += f" and the LoRA adapters {', '.join(map(repr, sorted(adapters)))}"
-    return RowError(request.row, request.custom_id, "model_not_found",
-                    f"The model {request.model!r} does not exist here; this job serves {served}")
 
 
 def is_embedding_engine(engine) -> bool:
@@ -144,25 +108,14 @@ class EmbeddingRow:
         return True
 
 
-def prepare_embedding_row(engine, request: Request, truncate: bool, models: Collection[str] = ()
-                          ) -> EmbeddingRow | RowError:
-    """An embeddings row as the engine runs it (its inputs tokenized, over-long ones cut when `truncate`), or
-    its error: an input over the model's max_seq_length, `dimensions` the model cannot give, a generation
-    row sent to an embedding model."""
-    from engine.pooling import PoolingParams
+def prepare_embedding_row(engine, checked: CheckedRow, truncate: bool) -> EmbeddingRow | RowError:
+    """A checked embeddings row as the engine runs it (its inputs tokenized, over-long ones cut when `truncate`),
+    or its error: an input it cannot tokenize, or over the model's max_seq_length."""
+    request = checked.request
 
     def error(code: str, message: str) -> RowError:
         return RowError(request.row, request.custom_id, code, message)
 
-    if request.endpoint != EMBEDDINGS:
-        return prepare_row(engine, {}, request, models)  # fails it: this engine embeds
-    if unknown := model_not_found(request, models):
-        return unknown
-    try:
-        params = PoolingParams(dimensions=request.params.get("dimensions"), truncate=truncate)
-        engine.check_params(params)
-    except ValueError as problem:
-        return error("invalid_parameter", str(problem))
     texts = [text for text in request.inputs if isinstance(text, str)]
     try:
         encoded = iter(engine.encode_batch(texts, truncate=truncate))
@@ -175,7 +128,7 @@ def prepare_embedding_row(engine, request: Request, truncate: bool, models: Coll
         elif too_long := engine.length_error(len(ids)):
             where = f"input[{i}]: " if len(token_ids) > 1 else ""
             return error("context_length_exceeded", where + too_long)
-    return EmbeddingRow(request, token_ids, params)
+    return EmbeddingRow(request, token_ids, checked.params)
 
 
 def tokenize_rows(engine: LLMEngine, rows: list) -> dict[int, list[int]]:
@@ -183,7 +136,8 @@ def tokenize_rows(engine: LLMEngine, rows: list) -> dict[int, list[int]]:
     chat rows and one for its prompts (a call a row costs twice as much). A call that raises (a row the template
     or tokenizer refuses) leaves its rows out: `prepare_row` tokenizes them one by one, and fails that one alone."""
     tokenizer = engine.tokenizer
-    text_rows = [r for r in rows if isinstance(r, Request) and r.endpoint != EMBEDDINGS]
+    requests = (r.request if isinstance(r, CheckedRow) else r for r in rows)
+    text_rows = [r for r in requests if isinstance(r, Request) and r.endpoint != EMBEDDINGS]
     chats = [r for r in text_rows if r.messages is not None]
     prompts = [r for r in text_rows if r.messages is None and isinstance(r.prompt, str)]
     token_ids: dict[int, list[int]] = {}

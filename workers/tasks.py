@@ -31,12 +31,12 @@ from storage import repository as repo
 from storage.faults import crash_point, is_transient
 from storage.models import Job, JobStatus, ShardStatus
 from workers.adapters import AdapterSource, worker_adapters
-from workers.celery_app import app, config
+from workers.celery_app import app, config, worker_process
 from workers.disagg import PrefillStep, disaggregated, kv_transfer_summary, prefill_queue
 from workers.finalize import remove_stray_parts
 from workers.job_steps import JobSteps, discard_if_ended
 from workers.shard_step import ShardStep, through_outages
-from workers.worker_engine import WorkerEngine, engine_for, process_engine
+from workers.worker_engine import WorkerEngine
 
 log = logging.getLogger("tokenmill.tasks")
 
@@ -167,7 +167,7 @@ class TaskProgress:
 
 @app.task(name="tokenmill.plan_job", bind=True, soft_time_limit=1800)
 def plan_job(self: Task, job_id: str) -> dict[str, Any]:
-    steps = JobSteps(sessions(), job_id, TaskProgress(self, job_id))
+    steps = JobSteps(sessions(), job_id, TaskProgress(self, job_id), held=worker_process().held)
     if not _or_retry(self, lambda: steps.claim_step(S.VALIDATING, config.max_control_attempts)):
         return _summary(steps.load(), skipped=True)
     finished = transient = False
@@ -198,7 +198,8 @@ def _unfinished_shards(job_id: str) -> list[int]:
 
 @app.task(name="tokenmill.run_shard", bind=True)
 def run_shard(self: Task, job_id: str, shard_id: int) -> dict[str, Any]:
-    steps = JobSteps(sessions(), job_id, TaskProgress(self, job_id, shard_id))
+    process = worker_process()
+    steps = JobSteps(sessions(), job_id, TaskProgress(self, job_id, shard_id), held=process.held)
     shard_step = ShardStep(steps, worker_lora_modules())
     claim = _or_retry(self, lambda: shard_step.claim_shard(shard_id, config.max_shard_attempts))
     if claim.decision not in ("run", "exhausted"):
@@ -206,7 +207,7 @@ def run_shard(self: Task, job_id: str, shard_id: int) -> dict[str, Any]:
         return _summary(claim.job, shard=claim.shard.index, decision=claim.decision)
     job, shard = claim.job, claim.shard
     try:  # an exhausted claim writes its rows as errors, without the engine
-        outcome = shard_step.execute_shard(job, shard, lambda: engine_for(job.model), claim.exhausted)
+        outcome = shard_step.execute_shard(job, shard, lambda: process.engine_loop(job.model), claim.exhausted)
     except Exception as error:  # the shard is marked failed; its next claim counts the attempt
         log.exception("job %s: shard %d failed (attempt %d)", job_id, shard.index, shard.attempts)
         delay = SHARD_RETRY_DELAY_S
@@ -222,7 +223,7 @@ def run_shard(self: Task, job_id: str, shard_id: int) -> dict[str, Any]:
         steps.close()
     if outcome.completed_job:
         finalize_later(job_id)
-    if WorkerEngine.from_env().kv_role and (kv := kv_transfer_summary(process_engine())):  # what it loaded so far
+    if process.spec.kv_role and (kv := kv_transfer_summary(process.engine())):  # what it loaded so far
         log.info("job %s: shard %d done; KV connector totals: %s", job_id, shard.index, kv)
     decision = "lost" if outcome.lost else "cancelled" if outcome.cancelled else "completed"
     rows = outcome.totals()["rows_completed"] + len(outcome.errors)  # a row of n choices is one row
@@ -232,7 +233,8 @@ def run_shard(self: Task, job_id: str, shard_id: int) -> dict[str, Any]:
 @app.task(name="tokenmill.prefill_shard", bind=True)
 def prefill_shard(self: Task, job_id: str, shard_id: int) -> dict[str, Any]:
     """A producer worker's step: prefill the shard's prompts (their KV saved), then hand it to run_shard."""
-    steps = JobSteps(sessions(), job_id, TaskProgress(self, job_id, shard_id))
+    process = worker_process()
+    steps = JobSteps(sessions(), job_id, TaskProgress(self, job_id, shard_id), held=process.held)
     shard_step = ShardStep(steps, worker_lora_modules())
     claim = _or_retry(self, lambda: shard_step.claim_shard(shard_id, config.max_shard_attempts, count_attempt=False))
     if claim.decision != "run":
@@ -240,7 +242,7 @@ def prefill_shard(self: Task, job_id: str, shard_id: int) -> dict[str, Any]:
         return _summary(claim.job, shard=claim.shard.index, decision=claim.decision)
     job, shard = claim.job, claim.shard
     try:
-        handed = PrefillStep(shard_step).run(job, shard, lambda: engine_for(job.model))
+        handed = PrefillStep(shard_step).run(job, shard, lambda: process.engine_loop(job.model))
     finally:
         steps.close()
     if handed:
@@ -254,7 +256,7 @@ def prefill_shard(self: Task, job_id: str, shard_id: int) -> dict[str, Any]:
 
 @app.task(name="tokenmill.finalize_job", bind=True, soft_time_limit=1800)
 def finalize_job(self: Task, job_id: str) -> dict[str, Any]:
-    steps = JobSteps(sessions(), job_id, TaskProgress(self, job_id))
+    steps = JobSteps(sessions(), job_id, TaskProgress(self, job_id), held=worker_process().held)
     if not _or_retry(self, lambda: steps.claim_step(S.FINALIZING, config.max_control_attempts + FINALIZE_RETRIES)):
         return _summary(steps.load(), skipped=True)
     finished = transient = False

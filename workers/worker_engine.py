@@ -1,9 +1,10 @@
 """The engines that run jobs: `load_engine` builds one from its settings (`EngineConfig` keywords) for `tokenmill
 run`, the in-process executor of `tokenmill api` and a Celery worker alike, attaching its Prometheus metrics when
 asked; `WorkerEngine` is what a worker process loads, read from the environment (`tokenmill worker` sets it); and
-`process_engine` is that engine, loaded once per worker process (when it starts, or at its first shard) and kept for
-every shard it runs. The engine's settings belong to the worker (`tokenmill worker --threads ... --kv-cache-memory
-...`), not to the job: a job only picks the model, by the queue it is sent to."""
+`WorkerProcess` is what one worker process holds, owned by whoever starts the process (`workers.celery_app`): that
+engine, loaded once (when the process starts, or at its first shard) behind its engine service for every shard it
+runs, and the claims it runs now. The engine's settings belong to the worker (`tokenmill worker --threads ...
+--kv-cache-memory ...`), not to the job: a job only picks the model, by the queue it is sent to."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from workers.engine_loop import EngineLoop
+from workers.leases import HeldHere
 from workers.shards import is_embedding_engine
 
 if TYPE_CHECKING:
@@ -91,46 +94,64 @@ class WorkerEngine:
         return cls(model, {**settings, "model": model}, factory, lora_modules, kv_role)
 
 
-_loaded: LLMEngine | None = None
-_loading = threading.Lock()  # a worker's task threads and its preloading thread load it once
+class WorkerProcess:
+    """What one worker process holds: its engine (`spec`, read from the environment at first use), loaded once
+    behind its engine service (`workers.engine_loop.EngineLoop`), and the job steps and shards it runs now
+    (`held`)."""
 
+    def __init__(self, spec: WorkerEngine | None = None) -> None:
+        self._spec = spec
+        self.held = HeldHere()
+        self._loop: EngineLoop | None = None
+        self._loading = threading.Lock()  # a worker's task threads and its preloading thread load it once
 
-def process_engine() -> LLMEngine:
-    """This process's engine, loaded on first use."""
-    global _loaded
-    with _loading:
-        return _loaded or _load()
+    @property
+    def spec(self) -> WorkerEngine:
+        if self._spec is None:
+            self._spec = WorkerEngine.from_env()
+        return self._spec
 
+    def engine_loop(self, job_model: str | None = None) -> EngineLoop:
+        """The engine service, its engine loaded on first use; for a shard of a job on `job_model`, a job routed to
+        the wrong queue is refused (`WrongModel`)."""
+        if job_model is not None and job_model != (serves := self.spec.model):
+            raise WrongModel(f"this worker serves {serves!r}, not {job_model!r}: the shard was sent to the wrong "
+                             f"queue")
+        with self._loading:
+            if self._loop is None:
+                self._loop = EngineLoop(self._load())
+            return self._loop
 
-def _load() -> LLMEngine:
-    global _loaded
-    spec = WorkerEngine.from_env()
-    module, _, function = spec.factory.partition(":")
-    factory = getattr(importlib.import_module(module), function)
-    port = os.environ.get("TOKENMILL_METRICS_PORT")  # this pool process's engine, one port per worker
-    registry = None
-    if port:
-        from engine.prometheus import new_registry
+    def engine(self) -> LLMEngine:
+        return self.engine_loop().engine
 
-        registry = new_registry()
-    started = time.perf_counter()
-    _loaded = load_engine(spec.settings, registry, spec.model, factory)
-    log.info("loaded %s in %.1f s with %s", spec.model, time.perf_counter() - started, spec.settings)
-    if is_embedding_engine(_loaded):  # no KV or scheduler gauges
-        log.info("%s is an embedding model: no engine metrics are served", spec.model)
-    elif port:
-        from engine.prometheus import start_metrics_server
+    def close(self) -> None:
+        """End the engine service (the shards still in it fail)."""
+        with self._loading:
+            loop, self._loop = self._loop, None
+        if loop is not None:
+            loop.close()
 
-        start_metrics_server(registry, int(port), os.environ.get("TOKENMILL_METRICS_ADDR", "127.0.0.1"))
-    return _loaded
+    def _load(self) -> LLMEngine:
+        spec = self.spec
+        module, _, function = spec.factory.partition(":")
+        factory = getattr(importlib.import_module(module), function)
+        port = os.environ.get("TOKENMILL_METRICS_PORT")  # this pool process's engine, one port per worker
+        registry = None
+        if port:
+            from engine.prometheus import new_registry
 
+            registry = new_registry()
+        started = time.perf_counter()
+        engine = load_engine(spec.settings, registry, spec.model, factory)
+        log.info("loaded %s in %.1f s with %s", spec.model, time.perf_counter() - started, spec.settings)
+        if is_embedding_engine(engine):  # no KV or scheduler gauges
+            log.info("%s is an embedding model: no engine metrics are served", spec.model)
+        elif port:
+            from engine.prometheus import start_metrics_server
 
-def engine_for(job_model: str) -> LLMEngine:
-    """The engine for a shard of a job on `job_model`; a job routed to the wrong queue is refused."""
-    serves = WorkerEngine.from_env().model
-    if job_model != serves:
-        raise WrongModel(f"this worker serves {serves!r}, not {job_model!r}: the shard was sent to the wrong queue")
-    return process_engine()
+            start_metrics_server(registry, int(port), os.environ.get("TOKENMILL_METRICS_ADDR", "127.0.0.1"))
+        return engine
 
 
 class WrongModel(RuntimeError):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,17 +22,19 @@ from engine.lora.request import LoRARequest
 log = logging.getLogger("tokenmill.lora")
 
 
-def adapter_for(manager: LoRAManager | None, request: LoRARequest | None) -> LoRAAdapter | None:
+def adapter_for(manager: LoRAManager | None, request: LoRARequest | LoRAAdapter | None) -> LoRAAdapter | None:
     """The adapter a request runs with (None: the base model), loaded by the engine's `manager` (None: the engine
-    serves no adapters); ValueError, saying why, when it cannot be served."""
+    serves no adapters), or as given when loaded already (`LLMEngine.load_adapter`); ValueError, saying why, when it
+    cannot be served."""
     if request is None:
         return None
-    if not isinstance(request, LoRARequest):
+    if not isinstance(request, LoRARequest | LoRAAdapter):
         raise ValueError(f"lora_request must be a LoRARequest, got {type(request).__name__}")
     if manager is None:
-        raise ValueError(f"request names LoRA adapter {request.lora_name!r} but the engine serves none: "
+        name = request.lora_name if isinstance(request, LoRARequest) else request.name
+        raise ValueError(f"request names LoRA adapter {name!r} but the engine serves none: "
                          "start it with enable_lora=True")
-    return manager.load(request)
+    return request if isinstance(request, LoRAAdapter) else manager.load(request)
 
 
 @dataclass
@@ -63,6 +66,7 @@ class LoRAManager:
         self.loaded: OrderedDict[tuple, LoRAAdapter] = OrderedDict()  # host-memory cache, least recently used first
         self.step: LoRAStep | None = None
         self._pointer_tables: dict[frozenset[str], tuple] = {}  # the stacks' pointers per set of projections run
+        self._load_lock = threading.Lock()  # `loaded`, from the engine thread and the shards' threads
         self.num_loads = 0  # adapters read from disk
         self.num_activations = 0  # adapters copied into a device slot
 
@@ -77,19 +81,21 @@ class LoRAManager:
 
     def load(self, request: LoRARequest) -> LoRAAdapter:
         """The request's adapter, from the host cache or its directory (ValueError when it cannot be served). A
-        directory whose files changed since it was loaded is read again."""
+        directory whose files changed since it was loaded is read again. Any thread may call it (a job's shard
+        loads its rows' adapters before the engine thread adds them)."""
         key = (request.lora_int_id, request.lora_name, request.lora_path, _files_signature(request.lora_path))
-        adapter = self.loaded.get(key)
-        if adapter is None:
-            adapter = load_adapter(request.lora_path, request.lora_name, self.hf_config, self.max_rank)
-            self.num_loads += 1
-            log.info("loaded LoRA adapter %r (rank %d, %.1f MiB) from %s", request.lora_name, adapter.rank,
-                     adapter.num_bytes / 2**20, request.lora_path)
-            self.loaded[key] = adapter
-            while len(self.loaded) > self.max_cpu_loras:
-                self.loaded.popitem(last=False)
-        self.loaded.move_to_end(key)
-        return adapter
+        with self._load_lock:
+            adapter = self.loaded.get(key)
+            if adapter is None:
+                adapter = load_adapter(request.lora_path, request.lora_name, self.hf_config, self.max_rank)
+                self.num_loads += 1
+                log.info("loaded LoRA adapter %r (rank %d, %.1f MiB) from %s", request.lora_name, adapter.rank,
+                         adapter.num_bytes / 2**20, request.lora_path)
+                self.loaded[key] = adapter
+                while len(self.loaded) > self.max_cpu_loras:
+                    self.loaded.popitem(last=False)
+            self.loaded.move_to_end(key)
+            return adapter
 
     def begin_step(self, items: list, item_rows: dict, num_rows: int) -> None:
         """Make the step's adapters resident and set each row's slot; `items` (engine.batch.BatchItem) and their rows

@@ -10,6 +10,7 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import IO, Any
 
+from ingest.row_checks import unserved_model
 from storage.formats import Limits, Request, RowError
 from storage.formats.jsonl import parse_line, parse_value
 
@@ -71,10 +72,8 @@ def check_lines(source: IO[bytes], endpoint: str, served: Collection[str], max_r
         if (first := seen.setdefault(request.custom_id, line_number)) != line_number:
             checked.refuse(line_number, "duplicate_custom_id",
                            f"duplicate custom_id {request.custom_id!r} (also on line {first})", "custom_id")
-        elif request.model is not None and request.model not in served:
-            checked.refuse(line_number, "model_not_found",
-                           f"model {request.model!r} is not served here (served: "
-                           f"{', '.join(repr(name) for name in sorted(served))})", "body.model")
+        elif (unserved := unserved_model(request.model, served)) is not None:
+            checked.refuse(line_number, "model_not_found", unserved, "body.model")
         else:
             checked.prompt_tokens += estimated_tokens(request)
     return checked

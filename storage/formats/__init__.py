@@ -37,6 +37,7 @@ __all__ = [
 
 class InputReader(Protocol):
     format: str
+    sha256: str | None  # the whole file's, when `validate` read it through (JSONL)
 
     @property
     def num_rows(self) -> int: ...

@@ -1,12 +1,15 @@
 """OpenAI Batch JSONL input: one `{"custom_id", "method": "POST", "url", "body"}` object per line; `url` is
 /v1/chat/completions, /v1/completions, /v1/embeddings or /v1/responses.
 
-One streaming pass (`validate`) counts the rows, enforces the size limits, rejects duplicate custom_ids and
-remembers where each row starts, so a shard later seeks straight to its first row.
+One streaming pass (`validate`) counts the rows, enforces the size limits, rejects duplicate custom_ids,
+remembers where each row starts, so a shard later seeks straight to its first row, and on the way hashes the file
+(`sha256`, the pin of a local input) and counts the models its rows name (`models`, from which `tokenmill run`
+picks its model): the validating step reads the file once.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from array import array
 from collections.abc import Iterator
@@ -39,6 +42,8 @@ class JsonlInput:
         self.file, self.limits, self.name = file, limits, name
         limits.check("max_file_bytes", size, "JSONL file size in bytes")
         self._offsets: array | None = None  # byte offset of each row's line
+        self.sha256: str | None = None  # of the whole file, once `validate` read it through
+        self.models: dict[Any, tuple[int, int]] | None = None  # once validated: as `models_named` gives them
 
     @property
     def num_rows(self) -> int:
@@ -51,11 +56,18 @@ class JsonlInput:
         if self._offsets is not None and not check_duplicates:
             return self._offsets
         offsets, ids = array("q"), HashedIds()
-        for _, offset, line in self._lines():
-            if check_duplicates and (custom_id := _peek_custom_id(line)) is not None:
-                ids.add(custom_id)
+        digest, models = (hashlib.sha256(), {}) if check_duplicates else (None, None)
+        for line_number, offset, line in self._lines(digest=digest):
+            if check_duplicates:
+                custom_id, model = _peek(line)
+                if custom_id is not None:
+                    ids.add(custom_id)
+                count, first = models.get(model, (0, line_number))
+                models[model] = (count + 1, first)
             offsets.append(offset)
             self.limits.check("max_rows", len(offsets), "row count")
+        if digest is not None:
+            self.sha256, self.models = digest.hexdigest(), models
         if check_duplicates and (suspects := ids.repeated_hashes()):
             lines = ((line_number, _peek_custom_id(line)) for line_number, _, line in self._lines())
             if duplicate := first_duplicate(lines, suspects):
@@ -65,12 +77,15 @@ class JsonlInput:
         self._offsets = offsets
         return offsets
 
-    def _lines(self, start: int = 0) -> Iterator[tuple[int, int, bytes]]:
-        """(1-based line number, byte offset, line) of each non-blank line, from byte offset start."""
+    def _lines(self, start: int = 0, digest=None) -> Iterator[tuple[int, int, bytes]]:
+        """(1-based line number, byte offset, line) of each non-blank line, from byte offset start; every byte read
+        goes into `digest` too, when given."""
         self.file.seek(start)
         offset, line_number, limit = start, 0, self.limits.max_line_bytes
         while line := self.file.readline(limit + 1):
             line_number += 1
+            if digest is not None:
+                digest.update(line)
             if len(line) > limit and not line.endswith(b"\n"):
                 raise InputError(f"line {line_number} of {self.name} is longer than the limit max_line_bytes={limit:,}")
             if line.strip():
@@ -114,12 +129,22 @@ def models_named(file: IO[bytes], max_line_bytes: int = Limits.max_line_bytes) -
 
 
 def _peek_custom_id(line: bytes) -> str | None:
+    return _peek(line)[0]
+
+
+def _peek(line: bytes) -> tuple[str | None, Any]:
+    """A line's custom_id (None: none, or not a string) and the model its body names (None: none; not a string:
+    its repr), as `models_named` counts them."""
     try:
         value = json.loads(line)
     except ValueError:
-        return None
-    custom_id = value.get("custom_id") if isinstance(value, dict) else None
-    return custom_id if isinstance(custom_id, str) else None
+        return None, None
+    if not isinstance(value, dict):
+        return None, None
+    custom_id, body = value.get("custom_id"), value.get("body")
+    model = body.get("model") if isinstance(body, dict) else None
+    return (custom_id if isinstance(custom_id, str) else None,
+            model if model is None or isinstance(model, str) else repr(model))
 
 
 def parse_line(row: int, line: bytes) -> Request | RowError:

@@ -47,6 +47,16 @@ def llm_engine():
 
 
 @pytest.fixture
+def engine_service(llm_engine):
+    """An engine service (`workers.engine_loop.EngineLoop`) over the session's engine, closed after the test."""
+    from workers.engine_loop import EngineLoop
+
+    service = EngineLoop(llm_engine)
+    yield service
+    service.close()
+
+
+@pytest.fixture
 def engine_provider(llm_engine):
     """Hands the session's engine to run_job whatever settings the job asks for."""
     return lambda settings: llm_engine

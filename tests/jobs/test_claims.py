@@ -225,7 +225,7 @@ def test_the_deadline_is_stamped_on_the_databases_clock(sqlite_sessions, tmp_pat
         clock.install(previous)
 
 
-def test_an_input_replaced_mid_job_fails_it_with_that_reason(sqlite_sessions, llm_engine, tmp_path) -> None:
+def test_an_input_replaced_mid_job_fails_it_with_that_reason(sqlite_sessions, engine_service, tmp_path) -> None:
     """The input is pinned at validation (size, mtime, hash): a shard reading a replaced file fails the job
     with the reason, and the shard completed before keeps its part."""
     from tests.jobs.jobhelpers import prompt_rows, write_parquet
@@ -240,15 +240,15 @@ def test_an_input_replaced_mid_job_fails_it_with_that_reason(sqlite_sessions, ll
     with sessions() as session:
         first, second = (s.id for s in repo.shards(session, job.id))
     claim = ShardStep(steps).claim_shard(first, max_attempts=3)
-    assert ShardStep(steps).execute_shard(claim.job, claim.shard, lambda: llm_engine).records
+    assert ShardStep(steps).execute_shard(claim.job, claim.shard, lambda: engine_service).records
     steps.close()
     write_parquet(path, prompt_rows(4, prefix="other"))  # replaced by another file
     steps = JobSteps(sessions, job.id)
     claim = ShardStep(steps).claim_shard(second, max_attempts=3)
-    ShardStep(steps).execute_shard(claim.job, claim.shard, lambda: llm_engine)
+    ShardStep(steps).execute_shard(claim.job, claim.shard, lambda: engine_service)
     steps.close()
     job = steps.load()
     assert job.status == "failed" and "changed since the job was validated" in job.error, job.error
     with sessions() as session:
         assert [s.status for s in repo.shards(session, job.id)] == ["completed", "failed"]
-    assert not llm_engine.has_unfinished_requests()
+    assert not engine_service.engine.has_unfinished_requests()

@@ -12,7 +12,7 @@ import weakref
 import pytest
 
 from storage.formats import COMPLETIONS, Request
-from workers.engine_loop import EngineLoop, RowSettings, loop_for, release_loop, shards_in_flight
+from workers.engine_loop import EngineLoop, RowSettings, shards_in_flight
 
 pytestmark = pytest.mark.real_model
 
@@ -59,8 +59,12 @@ def run_together(loop: EngineLoop, shards: dict[str, tuple], **kwargs) -> dict[s
 
 
 @pytest.fixture
-def loop(llm_engine) -> EngineLoop:
-    return loop_for(llm_engine)  # one per engine: two loops would step it at once
+def loop(llm_engine):
+    """The engine service over the shared engine, closed after the test (two loops stepping it at once would
+    clash; an idle one steps nothing)."""
+    service = EngineLoop(llm_engine)
+    yield service
+    service.close()
 
 
 def test_two_jobs_shards_share_the_engine_with_their_solo_outputs(loop, llm_engine) -> None:
@@ -161,11 +165,11 @@ def test_a_step_that_raises_fails_only_the_rows_that_did_it(llm_engine) -> None:
     loop.close()
 
 
-def test_a_row_that_makes_every_step_raise_fails_alone_and_its_shards_other_rows_finish(llm_engine) -> None:
+def test_a_row_that_makes_every_step_raise_fails_alone_and_its_shards_other_rows_finish(loop, llm_engine) -> None:
     """One row of a shard makes each step it is in raise: the shard runs again alone, its unfinished rows one at
     a time; that row fails with engine_error, the others keep the outputs they get alone."""
     mixed, execution = rows("m", 4, 5), RowSettings(GREEDY, batch_invariant=True)  # batched or alone: same text
-    together = texts(loop_for(llm_engine).run(execution, mixed, "m-"))
+    together = texts(loop.run(execution, mixed, "m-"))
     loop = EngineLoop(PoisonedEngine(llm_engine, lambda request_id, token_ids: request_id == "mixed-2"))
     try:
         outcome = loop.run(execution, mixed, "mixed-")
@@ -261,11 +265,11 @@ def run_into(results: dict[str, object], loop: EngineLoop, name: str) -> None:
 
 
 def test_a_released_loop_fails_what_waits_ends_its_threads_and_frees_the_engine() -> None:
-    """`tokenmill run` releases its engine's loop after the job: shard a hangs in the engine while b waits and
-    the release comes; a fails with the engine's error, b with the closed loop's, and nothing holds the engine."""
+    """A job's run closes its engine service when it ends: shard a hangs in the engine while b waits and the
+    close comes; a fails with the engine's error, b with the closed loop's, and nothing holds the engine."""
     engine = AdmissionBlockingEngine("set_batch_invariant")
     engine_ref = weakref.ref(engine)
-    loop = loop_for(engine)
+    loop = EngineLoop(engine)
     results: dict[str, object] = {}
     shards = [threading.Thread(target=run_into, args=(results, loop, name)) for name in "ab"]
     shards[0].start()
@@ -274,15 +278,13 @@ def test_a_released_loop_fails_what_waits_ends_its_threads_and_frees_the_engine(
     deadline = time.monotonic() + 10
     while loop.inbox.qsize() < 1 and time.monotonic() < deadline:
         time.sleep(0.01)
-    closing = threading.Thread(target=release_loop, args=(engine,))
+    closing = threading.Thread(target=loop.close)
     closing.start()
     engine.released.set()
     for thread in (*shards, closing):
         thread.join(30)
     assert "released by the test" in str(results["a"]) and "loop was closed" in str(results["b"]), results
     assert not loop.thread.is_alive() and not loop.watchdog.is_alive()
-    assert loop_for(engine) is not loop  # a later job gets a new thread
-    release_loop(engine)
     del engine, loop, results  # the errors' tracebacks hold the engine too
     gc.collect()
     assert engine_ref() is None

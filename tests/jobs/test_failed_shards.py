@@ -21,7 +21,7 @@ from storage.objectstore import open_store
 from tests.jobs.jobhelpers import assert_each_id_once, new_job
 from tests.jobs.openai_shapes import BATCH_OUTPUT_LINE
 from tests.jobs.test_claims import record
-from workers import engine_loop
+from workers import inprocess
 from workers.inprocess import SHARD_TRIES, run_job
 from workers.job_steps import JobSteps
 from workers.shard_step import ERROR_WRITE_ATTEMPTS, EngineUnavailable, ShardStep
@@ -31,10 +31,14 @@ MAX_ATTEMPTS = 2
 
 
 class RowsLoop:
-    """Stands for an engine loop: each row's record, except that a shard holding a row of `raising` raises."""
+    """Stands for an engine service: each row's record, except that a shard holding a row of `raising` raises."""
 
     def __init__(self, raising: set[str] = frozenset()) -> None:
         self.raising, self.runs = raising, []
+        self.engine = SimpleNamespace(config=SimpleNamespace(max_num_seqs=4))
+
+    def close(self) -> None:
+        pass
 
     def run(self, settings, rows, prefix, should_stop=lambda: False, progress=None) -> ShardOutcome:
         self.runs.append(prefix)
@@ -44,12 +48,11 @@ class RowsLoop:
 
 
 @pytest.fixture
-def engine():
-    """A stand-in engine whose loop is a `RowsLoop` (set its `raising`)."""
+def engine(monkeypatch):
+    """A stand-in engine whose engine service is a `RowsLoop` (set its `raising`): a job run starts that one."""
     stand_in = SimpleNamespace(config=SimpleNamespace(max_num_seqs=4), loop=RowsLoop())
-    engine_loop._loops[id(stand_in)] = stand_in.loop
-    yield stand_in
-    engine_loop._loops.pop(id(stand_in), None)
+    monkeypatch.setattr(inprocess, "EngineLoop", lambda engine: engine.loop)
+    return stand_in
 
 
 def write_input(path, ids: list[str]):
@@ -114,7 +117,7 @@ def test_a_shard_that_killed_its_workers_each_time_ends_with_its_rows_as_errors(
                                                                                  engine) -> None:
     ids = ["a", "b", "c", "d"]
     job_id, (first, second) = planned_job(sqlite_sessions, tmp_path, ids)
-    assert run_shard(sqlite_sessions, job_id, first, lambda: engine) == "run"
+    assert run_shard(sqlite_sessions, job_id, first, lambda: engine.loop) == "run"
     died_running(sqlite_sessions, second, MAX_ATTEMPTS)
     assert run_shard(sqlite_sessions, job_id, second, no_engine) == "exhausted"  # its rows are not run again
     assert engine.loop.runs == [f"{job_id}-0-c1-"]

@@ -20,7 +20,6 @@ from tests.jobs.jobhelpers import new_job, read_outputs, write_parquet
 from tokenmill.bench.workload import questions, system_prompt
 from tokenmill.cli import build_parser, main
 from tokenmill.options import engine_kwargs
-from workers.engine_loop import release_loop
 from workers.inprocess import run_job
 from workers.worker_engine import load_engine
 
@@ -151,8 +150,7 @@ def test_the_second_worker_loads_the_prefix_the_first_computed(service_env, sess
         assert not list(broker.scan_iter(match=f"{service_env}tokenmill:kv:*"))  # none in the broker's database
         broker.close()
         assert all(0 < client.ttl(key) <= 600 for key in stored[:8])
-        release_loop(first)  # its engine thread holds it: freed before the next engine loads (three fill 5 GB)
-        del first
+        del first  # freed before the next engine loads (three fill 5 GB); the job closed its engine thread
         gc.collect()
 
         second = load_engine(shared)
@@ -161,7 +159,6 @@ def test_the_second_worker_loads_the_prefix_the_first_computed(service_env, sess
         assert all(row["cached_tokens"] >= shared_blocks * 16 for row in loaded), [r["cached_tokens"] for r in loaded]
         assert second.kv_connector.stats.store_errors == second.kv_connector.stats.blocks_rejected == 0
         second_computed = second.stats.computed_prefill_tokens
-        release_loop(second)
         del second
         gc.collect()
 

@@ -14,7 +14,6 @@ from openai.types.shared import ErrorObject
 from tests.jobs.openai_shapes import BATCH_OUTPUT_LINE
 from tests.jobs.test_engine_loop import PoisonedEngine
 from tests.jobs.test_openai_api import TERMINAL, chat_line, client, running_api, submit, wait_for
-from workers.engine_loop import release_loop
 
 POISON = "POISON-PILL"
 
@@ -31,16 +30,13 @@ def test_a_request_the_engine_cannot_run_fails_alone_and_the_batch_completes(ses
         token_ids))
     lines = [chat_line(f"ok-{i}", max_tokens=3, temperature=0) for i in range(4)]
     lines.insert(1, chat_line("poison", content=f"Repeat {POISON}.", max_tokens=3, temperature=0))
-    try:
-        with running_api(sessions, str(tmp_path / "bucket"), poisoned) as (base_url, key, _, _):
-            sdk = client(base_url, key)
-            batch = wait_for(sdk, submit(sdk, lines).id, TERMINAL, timeout_s=120)
-            assert batch.status == "completed", batch.errors
-            counts = batch.request_counts
-            assert (counts.total, counts.completed, counts.failed) == (5, 4, 1)
-            outputs, errors = lines_of(sdk, batch.output_file_id), lines_of(sdk, batch.error_file_id)
-    finally:
-        release_loop(poisoned)
+    with running_api(sessions, str(tmp_path / "bucket"), poisoned) as (base_url, key, _, _):  # its runs close
+        sdk = client(base_url, key)  # their engine service
+        batch = wait_for(sdk, submit(sdk, lines).id, TERMINAL, timeout_s=120)
+        assert batch.status == "completed", batch.errors
+        counts = batch.request_counts
+        assert (counts.total, counts.completed, counts.failed) == (5, 4, 1)
+        outputs, errors = lines_of(sdk, batch.output_file_id), lines_of(sdk, batch.error_file_id)
     assert sorted(line["custom_id"] for line in outputs) == [f"ok-{i}" for i in range(4)]
     for line in outputs:
         assert ChatCompletion.model_validate(line["response"]["body"]).usage.completion_tokens <= 3

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import json
 
+from ingest.row_checks import RowChecks
 from storage.formats import RowError
 from storage.formats.jsonl import parse_line
 from tokenmill.cli import build_parser
 from tokenmill.options import sampling_kwargs
-from workers.shards import prepare_row
 
 SERVED = {"smollm2-135m", "gpt-4o-mini"}
 
@@ -24,7 +24,8 @@ def row(model: str | None, **body):
 
 
 def prepared(engine, request, defaults=None):
-    return prepare_row(engine, defaults or {}, request, SERVED)
+    checked = RowChecks(defaults or {}, frozenset(SERVED)).check(engine, request)
+    return checked if isinstance(checked, RowError) else (checked.request, checked.params)
 
 
 def test_a_row_naming_a_model_the_job_does_not_serve_fails_with_model_not_found(llm_engine) -> None:

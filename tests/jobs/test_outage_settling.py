@@ -80,7 +80,7 @@ def test_at_the_usual_cadence_a_lapsed_lease_is_fenced_at_once(pg_sessions) -> N
     assert found.requeue == [(shard_job, a, "m")] and found.finalize == [step_job]
 
 
-def test_a_commit_outlasting_the_outage_wait_uses_no_attempt(private_postgres, llm_engine, tmp_path,  # noqa: F811
+def test_a_commit_outlasting_the_outage_wait_uses_no_attempt(private_postgres, engine_service, tmp_path,  # noqa: F811
                                                              monkeypatch) -> None:
     """PostgreSQL stops while a shard runs and stays down past TOKENMILL_OUTAGE_WAIT_S (here 0): its commit and
     its end give up. The refund waits for the database, so the shard's retry is its first counted attempt
@@ -102,7 +102,7 @@ def test_a_commit_outlasting_the_outage_wait_uses_no_attempt(private_postgres, l
 
         def engine_then_outage():
             ctl("stop")
-            return llm_engine
+            return engine_service
 
         with pytest.raises(OperationalError) as failed:
             shard_step.execute_shard(claim.job, claim.shard, engine_then_outage)

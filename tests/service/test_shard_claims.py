@@ -15,7 +15,8 @@ from storage.job_settings import CELERY, LOCAL, JobSettings
 from storage.liveness import worker_id
 from storage.models import Job, Shard, utcnow
 from workers.job_steps import JobSteps
-from workers.shard_step import ERROR_WRITE_ATTEMPTS, RUNNING_HERE, ShardStep
+from workers.leases import shard_claim
+from workers.shard_step import ERROR_WRITE_ATTEMPTS, ShardStep
 from workers.shards import ShardOutcome
 from workers.sweep import sweep
 
@@ -58,9 +59,9 @@ def test_claims_count_attempts_skip_live_workers_and_end_the_rows_at_the_limit(s
     claim = steps.claim_shard(first, max_attempts=2)
     assert claim.decision == "run" and claim.shard.attempts == 1 and claim.job.status == "in_progress"
     assert claim.shard.worker == worker_id()
-    RUNNING_HERE.add(first)  # while this process runs it
+    steps.steps.held.hold(shard_claim(first))  # while this process runs it
     assert steps.claim_shard(first, max_attempts=2).decision == "busy"
-    RUNNING_HERE.discard(first)
+    steps.steps.held.let_go(shard_claim(first))
     retaken = steps.claim_shard(first, max_attempts=3)  # marked running here, but no longer run here
     assert retaken.decision == "run" and retaken.shard.claim_token == 2
     set_shard(sqlite_sessions, first, attempts=1)

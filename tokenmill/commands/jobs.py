@@ -215,15 +215,20 @@ def _sessions(url: str):
     return db.session_factory(db.make_engine(url))
 
 
+def _limits(args: argparse.Namespace):
+    from storage.formats import Limits
+
+    return Limits.from_env(max_rows=args.max_input_rows, max_uncompressed_bytes=args.max_input_bytes,
+                           max_file_bytes=args.max_input_bytes)
+
+
 def _new_job(args: argparse.Namespace):
     from ingest.job_request import validate_request
-    from storage.formats import Limits
     from storage.job_settings import DEFAULT_SHARD_SIZE, LOCAL
     from storage.objectstore import S3Options
-
-    limits = Limits.from_env(max_rows=args.max_input_rows, max_uncompressed_bytes=args.max_input_bytes,
-                             max_file_bytes=args.max_input_bytes)
     from workers.kv_sharing import without_kv_secret
+
+    limits = _limits(args)
 
     engine = without_kv_secret(engine_kwargs(args))  # a job's settings are stored: load_engine adds it back
     request = validate_request(dict(input_uri=args.input or sample_input(),
@@ -268,69 +273,74 @@ def run(args: argparse.Namespace) -> int:
     from ingest.intake import submit
     from storage import db
     from tokenmill.progress import JobProgressBar
-    from workers.engine_loop import release_loop
     from workers.inprocess import run_job
 
     console = Console(soft_wrap=True)
     url = db.resolve_url(args.database_url)
     sessions = _sessions(url)
-    _choose_model(args)
-    submission = submit(sessions, _new_job(args))
+    validated = _choose_model(args)
+    try:
+        submission = submit(sessions, _new_job(args))
+    except BaseException:
+        if validated is not None:
+            validated.close()
+        raise
     job = submission.job
     console.print(f"job [bold]{job.id}[/bold] ({submission.outcome}): {_where(job.input_uri)} -> "
                   f"{_where(job.output_uri)}", highlight=False)
     load_engine = _load_engine if args.metrics_port is None else _serving_metrics(args.metrics_port, sessions)
-    loaded = []
-
-    def load_and_keep(settings: dict):
-        loaded.append(load_engine(settings))
-        return loaded[-1]
-
     try:
-        with JobProgressBar(Console(stderr=True)) as progress:
-            job = run_job(sessions, job.id, load_and_keep, progress)
-    finally:  # its engine thread would keep the engine alive when main() is called again in one process
-        for engine in loaded:
-            release_loop(engine)
+        with JobProgressBar(Console(stderr=True)) as progress:  # the run closes its engine service when it ends
+            job = run_job(sessions, job.id, load_engine, progress, validated)
+    finally:
+        if validated is not None:
+            validated.close()
     _print_summary(console, job, url if args.database_url else None)
     return 0 if job.status == "completed" else 1
 
 
-def _choose_model(args: argparse.Namespace) -> None:
+def _choose_model(args: argparse.Namespace):
     """For an OpenAI JSONL input: rows that all name one bundled model run it when --model was not given; rows
     that all name models this run does not serve are refused here, before a model loads, naming them (rows of
-    a mixed file that name another model fail alone with model_not_found)."""
+    a mixed file that name another model fail alone with model_not_found). The file is validated in the same
+    read, which the job's validating step takes over (`workers.job_steps.ValidatedInput`; None: not read)."""
     from engine.model_loader import BUNDLED_MODELS
     from ingest.job_request import JobRequestError
+    from ingest.row_checks import choose_model
     from storage.formats import JSONL_SUFFIXES
     from storage.formats.jsonl import models_named
     from storage.objectstore import S3Options, normalize_uri, open_file_store
+    from workers.job_steps import read_input
 
     if not args.input:
-        return
+        return None
+    uri, s3 = normalize_uri(args.input), S3Options(args.s3_endpoint_url, args.s3_region, args.s3_profile)
     try:
-        store, key = open_file_store(normalize_uri(args.input), S3Options(args.s3_endpoint_url, args.s3_region,
-                                                                          args.s3_profile))
-        with store.open(key) as source:
-            if not key.endswith(JSONL_SUFFIXES) and source.read(1) != b"{":
-                return
-            source.seek(0)
-            named = models_named(source)
+        store, key = open_file_store(uri, s3)
+        if not key.endswith(JSONL_SUFFIXES):
+            with store.open(key) as source:
+                if source.read(1) != b"{":
+                    return None
+        validated = read_input(uri, s3, _limits(args), args.task)
     except (OSError, ValueError):  # not there, not readable: the job's validation says so
-        return
+        return None
+    reader = validated.reader
+    if reader is None or reader.format != "jsonl":
+        validated.close()
+        return None
+    named = reader.models
+    if named is None:  # not valid (the job fails validating with why): its models, in a read of their own
+        try:
+            with store.open(key) as source:
+                named = models_named(source)
+        except (OSError, ValueError):
+            return validated
     aliases = {*(args.served_model_name or []), *lora_modules(args)}
-    wanted = {model for model in named if model is not None}
-    if not args.model_given and None not in named and len(wanted) == 1:
-        [model] = wanted
-        if model in BUNDLED_MODELS and model not in aliases:
-            args.model = model
-    served = {args.model, *aliases}
-    if wanted and None not in named and not wanted & served:
-        listing = ", ".join(f"{model!r} ({count} rows, first on line {line})"
-                            for model, (count, line) in sorted(named.items()))
-        raise JobRequestError(f"every row of {args.input} names a model this run does not serve: {listing}; it serves "
-                        f"{', '.join(map(repr, sorted(served)))}. Give --model (bundled: "
-                        f"{', '.join(BUNDLED_MODELS)}), or --served-model-name for another name of it")
+    args.model, refused = choose_model(named, args.model, args.model_given, aliases, BUNDLED_MODELS, args.input)
+    if refused:
+        validated.close()
+        raise JobRequestError(refused)
+    return validated
 
 
 def database_option(url: str | None) -> str:

@@ -1,13 +1,16 @@
 """The explorer's engine: no model, its text a function of the row, so a duplicated or missing row shows. It stands
-in for a process's engine loop (`workers.engine_loop._loops`, the seam every shard runs through), and running a
-shard's rows is a seam of its own: simulated time passes, and the worker may crash or pause there."""
+in for the worker process's engine service (`SimWorkerProcess`, in place of `workers.worker_engine.WorkerProcess`:
+the seam every shard runs through), and running a shard's rows is a seam of its own: simulated time passes, and
+the worker may crash or pause there."""
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from storage.formats import Request, RowError
+from workers.leases import HeldHere
 from workers.shards import ShardOutcome
 
 ROW_SECONDS = 1.5  # simulated engine time per row
@@ -22,10 +25,21 @@ def fails(custom_id: str) -> bool:
     return int(hashlib.sha256(custom_id.encode()).hexdigest(), 16) % 11 == 0
 
 
-class SimEngine:
-    """Stands for the worker's loaded engine; only its identity matters (its loop is the `SimEngineLoop`)."""
+@dataclass(frozen=True)
+class SimSpec:
+    kv_role: str | None = None
 
-    model = "sim"
+
+@dataclass
+class SimWorkerProcess:
+    """Stands for every simulated worker's `WorkerProcess`: the `SimEngineLoop`, and what they hold now."""
+
+    loop: SimEngineLoop
+    held: HeldHere = field(default_factory=HeldHere)
+    spec: SimSpec = field(default_factory=SimSpec)
+
+    def engine_loop(self, job_model: str | None = None) -> SimEngineLoop:
+        return self.loop
 
 
 class SimEngineLoop:

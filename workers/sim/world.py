@@ -26,9 +26,9 @@ from storage import clock, db, faults, liveness, migrate, objectstore
 from storage.faults import is_transient
 from storage.models import Job, ServiceMarker
 from storage.objectstore import S3Options, normalize_uri
-from workers import broker_marker, engine_loop
+from workers import broker_marker
 from workers.sim.api import SimApi
-from workers.sim.engine import ROW_SECONDS, SimEngine, SimEngineLoop
+from workers.sim.engine import ROW_SECONDS, SimEngineLoop, SimWorkerProcess
 from workers.sim.kernel import (
     Actor,
     FaultProfile,
@@ -171,7 +171,7 @@ class World:
             self.jobs += draw_busy_jobs(busy, len(self.jobs))
         self.lost_since: dict[int, float] = {}  # shard id -> since when it has waited with no task (faults off)
         self.lost_work: list[str] = []
-        self.engine = SimEngine()
+        self.process: SimWorkerProcess | None = None  # while wired
         self.ids = random.Random(f"ids-{seed}")
         self.api: SimApi | None = None
         self.task_errors: list[str] = []
@@ -195,7 +195,7 @@ class World:
         patches = [(tasks, "sessions", lambda: self.sessions), (tasks, "config", config),
                    (tasks, "queued_tasks", lambda model: kernel.broker.count(queues["gpu" if model else "control"],
                                                                              kernel.now)),
-                   (tasks, "engine_for", lambda model: self.engine),
+                   (tasks, "worker_process", lambda: self.process),
                    (broker_marker, "broker_client", kernel.broker),
                    (liveness, "this_worker", kernel.identity_here),
                    (objectstore, "simulated_stores", kernel.store),
@@ -208,7 +208,7 @@ class World:
         for target, name, value in patches:
             setattr(target, name, value)
         previous_clock = clock.install(SimClock(kernel))
-        engine_loop._loops[id(self.engine)] = SimEngineLoop(kernel.seam, BUSY_ROW_S if self.busy else ROW_SECONDS)
+        self.process = SimWorkerProcess(SimEngineLoop(kernel.seam, BUSY_ROW_S if self.busy else ROW_SECONDS))
         event.listen(bind, "before_cursor_execute", self._before_statement)
         event.listen(bind.pool, "checkout", self._checkout)
         event.listen(bind.pool, "checkin", _checkin)
@@ -220,7 +220,7 @@ class World:
             event.remove(bind.pool, "checkin", _checkin)
             event.remove(bind.pool, "checkout", self._checkout)
             event.remove(bind, "before_cursor_execute", self._before_statement)
-            engine_loop._loops.pop(id(self.engine), None)
+            self.process = None
             clock.install(previous_clock)
             for target, name, value in reversed(saved):
                 if value is _MISSING:
