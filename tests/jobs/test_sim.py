@@ -64,6 +64,25 @@ def test_seeds_draw_different_faults() -> None:
     assert len(profiles) == 5 and len(schedules) == 3
 
 
+
+def test_some_seeds_gather_their_faults_on_one_family_of_seams() -> None:
+    """About 30 % of the seeds pause far more often at one family of seams (a cleanup's deletes, say), the rest
+    keep their profile as drawn; a focused seed's schedule names its focus."""
+    import random
+
+    from workers.sim.kernel import FOCUS_FAMILIES
+
+    base = FaultProfile(pause=0.01, crash=0.02)
+    profiles = [base.focused(random.Random(f"focus-{seed}")) for seed in range(400)]
+    focused = [p for p in profiles if p.focus]
+    assert 80 < len(focused) < 160 and {p.focus for p in focused} == set(FOCUS_FAMILIES)
+    assert all(p == base for p in profiles if not p.focus)
+    deletes = next(p for p in focused if p.focus == "store delete")
+    assert deletes.pause_at("store delete") == deletes.focus_pause >= 0.1
+    assert deletes.pause_at("store put") == 0.01 and deletes.crash_at("store put") == 0.02
+    seed = next(s for s in range(400) if FaultProfile().focused(random.Random(f"focus-{s}")).focus)
+    assert any("faults gather at the" in entry for entry in run_seed(seed).schedule)
+
 # ---- the checker over hand-made outputs ---------------------------------------------------------------
 
 JOB_ID = "00000000-0000-0000-0000-000000000001"

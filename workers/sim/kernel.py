@@ -10,7 +10,7 @@ import itertools
 import random
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from typing import IO, Any
 
@@ -20,6 +20,9 @@ from storage.objectstore import ObjectStore
 
 EPOCH = datetime(2026, 1, 1, tzinfo=UTC)
 KILLED_AFTER_PAUSE = 0.3  # a process paused inside a PUT is killed as the PUT lands, this often
+FOCUS_SHARE = 0.3  # the seeds whose faults gather on one family of seams (`FaultProfile.focus`)
+FOCUS_FAMILIES = ("store delete", "store put", "store get", "store list", "crash point", "send", "database", "engine",
+                  "sleep")
 _local = threading.local()
 
 
@@ -41,6 +44,12 @@ class FaultProfile:
     send_duplicate: float = 0.0
     send_delay: float = 0.0
     reorder: bool = False
+    # one family of seams where this seed's processes pause or crash far more often (FoundationDB's "buggify"):
+    # a window that needs a pause at one rare step, such as a cleanup's delete, is reached in hundreds of seeds,
+    # not in millions
+    focus: str | None = None
+    focus_pause: float = 0.0
+    focus_crash: float = 0.0
 
     @classmethod
     def draw(cls, rng: random.Random) -> FaultProfile:
@@ -50,6 +59,20 @@ class FaultProfile:
         return cls(crash=maybe(0.06), pause=maybe(0.05), db_error=maybe(0.03), lost_commit_reply=maybe(0.04),
                    store_error=maybe(0.08), ambiguous_put=maybe(0.1), send_drop=maybe(0.15),
                    send_duplicate=maybe(0.2), send_delay=maybe(0.3), reorder=rng.random() < 0.5)
+
+    def focused(self, rng: random.Random) -> FaultProfile:
+        """This profile, its faults gathered on one family of seams in FOCUS_SHARE of the draws."""
+        if rng.random() >= FOCUS_SHARE:
+            return self
+        return replace(self, focus=rng.choice(FOCUS_FAMILIES), focus_pause=rng.uniform(0.1, 0.5),
+                       focus_crash=rng.choice((0.0, rng.uniform(0, 0.2))))
+
+    def pause_at(self, seam: str) -> float:
+        """The chance to pause at this seam (its name, e.g. "store delete")."""
+        return self.focus_pause if self.focus and seam.startswith(self.focus) else self.pause
+
+    def crash_at(self, seam: str) -> float:
+        return max(self.crash, self.focus_crash) if self.focus and seam.startswith(self.focus) else self.crash
 
 
 @dataclass
@@ -295,12 +318,12 @@ class Kernel:
         incarnation = actor.incarnation
         if not incarnation.alive:
             raise SimCrash
-        if self.faults_on and self.rng.random() < self.faults.crash:
+        if self.faults_on and self.rng.random() < self.faults.crash_at(name):
             self.crash(incarnation, f"at {name} ({actor.name})")
             raise SimCrash
         if actor.connections:
             return False
-        paused = self.faults_on and self.rng.random() < self.faults.pause
+        paused = self.faults_on and self.rng.random() < self.faults.pause_at(name)
         if paused:
             pause = self.rng.uniform(1.2, 3.0) * self.lease_s
             incarnation.paused_until = max(incarnation.paused_until, self.now + pause)

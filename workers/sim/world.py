@@ -159,7 +159,8 @@ def _fast_tmp() -> str | None:
 class World:
     def __init__(self, seed: int, workers: int, sessions: sessionmaker[Session]) -> None:
         self.kernel = kernel = Kernel(seed, FaultProfile())
-        kernel.faults = FaultProfile.draw(kernel.rng)
+        # the focus is drawn apart from the seed's other draws, which stay as they were
+        kernel.faults = FaultProfile.draw(kernel.rng).focused(random.Random(f"focus-{seed}"))
         self.sessions, self.workers = sessions, workers
         self.steady = kernel.rng.random() < 0.3
         self.jobs = draw_jobs(kernel, self.steady)
@@ -177,6 +178,9 @@ class World:
         self.task_errors: list[str] = []
         self.message_ids = iter(range(1, 1 << 30))
         self.worker_host = [f"host{i}" for i in range(workers)]
+        if (faults := kernel.faults).focus:
+            kernel.note(f"faults gather at the {faults.focus!r} seams: pause {faults.focus_pause:.2f}, "
+                        f"crash {faults.crash_at(faults.focus):.2f}")
         for host in [*self.worker_host, kernel.front_host]:
             if kernel.rng.random() < 0.3:
                 kernel.skews[host] = kernel.rng.choice((-3600.0, -90.0, 45.0, 3600.0))
@@ -248,11 +252,11 @@ class World:
         self.kernel.commit_seam()
 
     def _crash_point(self, name: str) -> None:
-        kernel, actor = self.kernel, current_actor()
-        if actor is not None and kernel.faults_on and kernel.rng.random() < min(1.0, 4 * kernel.faults.crash):
+        kernel, actor, seam = self.kernel, current_actor(), f"crash point {name}"
+        if actor is not None and kernel.faults_on and kernel.rng.random() < min(1.0, 4 * kernel.faults.crash_at(seam)):
             kernel.crash(actor.incarnation, f"at crash point {name} ({actor.name})")
             raise SimCrash
-        kernel.seam(f"crash point {name}")
+        kernel.seam(seam)
 
     def _sender(self, name: str):
         kernel = self.kernel
