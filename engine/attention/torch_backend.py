@@ -17,6 +17,7 @@ the gathering paths dequantise the rows they gathered (never the whole pool).
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -171,8 +172,16 @@ class TorchAttention(AttentionBackend):
                 self.groups.append(self._prefill_group(run, start, heads))
                 start += sum(run.query_lens)
         self.window_groups: dict[int, list[_Group]] = {}  # sliding-window layers' groups, by window
-        for window in sorted({w for w in self.layer_windows or () if w}):
-            self.window_groups[window] = self._window_groups(batch, heads, window)
+        if self.layer_windows is not None:
+            longest = max(batch.prefill.context_lens if batch.prefill is not None else [0])
+            if batch.num_decodes:
+                lens = batch.decode_context_lens_list
+                longest = max(longest, max(lens) if lens is not None else int(batch.decode_context_lens.max()))
+            for window in sorted({w for w in self.layer_windows if w}):
+                # no context longer than the window: every key is in every query's window, the global layers' groups
+                # (CPU kernel, cascade) attend exactly as the window would
+                self.window_groups[window] = self.groups if longest <= window else self._window_groups(batch, heads,
+                                                                                                       window)
 
     def kernel_plan(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """(slots, block tables, context lengths) when every token of this step goes through the CPU decode kernel
@@ -203,10 +212,19 @@ class TorchAttention(AttentionBackend):
         (key in (query - window, query]); no CPU kernel, no shared prefix read once."""
         device = batch.slot_mapping.device
         groups = []
-        if batch.num_decodes:
+        if batch.num_decodes:  # sorted by context length: those within the window attend to all of it
             num = batch.num_decodes
-            groups.append(self._window_group(0, batch.decode_block_tables[:num], [1] * num,
-                                             batch.decode_context_lens[:num], heads, window))
+            lens = batch.decode_context_lens_list or batch.decode_context_lens.tolist()
+            inside = bisect.bisect_right(lens, window)
+            if inside and self._use_kernel(device):
+                tables = batch.decode_block_tables[:inside, :-(-lens[inside - 1] // self.block_size)]
+                groups.append(_Group(0, inside, inside, 1, 0, None, None, None, None, kernel_tables=tables.to(
+                    torch.int32).contiguous(), kernel_context_lens=batch.decode_context_lens[:inside].to(torch.int32)))
+            elif inside:
+                groups.append(self._decode_group(batch, heads, 0, inside))
+            if inside < num:
+                groups.append(self._window_group(inside, batch.decode_block_tables[inside:num], [1] * (num - inside),
+                                                 batch.decode_context_lens[inside:num], heads, window))
         if batch.prefill is not None:
             group, start = batch.prefill, batch.num_decodes
             for first, end in prefill_runs(group.query_lens, group.context_lens):

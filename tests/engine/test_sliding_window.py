@@ -71,7 +71,7 @@ CASES = {  # decode lengths, prefill query lengths, their context lengths
 
 
 @pytest.mark.parametrize("kernel", [False, True])
-@pytest.mark.parametrize("window", [1, 6, 13])
+@pytest.mark.parametrize("window", [1, 6, 13, 61])  # 61: no context is longer, the global groups serve
 @pytest.mark.parametrize("case", list(CASES))
 def test_a_sliding_window_layer_attends_to_the_last_window_of_keys(case, window, kernel, monkeypatch):
     """Layer 0 global, layer 1 windowed: each equals attention computed key by key; with the CPU kernel available
@@ -83,6 +83,7 @@ def test_a_sliding_window_layer_attends_to_the_last_window_of_keys(case, window,
         random.Random(window), decode_lens, query_lens, context_lens, [None, window])
     attention.begin_step(batch)
     assert list(attention.window_groups) == [window]
+    assert (attention.window_groups[window] is attention.groups) == (max(lens) <= window)
     for layer, layer_window in enumerate([None, window]):
         out = attention.forward(layer, q, new_k, new_v)
         expected = key_by_key(attention, layer, q, tables, queries, lens, layer_window)
