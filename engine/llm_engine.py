@@ -22,6 +22,7 @@ from engine.memory_plan import plan_kv_cache
 from engine.metrics import EngineStats
 from engine.model_loader import resolve_model
 from engine.model_runner import ModelRunner
+from engine.models import is_llama_family
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
 from engine.sampler import Sampler
@@ -51,6 +52,7 @@ class LLMEngine:
         self.config = config
         self.model_dir = resolve_model(config.model)
         hf_config = load_config(self.model_dir)
+        llama_family = is_llama_family(hf_config)  # ValueError now, naming the supported ones, for any other
         self.tokenizer = load_tokenizer(self.model_dir)
         model_len = getattr(hf_config, "max_position_embeddings", None) or 2048
         if config.max_model_len is not None and config.max_model_len > model_len:
@@ -60,6 +62,13 @@ class LLMEngine:
         self.structured = StructuredOutputs(self.tokenizer, hf_config.vocab_size, eos)
         self.sampler = Sampler(config.seed, eos, self.structured, verify_drafts)
         self.ranks, runner_class = None, ModelRunner  # ranks: the other processes of a multi-process engine
+        if not llama_family:
+            unsupported = [name for name, on in (("tensor_parallel_size > 1", config.tensor_parallel_size > 1),
+                                                 ("pipeline_parallel_size > 1", config.pipeline_parallel_size > 1),
+                                                 ("enable_lora", config.enable_lora)) if on]
+            if unsupported:
+                raise ValueError(f"{', '.join(unsupported)}: Llama-family models only; "
+                                 f"{hf_config.model_type} does not support it yet")
         if config.tensor_parallel_size > 1 or config.pipeline_parallel_size > 1:
             from engine.distributed.ranks import start_ranks
 

@@ -52,7 +52,7 @@ def draft_memory(settings: dict[str, Any] | None, shape: ModelShape) -> tuple[in
         return 0, 0
     from engine.hf_files import load_config
     from engine.model_loader import resolve_model
-    from engine.models.llama import LlamaForCausalLM
+    from engine.models import causal_lm_class
 
     config = SpeculativeConfig.from_dict(settings)
     element = shape.dtype.itemsize
@@ -63,7 +63,7 @@ def draft_memory(settings: dict[str, Any] | None, shape: ModelShape) -> tuple[in
         return 0, 0
     hf_config = load_config(resolve_model(config.model))
     with torch.device("meta"):
-        model = LlamaForCausalLM(hf_config, shape.max_model_len)
+        model = causal_lm_class(hf_config)(hf_config, shape.max_model_len)
     weights = sum(p.numel() for p in model.parameters()) * element
     return weights, kv_bytes_per_block(hf_config.num_hidden_layers, hf_config.num_key_value_heads,
                                        shape.block_size, head_dim_of(hf_config), element)

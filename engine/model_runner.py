@@ -83,9 +83,12 @@ class ModelRunner:
             log.info("CUDA graphs reserved %.0f MiB (planned %.0f MiB)", taken / 2**20, plan.graph_pool_bytes / 2**20)
         self.batch_invariant = False
         if config.batch_invariant == "auto":
-            config.batch_invariant = self.device.type == "cpu" and cpu_gemm.invariant_kernels(self.dtype)
+            windows = self.attention.layer_windows is not None  # the invariant attention path has no windows yet
+            config.batch_invariant = not windows and self.device.type == "cpu" and cpu_gemm.invariant_kernels(
+                self.dtype)
             log.info("batch-invariant mode %s (auto: %s)", "on" if config.batch_invariant else "off",
                      "our GEMM kernels for this dtype are invariant as they are" if config.batch_invariant
+                     else "the model has sliding-window layers" if windows
                      else "it would need GEMMs in fixed row tiles here, a cost")
         self.set_batch_invariant(config.batch_invariant)  # after the graphs: they replay only with it off
 
@@ -107,23 +110,26 @@ class ModelRunner:
     def num_blocks(self) -> int:
         return self.kv_plan.num_blocks
 
-    def make_backend(self, k: list[torch.Tensor], v: list[torch.Tensor],
-                     num_heads: int | None = None) -> AttentionBackend:
-        name = self.config.attention_backend
-        if name == "auto":
-            name = "triton" if self.device.type == "cuda" else "torch"
-        if name == "triton":
+    def make_backend(self, k: list[torch.Tensor], v: list[torch.Tensor], num_heads: int | None = None,
+                     windows: list[int | None] | None = None) -> AttentionBackend:
+        """Over the pools k, v: the target's backend, or a draft model's (`num_heads` and `windows` given)."""
+        windows = self.model.layer_windows if num_heads is None else windows
+        if self.backend_name(windows) == "triton":
             from engine.attention.triton_backend import TritonAttention
 
-            return TritonAttention(k, v, num_heads or self.num_heads)
+            return TritonAttention(k, v, num_heads or self.num_heads, windows)
         from engine.attention.torch_backend import TorchAttention
 
-        return TorchAttention(k, v, num_heads or self.num_heads)
+        return TorchAttention(k, v, num_heads or self.num_heads, windows)
+
+    def backend_name(self, windows: list[int | None] | None) -> str:
+        """auto: Triton on CUDA, else torch; torch also for sliding-window layers, which Triton lacks yet."""
+        name, cuda = self.config.attention_backend, self.device.type == "cuda"
+        return ("triton" if cuda and not any(windows or ()) else "torch") if name == "auto" else name
 
     def uses_cuda_graphs(self) -> bool:
-        backend = self.config.attention_backend
         return (self.device.type == "cuda" and not self.config.enforce_eager and self.tp is None
-                and backend in ("auto", "triton"))
+                and self.backend_name(self.model.layer_windows) == "triton")
 
     def prepare(self, items: list[BatchItem]) -> tuple[StepBatch, dict]:
         """The flat batch of `items` (its `sample_indices` still empty) and each sequence's rows in it."""

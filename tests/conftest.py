@@ -1,6 +1,6 @@
 """Shared fixtures: the real bundled model, its tokenizer and its Hugging Face twin. Tests are marked by what
-they use: `real_model` (the bundled SmolLM2-135M) and `service` (PostgreSQL, SeaweedFS, the stack), from their
-fixtures or by hand, and `slow` (Triton's CPU interpreter); `make unit` runs the tests with none of them."""
+they use: `real_model` (the bundled SmolLM2-135M, or Gemma 3 270M) and `service` (PostgreSQL, SeaweedFS, the stack),
+from their fixtures or by hand, and `slow` (Triton's CPU interpreter); `make unit` runs the tests with none of them."""
 
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ os.environ.setdefault("TOKENMILL_CPU_KV_CACHE_SPACE", "1")  # GiB: engines left 
 
 pytest_plugins = ["tests.lanes"]  # the lanes of `make test` and its closing report
 
-REAL_MODEL_FIXTURES = {"model_dir", "llm_engine"}  # tokenizer, hf_model and the engines built on them use these
+REAL_MODEL_FIXTURES = {"model_dir", "llm_engine", "gemma_dir"}  # tokenizer, hf_model and the engines built on them
+# use these (gemma_dir: the bundled Gemma 3, tests/engine/test_gemma3.py)
 SERVICE_FIXTURES = {"pg_databases", "seaweedfs", "stack"}
 SLOW_FILES = {"test_triton_kernels.py", "test_triton_identity.py", "test_gpu_check.py"}  # Triton's interpreter
 

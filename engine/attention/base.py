@@ -65,7 +65,11 @@ class AttentionBackend:
     def set_batch_invariant(self, on: bool) -> None:
         self.batch_invariant = on
 
-    def __init__(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], num_q_heads: int):
+    def __init__(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], num_q_heads: int,
+                 windows: list[int | None] | None = None):
+        """`windows`: each layer's sliding window W (a query at position p attends to keys in (p - W, p]), None
+        where the layer attends to its whole context; None: no layer has one."""
+        self.layer_windows = list(windows) if windows is not None and any(windows) else None
         self.k_caches = k_caches
         self.v_caches = v_caches
         self.num_kv_heads, self.num_blocks, self.block_size, self.head_dim = k_caches[0].shape

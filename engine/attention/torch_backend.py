@@ -17,6 +17,7 @@ the gathering paths dequantise the rows they gathered (never the whole pool).
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -170,6 +171,17 @@ class TorchAttention(AttentionBackend):
                 run = group if len(runs) == 1 else self._prefill_run(group, first, end)
                 self.groups.append(self._prefill_group(run, start, heads))
                 start += sum(run.query_lens)
+        self.window_groups: dict[int, list[_Group]] = {}  # sliding-window layers' groups, by window
+        if self.layer_windows is not None:
+            longest = max(batch.prefill.context_lens if batch.prefill is not None else [0])
+            if batch.num_decodes:
+                lens = batch.decode_context_lens_list
+                longest = max(longest, max(lens) if lens is not None else int(batch.decode_context_lens.max()))
+            for window in sorted({w for w in self.layer_windows if w}):
+                # no context longer than the window: every key is in every query's window, the global layers' groups
+                # (CPU kernel, cascade) attend exactly as the window would
+                self.window_groups[window] = self.groups if longest <= window else self._window_groups(batch, heads,
+                                                                                                       window)
 
     def kernel_plan(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """(slots, block tables, context lengths) when every token of this step goes through the CPU decode kernel
@@ -189,7 +201,72 @@ class TorchAttention(AttentionBackend):
             raise RuntimeError("batch_invariant with the torch backend needs the CPU attention kernel: a CPU pool, a "
                                "C compiler (cc), float32 or bfloat16, and TOKENMILL_CPU_ATTENTION_KERNEL unset; on "
                                "CUDA use attention_backend='triton'")
+        if on and self.layer_windows is not None:
+            raise RuntimeError("batch_invariant does not run models with sliding-window layers (Gemma 3) yet: the CPU "
+                               "attention kernel that makes it invariant attends to whole contexts")
         super().set_batch_invariant(on)
+
+    def _window_groups(self, batch: StepBatch, heads: torch.Tensor, window: int) -> list[_Group]:
+        """The step's tokens as a sliding-window layer attends them: decodes in one group, prefills in runs, each
+        sequence reading only the blocks its queries' windows touch, through the gathering path with a mask
+        (key in (query - window, query]); no CPU kernel, no shared prefix read once."""
+        device = batch.slot_mapping.device
+        groups = []
+        if batch.num_decodes:  # sorted by context length: those within the window attend to all of it
+            num = batch.num_decodes
+            lens = batch.decode_context_lens_list or batch.decode_context_lens.tolist()
+            inside = bisect.bisect_right(lens, window)
+            if inside and self._use_kernel(device):
+                tables = batch.decode_block_tables[:inside, :-(-lens[inside - 1] // self.block_size)]
+                groups.append(_Group(0, inside, inside, 1, 0, None, None, None, None, kernel_tables=tables.to(
+                    torch.int32).contiguous(), kernel_context_lens=batch.decode_context_lens[:inside].to(torch.int32)))
+            elif inside:
+                groups.append(self._decode_group(batch, heads, 0, inside))
+            if inside < num:
+                groups.append(self._window_group(inside, batch.decode_block_tables[inside:num], [1] * (num - inside),
+                                                 batch.decode_context_lens[inside:num], heads, window))
+        if batch.prefill is not None:
+            group, start = batch.prefill, batch.num_decodes
+            for first, end in prefill_runs(group.query_lens, group.context_lens):
+                context_lens = torch.tensor(group.context_lens[first:end], device=device)
+                groups.append(self._window_group(start, group.block_tables[first:end], group.query_lens[first:end],
+                                                 context_lens, heads, window))
+                start += sum(group.query_lens[first:end])
+        return groups
+
+    def _window_group(self, start: int, tables: torch.Tensor, query_lens: list[int], context_lens: torch.Tensor,
+                      heads: torch.Tensor, window: int) -> _Group:
+        """Sequences whose queries are the last `query_lens` of their `context_lens` tokens, attending to keys within
+        `window` of each query: each one's blocks from the first its first query's window touches, as many as the
+        longest query's span needs (past a table's end they repeat its last block, masked)."""
+        device, bs = tables.device, self.block_size
+        num_seqs, max_q = len(query_lens), max(query_lens)
+        span = max_q + window - 1  # keys the queries of one sequence may see, at most
+        num_blocks = min(tables.shape[1], (span - 1) // bs + 2)
+        q_lens = torch.tensor(query_lens, device=device)
+        first_pos = context_lens - q_lens  # each sequence's first query position
+        first_block = (first_pos - window + 1).clamp(min=0) // bs
+        index = first_block[:, None] + torch.arange(num_blocks, device=device)[None, :]
+        window_tables = tables.gather(1, index.clamp(max=tables.shape[1] - 1))
+        key_pos = (index[:, :, None] * bs + torch.arange(bs, device=device)).reshape(num_seqs, 1, -1)  # [S, 1, L]
+        row = torch.arange(max_q, device=device)
+        query_pos = first_pos[:, None] + torch.minimum(row[None, :], q_lens[:, None] - 1)  # padded rows: the last
+        query_pos = query_pos[:, :, None]  # [S, Lq, 1]
+        mask = (key_pos <= query_pos) & (key_pos > query_pos - window)
+        length = num_blocks * bs
+        pad_index = unpad_index = None
+        if max_q > 1:
+            mask = mask[None, :, None].expand(1, num_seqs, self.group, max_q, length).reshape(
+                1, num_seqs, self.group * max_q, length)
+            if min(query_lens) != max_q:
+                valid = row[None, :] < q_lens[:, None]
+                starts = torch.cumsum(q_lens, 0) - q_lens
+                pad_index = torch.where(valid, starts[:, None] + row[None, :], 0).reshape(-1)
+                unpad_index = valid.reshape(-1).nonzero().squeeze(1)
+        else:
+            mask = mask[None]  # [1, S, 1, L]: one query row per sequence, broadcast over its query heads
+        return _Group(start, sum(query_lens), num_seqs, max_q, length, self._rows(window_tables, heads),
+                      additive(mask, self.dtype), pad_index, unpad_index)
 
     def _invariant_group(self, batch: StepBatch) -> _Group:
         """All tokens as decode-kernel queries: each attends its sequence's keys [0, position]."""
@@ -304,7 +381,8 @@ class TorchAttention(AttentionBackend):
             self._store(v_pool, v.view(num_tokens, hkv, d), v_scale)
         k_rows, v_rows = self._pool_rows(layer)
         out = torch.empty_like(q)
-        for grp in self.groups:
+        window = self.layer_windows[layer] if self.layer_windows is not None else None
+        for grp in self.window_groups[window] if window else self.groups:
             q_grp = q[grp.start:grp.start + grp.num_tokens]
             if grp.kernel_tables is not None:
                 out[grp.start:grp.start + grp.num_tokens] = self._kernel_decode(q_grp, grp, layer)

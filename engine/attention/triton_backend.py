@@ -23,8 +23,12 @@ except ImportError as error:  # triton missing or broken
 class TritonAttention(AttentionBackend):
     name = "triton"
 
-    def __init__(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], num_q_heads: int):
-        super().__init__(k_caches, v_caches, num_q_heads)
+    def __init__(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], num_q_heads: int,
+                 windows: list[int | None] | None = None):
+        super().__init__(k_caches, v_caches, num_q_heads, windows)
+        if self.layer_windows is not None:
+            raise ValueError("the Triton backend has no sliding-window attention yet: use attention_backend='torch' "
+                             "for a model with sliding-window layers (Gemma 3)")
         if k_caches[0].device.type == "cpu" and not kernels.INTERPRETED:
             raise RuntimeError("the Triton backend runs on CPU tensors only in Triton's interpreter: set "
                                "TRITON_INTERPRET=1 before starting (slow; for tests), or use attention_backend='torch'")

@@ -166,6 +166,14 @@ class LlamaForCausalLM(nn.Module):
     def lm_head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
+    layer_windows = None  # every layer attends to its whole context (Gemma 3 has sliding-window layers)
+
+    def fill_rope_tables(self, hf_config, max_positions: int) -> None:
+        """The RoPE tables of positions [0, max_positions), on the model's device (after loading its weights)."""
+        cos, sin = rope_tables(hf_config, max_positions)
+        device = self.norm.weight.device
+        self.rope_cos, self.rope_sin = cos.to(device), sin.to(device)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: Attention,
                 num_layers: int | None = None, hidden: torch.Tensor | None = None) -> torch.Tensor:
         """Hidden states after the final norm, [num_tokens, hidden]; `num_layers` runs only the first

@@ -31,7 +31,7 @@ class DraftSetup(NamedTuple):
     model: LlamaForCausalLM  # the target model (a self-draft runs its first layers)
     shape: ModelShape  # block size, max_model_len, dtype and device
     plan: KVPlan  # num_blocks, and draft_bytes_per_block: the plan's room per block for the draft's KV pool
-    make_attention: Callable[..., AttentionBackend]  # (k caches, v caches, num_heads) -> a backend
+    make_attention: Callable[..., AttentionBackend]  # (k caches, v caches, num_heads, windows) -> a backend
     to_tensor: Callable[[list], torch.Tensor]
     sampler: Sampler  # its `probabilities`, and each sequence's stream (`generator_of`)
 
@@ -57,7 +57,8 @@ class DraftProposer:
         num_blocks = setup.plan.num_blocks
         k, v = allocate_kv_pool(self.num_layers, hf_config.num_key_value_heads, num_blocks, shape.block_size,
                                 head_dim_of(hf_config), shape.dtype, shape.device)
-        self.attention = setup.make_attention(k, v, hf_config.num_attention_heads)
+        windows = (self.model.layer_windows or [None] * self.num_layers)[:self.num_layers]
+        self.attention = setup.make_attention(k, v, hf_config.num_attention_heads, windows)
         self.zeroing = PoolZeroing(k + v)
         pool_bytes = sum(t.nbytes for t in k + v)
         if pool_bytes > num_blocks * setup.plan.draft_bytes_per_block:

@@ -70,8 +70,9 @@ class HFVerdict:
     NEAR_TIE of it. By induction that is `generate`'s greedy output, without its token-by-token loop; a shorter
     output must end at an EOS token."""
 
-    def __init__(self, hf_model, max_tokens: int) -> None:
-        self.hf_model, self.max_tokens = hf_model, max_tokens
+    def __init__(self, hf_model, max_tokens: int, recorded_in: str = "greedy_verdicts") -> None:
+        """`recorded_in`: the file of tests/engine/references/ that keeps the verdicts (one per model)."""
+        self.hf_model, self.max_tokens, self.recorded_in = hf_model, max_tokens, recorded_in
         eos = hf_model.generation_config.eos_token_id
         self.eos = set(eos if isinstance(eos, list) else [eos])
         self.verdicts: dict[tuple[tuple[int, ...], tuple[int, ...]], str | bool | None] = {}
@@ -98,7 +99,7 @@ class HFVerdict:
         model = getattr(self.hf_model, "fingerprint", None)  # a model of tests/engine/references.py: recorded
         if model is None:
             return teacher_forced_verdict(self.hf_model, prompt, output)
-        return recording("greedy_verdicts").get({"model": model, "prompt": prompt, "output": output},
+        return recording(self.recorded_in).get({"model": model, "prompt": prompt, "output": output},
                                                 lambda: teacher_forced_verdict(self.hf_model, prompt, output))
 
 

@@ -81,7 +81,7 @@ def fp8_pools(hkv: int, blocks: int, bs: int, d: int, generator: torch.Generator
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("head_dim", [64, 16, 24])  # the vector kernel's widths and the scalar kernel
+@pytest.mark.parametrize("head_dim", [64, 16, 256, 24])  # vector widths (256: Gemma 3), the scalar kernel
 def test_the_c_decode_kernel_reads_fp8_blocks_as_the_float32_reference(dtype, head_dim):
     hkv, group, bs, blocks, seqs = 3, 3, 16, 64, 12
     generator = torch.Generator().manual_seed(head_dim)

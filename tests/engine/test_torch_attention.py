@@ -58,7 +58,7 @@ def test_grouped_decode_attention_equals_one_group(monkeypatch):
     torch.testing.assert_close(grouped, attention.forward(0, q, new_k, new_v), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("head_dim", [16, 64, 24])  # a whole vector, the model's, and the scalar kernel's
+@pytest.mark.parametrize("head_dim", [16, 64, 256, 24])  # a whole vector, SmolLM2's, Gemma 3's, the scalar kernel
 @pytest.mark.parametrize("seqs", [40, 3])  # tasks of all a sequence's KV heads, and of one head each
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shared", [0, 5])

