@@ -22,7 +22,7 @@ from engine.memory_plan import plan_kv_cache
 from engine.metrics import EngineStats
 from engine.model_loader import resolve_model
 from engine.model_runner import ModelRunner
-from engine.models import is_llama_family
+from engine.models import check_supported
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
 from engine.sampler import Sampler
@@ -52,7 +52,7 @@ class LLMEngine:
         self.config = config
         self.model_dir = resolve_model(config.model)
         hf_config = load_config(self.model_dir)
-        llama_family = is_llama_family(hf_config)  # ValueError now, naming the supported ones, for any other
+        check_supported(hf_config, config)  # ValueError now, naming what is supported, before anything loads
         self.tokenizer = load_tokenizer(self.model_dir)
         model_len = getattr(hf_config, "max_position_embeddings", None) or 2048
         if config.max_model_len is not None and config.max_model_len > model_len:
@@ -62,13 +62,6 @@ class LLMEngine:
         self.structured = StructuredOutputs(self.tokenizer, hf_config.vocab_size, eos)
         self.sampler = Sampler(config.seed, eos, self.structured, verify_drafts)
         self.ranks, runner_class = None, ModelRunner  # ranks: the other processes of a multi-process engine
-        if not llama_family:
-            unsupported = [name for name, on in (("tensor_parallel_size > 1", config.tensor_parallel_size > 1),
-                                                 ("pipeline_parallel_size > 1", config.pipeline_parallel_size > 1),
-                                                 ("enable_lora", config.enable_lora)) if on]
-            if unsupported:
-                raise ValueError(f"{', '.join(unsupported)}: Llama-family models only; "
-                                 f"{hf_config.model_type} does not support it yet")
         if config.tensor_parallel_size > 1 or config.pipeline_parallel_size > 1:
             from engine.distributed.ranks import start_ranks
 
@@ -96,10 +89,9 @@ class LLMEngine:
         self.output = OutputProcessor(self.tokenizer, self.sampler, self.stats)
         self.step_observers: list[Callable[[list[RequestOutput]], None]] = []
         self.beams = BeamCoordinator(eos, self._seq_ids.__next__, self.scheduler, self.output, self.tokenizer)
-        draft_setup = DraftSetup(runner.model, runner.shape, runner.kv_plan, runner.make_backend, runner.tensor,
-                                 self.sampler)
-        self.spec_decoders = SpecDecoderCache(config.speculative_config, draft_setup, self.ranks is not None,
-                                              self.stats)
+        self.spec_decoders = SpecDecoderCache(config.speculative_config, DraftSetup(
+            runner.model, runner.shape, runner.kv_plan, runner.make_backend, runner.tensor, self.sampler),
+            self.ranks is not None, self.stats)
         # the features in the step (engine/step_hooks.py), called in this order at each hook point
         self.hooks: list[StepHook] = [h for h in (self.kv_connector, self.spec_decoders, self.beams) if h is not None]
         self._request_ids = itertools.count()
@@ -162,9 +154,7 @@ class LLMEngine:
         """The LoRA adapter read into host memory (kept in the engine's adapter cache), for `add_request` to take as
         it is: any thread may load it, so that the thread stepping the engine reads no adapter from disk.
         ValueError when the engine cannot serve it, saying why."""
-        adapter = adapter_for(self.runner.lora, lora_request)
-        assert adapter is not None
-        return adapter
+        return adapter_for(self.runner.lora, lora_request)  # given a request, never None
 
     def add_request(self, request_id: str | None, prompt: Prompt,
                     params: SamplingParams | BeamSearchParams | None = None, priority: int = 0,

@@ -46,3 +46,16 @@ def causal_lm_class(hf_config: Any) -> type:
 
 def is_llama_family(hf_config: Any) -> bool:
     return model_type_of(hf_config) in LLAMA_FAMILY
+
+
+def check_supported(hf_config: Any, config: Any) -> None:
+    """ValueError, before anything loads, for an architecture the engine does not run or a feature of the
+    `EngineConfig` that only the Llama family has (tensor and pipeline parallelism, LoRA)."""
+    if is_llama_family(hf_config):
+        return
+    unsupported = [name for name, on in (("tensor_parallel_size > 1", config.tensor_parallel_size > 1),
+                                         ("pipeline_parallel_size > 1", config.pipeline_parallel_size > 1),
+                                         ("enable_lora", config.enable_lora)) if on]
+    if unsupported:
+        raise ValueError(f"{', '.join(unsupported)}: Llama-family models only; {hf_config.model_type} does not "
+                         f"support it yet")
