@@ -23,24 +23,28 @@ from workers.leases import HeldHere
 from workers.shards import is_embedding_engine
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
     from prometheus_client import CollectorRegistry
 
     from engine import LLMEngine
+    from engine.settings import EngineSettings
 
 log = logging.getLogger("tokenmill.worker")
 
-EngineFactory = Callable[[dict[str, Any]], "LLMEngine"]  # engine settings -> engine
+EngineFactory = Callable[["EngineSettings"], "LLMEngine"]  # engine settings -> engine
 
 
-def load_engine(settings: dict[str, Any], registry: CollectorRegistry | None = None, model_name: str | None = None,
-                factory: EngineFactory | None = None) -> LLMEngine:
+def load_engine(settings: EngineSettings | Mapping[str, Any], registry: CollectorRegistry | None = None,
+                model_name: str | None = None, factory: EngineFactory | None = None) -> LLMEngine:
     """The engine for `settings`: `factory`'s, by default the real one (an embedding model's `EmbeddingEngine`,
     else an `LLMEngine`). With a `registry`, its steps are observed into it, labelled `model_name` (default: the
     engine's model); an embedding engine has no engine metrics, and an engine already observed is left as is. A KV
     connector's kv_secret is the deployment's, $TOKENMILL_KV_SECRET (workers.kv_sharing.with_kv_secret)."""
+    from engine.settings import EngineSettings  # here: the in-process path imports this module without the engine
     from workers.kv_sharing import with_kv_secret
 
-    settings = with_kv_secret(settings)
+    settings = with_kv_secret(dict(EngineSettings.of(settings)))
     if factory is None:
         from engine import EngineConfig
         from engine.embedding_engine import create_engine
@@ -66,22 +70,18 @@ class WorkerEngine:
     """The engine a worker process loads once: its model, its settings, and the function that builds it."""
 
     model: str
-    settings: dict[str, Any]
+    settings: EngineSettings
     factory: str  # "module:function", called with the settings; returns an LLMEngine
     lora_modules: dict[str, str] = field(default_factory=dict)  # its own LoRA adapters: name -> directory or URI
     kv_role: str | None = None  # producer (prefills a model's prefill queue) or consumer (`workers.disagg`)
 
     @classmethod
     def from_env(cls) -> WorkerEngine:
-        from engine.config import DEFAULT_MODEL
+        from engine.settings import EngineSettings
         from ingest.config import env_setting  # here: the in-process path imports this module without the engine
 
-        raw = env_setting("WORKER_ENGINE", "{}")
-        try:
-            settings = json.loads(raw)
-        except json.JSONDecodeError as error:
-            raise ValueError(f"TOKENMILL_WORKER_ENGINE must be a JSON object of engine settings: {error}") from None
-        model = env_setting("WORKER_MODEL", settings.get("model", DEFAULT_MODEL))
+        settings = EngineSettings.from_json(env_setting("WORKER_ENGINE", "{}"), "TOKENMILL_WORKER_ENGINE")
+        model = env_setting("WORKER_MODEL", settings.model)
         factory = env_setting("ENGINE_FACTORY", "workers.worker_engine:load_engine")
         try:
             lora_modules = json.loads(env_setting("WORKER_LORA_MODULES", "{}"))
@@ -91,7 +91,7 @@ class WorkerEngine:
         kv_role = env_setting("WORKER_KV_ROLE")
         if kv_role not in (None, "producer", "consumer"):
             raise ValueError(f"TOKENMILL_WORKER_KV_ROLE must be producer or consumer, got {kv_role!r}")
-        return cls(model, {**settings, "model": model}, factory, lora_modules, kv_role)
+        return cls(model, settings.replace(model=model), factory, lora_modules, kv_role)
 
 
 class WorkerProcess:

@@ -12,7 +12,7 @@ from tokenmill.options import (
     DATABASE_HELP,
     add_engine_options,
     add_served_model_name_option,
-    engine_kwargs,
+    engine_settings,
     stack_dir_option,
     use_stack,
 )
@@ -227,7 +227,7 @@ def serve(args: argparse.Namespace) -> int:
     else:
         from workers.inprocess import LocalExecutor
 
-        local = LocalExecutor(sessions, engine_kwargs(args))
+        local = LocalExecutor(sessions, engine_settings(args))
         local.resume(JobSource.API.value)
         dispatch = local.dispatch
     service = api_service(sessions, args.bucket, dispatch, executor, args.model, args.served_model_name,

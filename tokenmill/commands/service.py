@@ -19,7 +19,7 @@ from tokenmill.options import (
     add_sampling_options,
     add_task_options,
     default_state_dir,
-    engine_kwargs,
+    engine_settings,
     lora_modules,
     sample_input,
     sampling_kwargs,
@@ -211,16 +211,14 @@ def _register_worker(commands: argparse._SubParsersAction) -> None:
                              "TOKENMILL_KV_DISAGGREGATION names their model (docs/kv-connector.md) (default: "
                              "neither, a plain worker)")
     _shards_in_flight_options(parser)
-    add_engine_options(parser, lora="single-rank")
+    add_engine_options(parser, lora="single-rank",  # a worker's shards of several jobs: by their job's priority
+                       defaults={"scheduling_policy": "priority"})
     add_kv_sharing_options(parser)
     add_lora_modules_option(parser, "LoRA adapters this worker serves to every job of its model, beside the "
                                     "adapters a job brings (whose name wins): NAME=DIR_OR_URI, a PEFT directory "
                                     "or an s3:// prefix, fetched once into $TOKENMILL_DATA/lora-cache; several, or "
                                     "the option repeated (vLLM's syntax). Give every worker of a model the same: "
                                     "jobs go to a model's queue, whatever adapters their rows name (docs/lora.md)")
-    for action in parser._actions:  # a worker's shards of several jobs are admitted by their job's priority
-        if action.dest == "scheduling_policy":
-            action.default, action.help = "priority", action.help.replace("(default: fcfs)", "(default: priority)")
     stack_dir_option(parser)
     parser.set_defaults(handler=_friendly(worker))
 
@@ -418,16 +416,15 @@ def worker(args: argparse.Namespace) -> int:
     import socket
 
     from workers.disagg import role_engine_settings
-    from workers.kv_sharing import without_kv_secret
 
     role = os.environ.get(WORKER_ROLE_ENV)
-    engine, adapters = engine_kwargs(args), worker_lora_modules(args)  # bad settings stop it before any node starts
+    engine, adapters = engine_settings(args), worker_lora_modules(args)  # bad settings stop it before any node starts
     engine = role_engine_settings(engine, args.kv_role, _service_config())
     if not role:
         nodes = worker_nodes(args, _service_config())
         return _supervise({role: [sys.executable, "-m", "tokenmill", *args.argv] for role in nodes})
     os.environ["TOKENMILL_WORKER_MODEL"] = args.model
-    os.environ["TOKENMILL_WORKER_ENGINE"] = json.dumps(without_kv_secret(engine))  # load_engine adds it back
+    os.environ["TOKENMILL_WORKER_ENGINE"] = engine.dumps()  # no KV secret: load_engine adds the deployment's
     os.environ["TOKENMILL_WORKER_LORA_MODULES"] = json.dumps(adapters)
     if args.kv_role:
         os.environ["TOKENMILL_WORKER_KV_ROLE"] = args.kv_role
