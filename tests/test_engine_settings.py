@@ -4,6 +4,8 @@ settings and back, a bad value failing with the setting's name."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from engine.settings import ENGINE_SETTINGS, EngineSettings
@@ -74,3 +76,24 @@ def test_the_kv_secret_is_added_for_an_engine_and_never_stored(monkeypatch: pyte
     given = transfer.replace('"redis://h"', '"redis://h", "kv_secret": "t"')
     with pytest.raises(ValueError, match="give the KV secret in TOKENMILL_KV_SECRET"):
         engine_settings(build_parser().parse_args(["run", "in.jsonl", "--kv-transfer-config", given]))
+
+
+def test_tokenmill_worker_hands_its_celery_app_the_typed_engine_and_factory(monkeypatch: pytest.MonkeyPatch) -> None:
+    from workers import celery_app
+
+    for name in ("TOKENMILL_WORKER_ENGINE", "TOKENMILL_WORKER_MODEL", "TOKENMILL_ENGINE_FACTORY"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("TOKENMILL_WORKER_CHILD", "engine")
+    monkeypatch.setattr(celery_app.app, "worker_main", lambda argv: None)
+    monkeypatch.setattr(celery_app.app, "tokenmill", None, raising=False)
+    args = build_parser().parse_args(["worker", "--max-num-seqs", "8", "--no-enable-lora", "--engine-factory",
+                                      "tests.service.faulty_engine:load"])
+    args.argv = []
+    assert args.handler(args) == 0
+    process = celery_app.worker_process()
+    from tests.service.faulty_engine import load
+
+    assert process.factory is load and process.spec.settings["max_num_seqs"] == 8
+    assert isinstance(process.spec.settings, EngineSettings) and "TOKENMILL_WORKER_ENGINE" not in os.environ
+    with pytest.raises(ValueError, match="engine factory 'no.such:thing'"):
+        args.handler(build_parser().parse_args(["worker", "--engine-factory", "no.such:thing"]))

@@ -222,7 +222,7 @@ def serve(args: argparse.Namespace) -> int:
         from workers import events
         from workers.tasks import dispatch_job
 
-        events.install(ServiceConfig.from_env())
+        events.install(ServiceConfig.from_env(), sessions)  # the API's own changes (a cancel) publish too
         dispatch = dispatch_job
     else:
         from workers.inprocess import LocalExecutor

@@ -463,8 +463,9 @@ def cancel(args: argparse.Namespace) -> int:
     from workers.inprocess import cancel_job
 
     url = _url(args)  # a running stack's settings first, so its events are published
-    events.install(ServiceConfig.from_env())  # a no-op outside the service
-    job = cancel_job(_sessions(url), args.job)
+    sessions = _sessions(url)
+    events.install(ServiceConfig.from_env(), sessions)  # a no-op outside the service
+    job = cancel_job(sessions, args.job)
     note = "; the running process stops at its next step" if job.status == "cancelling" else ""
     print(f"job {job.id} {job.status}{note} (database: {db.describe(url)})")
     return 0
