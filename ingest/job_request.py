@@ -37,7 +37,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator, model_validator
 
-from engine.config import DEFAULT_MODEL, EngineConfig
+from engine.config import DEFAULT_MODEL
+from engine.settings import EngineSettings
 from engine.spec_decode.config import SpeculativeConfig
 from ingest.row_checks import MODEL_NAME, model_name_problem
 from ingest.sampling import sampling_params
@@ -139,10 +140,7 @@ class JobRequest(BaseModel):
     @field_validator("engine")
     @classmethod
     def _engine(cls, value: dict[str, Any]) -> dict[str, Any]:
-        try:
-            EngineConfig.from_kwargs(**value)
-        except TypeError as error:  # an unknown setting name
-            raise ValueError(str(error)) from None
+        EngineSettings.from_json(value).config()  # ValueError naming the setting: unknown, of a wrong type, or bad
         return value
 
     @field_validator("speculative_config")

@@ -10,25 +10,18 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from engine.config import (
-    BACKENDS,
-    DEFAULT_MODEL,
-    DTYPES,
-    FLOAT32_MATMUL_PRECISIONS,
-    KV_CACHE_DTYPES,
-    PREEMPTION_MODES,
-    SCHEDULING_POLICIES,
-)
+from engine.settings import ENGINE_SETTINGS, CommandLineEngine, EngineSettings
 from workers.kv_sharing import DEFAULT_TTL_S as KV_SHARING_TTL_S
 
-INVARIANT_CHOICES = {"auto": "auto", "on": True, "off": False}
 DATABASE_HELP = ("SQLAlchemy database URL, e.g. postgresql+psycopg://user@host/db (default: $TOKENMILL_DATABASE_URL, "
                  "else SQLite at $TOKENMILL_DATA/tokenmill.db, $TOKENMILL_DATA defaulting to ~/.local/share/tokenmill)")
 
 
-def add_engine_options(parser: argparse.ArgumentParser, lora: str | None = None) -> None:
-    """The engine's settings; `lora` adds the LoRA knobs, with --enable-lora's default: "adapters" (on when
-    --lora-modules names some: `run`), "single-rank" (on unless -tp or -pp > 1: `worker`)."""
+def add_engine_options(parser: argparse.ArgumentParser, lora: str | None = None,
+                       defaults: dict[str, Any] | None = None) -> None:
+    """The engine's settings, one flag per knob of `engine.settings.ENGINE_SETTINGS`; `lora` adds the LoRA knobs,
+    with --enable-lora's default: "adapters" (on when --lora-modules names some: `run`), "single-rank" (on unless
+    -tp or -pp > 1: `worker`). `defaults`: this command's own defaults, by dest (its help says so)."""
     group = parser.add_argument_group(
         "engine", "On CPUs, C kernels (built once into ~/.cache/tokenmill/kernels) run decode attention and the "
                   "layers' norms, RoPE and SiLU, and the GEMMs (bfloat16 on CPUs with AMX or avx512_bf16, "
@@ -37,142 +30,35 @@ def add_engine_options(parser: argparse.ArgumentParser, lora: str | None = None)
                   "TOKENMILL_CPU_DECODE_LAYERS=0 to the Python loop over the layers, "
                   "TOKENMILL_BF16_GEMM=amx|avx512|onednn and TOKENMILL_FLOAT32_GEMM=mkl|onednn|avx512 force a "
                   "dtype's GEMM kernel.")
-    group.add_argument("--model", default=DEFAULT_MODEL,
-                       help=f"bundled model name or a local Hugging Face directory (default: {DEFAULT_MODEL})")
-    group.add_argument("--dtype", choices=DTYPES, default="auto",
-                       help="weights and KV dtype (auto: bfloat16 on CUDA and on CPUs with native bf16, "
-                            "avx512_bf16 or AMX; float32 elsewhere)")
-    group.add_argument("--float32-matmul-precision", choices=FLOAT32_MATMUL_PRECISIONS, default="highest",
-                       help="float32 embedding models on CPUs with AMX: high runs each GEMM as three bfloat16 "
-                            "products on the AMX tiles (each float32 split into two bfloat16s: about 16 bits kept, "
-                            "PyTorch's 'high'): all-MiniLM ran 1.3-1.5x as fast on a 2-core Xeon; highest: float32 "
-                            "arithmetic (default: highest)")
-    group.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
-    group.add_argument("--max-model-len", type=int, help="context length limit (default: the model's)")
-    group.add_argument("--max-num-seqs", type=int, default=256, help="sequences running at once (default: 256)")
-    group.add_argument("--max-num-batched-tokens", type=int, default=2048,
-                       help="token budget of one step; prompts longer than it are prefilled in chunks (default: 2048)")
-    group.add_argument("--num-kv-blocks", type=int, help="KV pool size in blocks (default: from the memory budget)")
-    group.add_argument("--kv-cache-memory", type=float, metavar="GIB",
-                       help="KV pool size in GiB (default: up to 4 GiB on CPU, 90%% of free memory on CUDA)")
-    group.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
-                       help="KV blocks in the model's dtype (auto), or fp8 (= fp8_e4m3): one byte per element with a "
-                            "scale per layer and KV head, calibrated at start-up, so about twice the blocks of "
-                            "bfloat16 in the same memory (docs/kv-cache-fp8.md) (default: auto)")
-    group.add_argument("--kv-cache-scales", metavar="JSON",
-                       help="FP8 KV cache: the scales from this JSON file ({\"k\": [[per head] per layer], "
-                            "\"v\": ...}) instead of calibrating (default: calibrate)")
-    group.add_argument("--kv-transfer-config", type=json_object, metavar="JSON",
-                       help="share KV blocks with other engines, as vLLM's: e.g. '{\"kv_connector\": "
-                            "\"SharedStorageConnector\", \"kv_role\": \"kv_both\", \"kv_connector_extra_config\": "
-                            "{\"shared_storage_path\": \"/mnt/kv\"}}' or RedisConnector with \"redis_url\" "
-                            "(docs/kv-connector.md) (default: off)")
-    group.add_argument("--no-prefix-caching", action="store_true", help="turn automatic prefix caching off")
-    group.add_argument("--admission-lookahead", type=int, default=32, metavar="N",
-                       help="waiting requests searched for the longest cached prefix when admitting (1: strict "
-                            "first come, first served; default: 32)")
-    group.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default="fcfs",
-                       help="admission order: fcfs, or priority (a request's lower priority value first, then "
-                            "arrival; preemption takes the highest value, latest arrival) (default: fcfs)")
-    group.add_argument("--long-prefill-token-threshold", type=int, default=0, metavar="TOKENS",
-                       help="cap on one prompt's prefill chunk per step, so long prompts share steps with other "
-                            "prefills and decodes (default: 0, off, as vLLM with one partial prefill)")
-    group.add_argument("--preemption-mode", choices=PREEMPTION_MODES,
-                       help="when KV blocks run out, a preempted request's KV is dropped and recomputed later "
-                            "(recompute) or copied to host memory and back (swap, while --swap-space has room) "
-                            "(default: swap requests with at least 256 computed tokens, recompute shorter ones; "
-                            "docs/swap.md)")
-    group.add_argument("--swap-space", type=float, metavar="GIB",
-                       help="host memory for swapped-out KV blocks, taken as used (default: 4)")
-    group.add_argument("--attention-backend", choices=BACKENDS, default="auto",
-                       help="paged attention implementation (auto: triton on CUDA, torch on CPU)")
-    group.add_argument("--threads", type=int, help="CPU threads for torch, per rank (default: torch's choice; with "
-                                                   "tensor parallelism on CPU, the cores shared out over the ranks)")
-    group.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
-                       help="shard the model over N processes (GPUs on CUDA; on CPU this costs time, it does not "
-                            "save any) (default: 1)")
-    group.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, metavar="N",
-                       help="split the model's layers into N stages, one process (GPU on CUDA) each, or -tp of "
-                            "them, a step's sequences in micro-batches that overlap (docs/pipeline-parallel.md) "
-                            "(default: 1)")
-    group.add_argument("--batch-invariant", choices=INVARIANT_CHOICES, nargs="?", const="on", default="auto",
-                       help="a request's output bit-identical however it is batched or sharded (GEMMs that sum in "
-                            "one order at any batch size, one attention path). auto (the default): on where our own "
-                            "GEMM kernels run the model's dtype (bfloat16 on AMX or avx512_bf16 CPUs, float32 on "
-                            "AVX-512), where it costs about nothing; elsewhere off, as the mode's row tiles cost "
-                            "up to half the throughput there (see the README). A bare --batch-invariant means on")
-    group.add_argument("--speculative-method", choices=("ngram", "draft", "self", "medusa"),
-                       help="speculative decoding proposer: ngram (prompt lookup), draft (--draft-model), self "
-                            "(the model's own first layers) or medusa (trained heads: --draft-model DIR, from "
-                            "`tokenmill spec train-head`); adaptive, so large batches are not slowed (default: off)")
-    group.add_argument("--num-speculative-tokens", type=int, default=5, help="draft tokens per step (default: 5)")
-    group.add_argument("--draft-model", help="draft model name or directory for --speculative-method draft (a head "
-                                             "directory for medusa)")
-    if lora is not None:
-        _add_lora_knobs(group, lora)
+    for knob in ENGINE_SETTINGS:
+        if knob.lora and lora is None:
+            continue
+        kwargs = knob.argparse_kwargs(lora)
+        if defaults and knob.dest in defaults:
+            kwargs["default"] = defaults[knob.dest]
+        group.add_argument(*knob.flags, **kwargs)
+    group.set_defaults(lora_default=lora)
 
 
-LORA_DEFAULT_HELP = {"adapters": "on when --lora-modules names adapters", "single-rank": "on unless -tp or -pp > 1, so "
-                     "a job may bring adapters of its own"}
-MAX_LORAS_DEFAULT = 4  # device slots without --lora-modules
-MAX_LORAS_CAP = 8  # slots sized from the --lora-modules count go no higher
+def engine_settings(args: argparse.Namespace) -> EngineSettings:
+    """The engine settings the command's flags give, typed (no KV secret: `load_engine` adds the deployment's where
+    an engine is made). ValueError for flags that contradict each other."""
+    command = CommandLineEngine(getattr(args, "lora_default", None), len(lora_modules(args)))
+    settings = EngineSettings.from_command_line(vars(args), command)
+    if getattr(args, "kv_sharing", None) is not None:  # `worker` only: add_kv_sharing_options
+        settings = settings.replace(**kv_sharing_kwargs(args))
+    if settings.get("kv_transfer_config"):
+        from workers.kv_sharing import deployment_kv_secret
 
-
-def _add_lora_knobs(group: argparse._ArgumentGroup, default: str) -> None:
-    group.add_argument("--enable-lora", action=argparse.BooleanOptionalAction, default=None,
-                       help=f"serve LoRA adapters (docs/lora.md) (default: {LORA_DEFAULT_HELP[default]})")
-    group.add_argument("--max-loras", type=int, metavar="N",
-                       help=f"adapters one engine step runs at once, each in a device slot (default: the number of "
-                            f"--lora-modules, at most {MAX_LORAS_CAP}; {MAX_LORAS_DEFAULT} without)")
-    group.add_argument("--max-lora-rank", type=int, default=16, metavar="R",
-                       help="largest adapter rank served; an adapter of a higher rank fails its rows (default: 16)")
-    group.add_argument("--max-cpu-loras", type=int, metavar="N",
-                       help="adapters kept loaded in host memory, least recently used dropped (default: the larger "
-                            "of --max-loras and the number of --lora-modules)")
-    group.set_defaults(lora_default=default)
+        deployment_kv_secret()  # checked now, before any job or node is made (ValueError when unset or short)
+    return settings
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    kwargs: dict[str, Any] = dict(
-        model=args.model, dtype=args.dtype, block_size=args.block_size, max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=not args.no_prefix_caching,
-        admission_lookahead=args.admission_lookahead, scheduling_policy=args.scheduling_policy,
-        long_prefill_token_threshold=args.long_prefill_token_threshold,
-        attention_backend=args.attention_backend, num_threads=args.threads,
-        batch_invariant=INVARIANT_CHOICES[args.batch_invariant],
-        tensor_parallel_size=args.tensor_parallel_size, float32_matmul_precision=args.float32_matmul_precision,
-    )
-    if args.kv_cache_memory is not None:
-        kwargs["kv_cache_memory"] = int(args.kv_cache_memory * 2**30)
-    if args.preemption_mode is not None:  # only when set: an engine's settings as without the options
-        kwargs["preemption_mode"] = args.preemption_mode
-    if args.swap_space is not None:
-        kwargs["swap_space"] = args.swap_space
-    if args.kv_cache_dtype != "auto":  # only when set: an engine's settings as without the option
-        kwargs["kv_cache_dtype"] = args.kv_cache_dtype
-    if args.kv_cache_scales:
-        kwargs["kv_cache_scales"] = args.kv_cache_scales
-    if args.pipeline_parallel_size != 1:  # only when set: an engine's settings as without the option
-        kwargs["pipeline_parallel_size"] = args.pipeline_parallel_size
-    if args.kv_transfer_config:
-        if "kv_secret" in (args.kv_transfer_config.get("kv_connector_extra_config") or {}):
-            raise ValueError("give the KV secret in TOKENMILL_KV_SECRET, not in --kv-transfer-config: a command "
-                             "line is visible to every user of the host, and a job's settings are stored")
-        kwargs["kv_transfer_config"] = args.kv_transfer_config
-    if getattr(args, "kv_sharing", None) is not None:  # `worker` only: add_kv_sharing_options
-        kwargs.update(kv_sharing_kwargs(args))
-    if kwargs.get("kv_transfer_config"):
-        from workers.kv_sharing import with_kv_secret
+    """The flags' engine settings as keywords for an engine made here (`LLM(**...)`), the KV secret added."""
+    from workers.kv_sharing import with_kv_secret
 
-        kwargs = with_kv_secret(kwargs)  # strip it (without_kv_secret) from settings that are stored or sent
-    kwargs.update(lora_engine_kwargs(args))
-    if args.speculative_method:
-        kwargs["speculative_config"] = {"method": args.speculative_method,
-                                        "num_speculative_tokens": args.num_speculative_tokens}
-        if args.draft_model:
-            kwargs["speculative_config"]["model"] = args.draft_model
-    return kwargs
+    return with_kv_secret(dict(engine_settings(args)))
 
 
 def add_kv_sharing_options(parser: argparse.ArgumentParser) -> None:
@@ -214,35 +100,6 @@ def kv_sharing_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                          "(kv_both), a disaggregated one only one of them; give one")
     return {"kv_transfer_config": service_kv_sharing_config(ServiceConfig.from_env(), args.kv_sharing_url,
                                                             args.kv_sharing_ttl)}
-
-
-def json_object(text: str) -> dict[str, Any]:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as problem:
-        raise argparse.ArgumentTypeError(f"not JSON: {problem}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError("expected a JSON object")
-    return value
-
-
-def lora_engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """The engine's LoRA settings: none when LoRA is off (an engine, and a job's settings, as without it)."""
-    if getattr(args, "lora_default", None) is None:
-        return {}
-    count = len(lora_modules(args))
-    enabled = args.enable_lora
-    if enabled is None:
-        enabled = bool(count) if args.lora_default == "adapters" else (
-            args.tensor_parallel_size == 1 and getattr(args, "pipeline_parallel_size", 1) == 1)
-    if not enabled:
-        if count:
-            raise ValueError("--lora-modules needs LoRA: drop --no-enable-lora")
-        return {}
-    max_loras = args.max_loras or (min(count, MAX_LORAS_CAP) if count else MAX_LORAS_DEFAULT)
-    cpu_loras = args.max_cpu_loras or (count if count > max_loras else None)
-    return {"enable_lora": True, "max_loras": max_loras, "max_lora_rank": args.max_lora_rank,
-            **({"max_cpu_loras": cpu_loras} if cpu_loras else {})}
 
 
 def add_lora_modules_option(parser: argparse.ArgumentParser, help: str) -> None:

@@ -8,23 +8,23 @@ the machine shares the cache; a shard only lists the prefix). The cache holds at
 past it, the least recently used entries go, never one that a `LoRARequest` of a live shard names (each such
 request holds a shared `flock` on its entry until it is freed). Adapters are resolved on the shard's thread, before
 its rows go to the engine thread: one that cannot be fetched fails the rows that name it, a store that is down
-fails the shard as any outage does (it is tried again). Each adapter gets an id that is stable in this process
-(`LoRARequest.lora_int_id`); the engine keys its prefix cache on the adapter's weights, not on the id."""
+fails the shard as any outage does (it is tried again). Each adapter gets an id derived from its name and directory
+(`LoRARequest.lora_int_id`, the same in every process); the engine keys its prefix cache on the adapter's weights,
+not on the id."""
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
-import itertools
 import json
 import logging
 import os
 import shutil
 import tempfile
-import threading
 import time
 import weakref
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -41,6 +41,7 @@ log = logging.getLogger("tokenmill.adapters")
 CACHE_DIR = "lora-cache"  # under the data directory
 SOURCE_FILE = "tokenmill-source.json"  # written last into a cache entry: where it came from, and when
 TMP_PREFIX = ".tmp-"
+LOCK_DIR = ".locks"  # under the cache: one lock file per entry, held while it is downloaded (`download_lock`)
 MAX_ADAPTER_BYTES = int(os.environ.get("TOKENMILL_MAX_ADAPTER_BYTES") or 4 << 30)  # one adapter's files at most
 DEFAULT_CACHE_BYTES = 32 << 30  # the whole cache, least recently used entries evicted past it
 STALE_STAGING_S = 24 * 3600  # a download's temporary folder older than this was left by a crash
@@ -73,20 +74,20 @@ def worker_adapters(modules: Mapping[str, str], s3: S3Options) -> dict[str, Adap
 
 # ---- resolving a shard's adapters --------------------------------------------------------------------
 
-_ids: dict[tuple[str, str], int] = {}
-_next_id = itertools.count(1)
-_ids_lock = threading.Lock()
-
-
 def lora_request(name: str, directory: str | Path) -> LoRARequest:
-    """The engine's request for this adapter, its id the same for the same name and directory in this process."""
+    """The engine's request for this adapter. Its id is derived from the name and directory (`adapter_id`), so it
+    is the same in every process and needs no table of ids given out."""
     from engine import LoRARequest
 
-    key = (name, str(directory))
-    with _ids_lock:
-        if key not in _ids:
-            _ids[key] = next(_next_id)
-        return LoRARequest(name, _ids[key], str(directory))
+    return LoRARequest(name, adapter_id(name, directory), str(directory))
+
+
+def adapter_id(name: str, directory: str | Path) -> int:
+    """A positive id of 62 bits from a hash of the adapter's name and directory. Ids of different adapters could
+    only collide by chance (about 1 in 2^62 a pair), and even then the engine tells them apart: it keys a loaded
+    adapter by id, name, directory and files (`engine.lora.manager`)."""
+    digest = hashlib.sha256(f"{name}\0{directory}".encode()).digest()
+    return (int.from_bytes(digest[:8], "big") >> 2) or 1
 
 
 def resolve_adapters(names: Iterable[str], sources: Mapping[str, AdapterSource],
@@ -130,10 +131,6 @@ def cache_root() -> Path:
     return data_dir() / CACHE_DIR
 
 
-_fetch_locks: dict[str, threading.Lock] = {}
-_fetch_locks_lock = threading.Lock()
-
-
 def fetch(source: AdapterSource, cache: Path) -> Path:
     """The cache entry of the adapter's objects as they are now (listed, not downloaded, when cached already)."""
     entry, pin = fetch_pinned(source, cache)
@@ -151,9 +148,7 @@ def fetch_pinned(source: AdapterSource, cache: Path, max_bytes: int | None = Non
     for _ in range(3):  # an entry evicted between finding and pinning it is fetched again
         if (pin := EntryPin.take(entry)) is not None:
             return entry, pin
-        with _fetch_locks_lock:
-            lock = _fetch_locks.setdefault(str(entry), threading.Lock())
-        with lock:  # one download per process; another process that wins the rename below is as good
+        with download_lock(entry):  # one download of an entry at a time, among threads and processes alike
             if not (entry / SOURCE_FILE).is_file():
                 _download(store, objects, entry)
                 pin = EntryPin.take(entry)
@@ -162,6 +157,22 @@ def fetch_pinned(source: AdapterSource, cache: Path, max_bytes: int | None = Non
                     return entry, pin
     raise AdapterUnavailable(f"{store.uri}/: its cache entry {entry} was evicted as soon as it was fetched, three "
                              "times (TOKENMILL_LORA_CACHE_BYTES too small for the adapters in use?)")
+
+
+@contextlib.contextmanager
+def download_lock(entry: Path) -> Iterator[None]:
+    """An exclusive `flock` on the entry's lock file (`LOCK_DIR`, beside the entries), held while it is fetched:
+    each holder opens the file anew, so it excludes the other threads of this process as well as other processes,
+    with no table of locks kept in memory, and a crashed holder's lock goes with it. The lock files are empty and
+    stay (one per entry name ever fetched); eviction passes them by."""
+    locks = entry.parent / LOCK_DIR
+    locks.mkdir(parents=True, exist_ok=True)
+    fd = os.open(locks / entry.name, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 # ---- eviction ----------------------------------------------------------------------------------------

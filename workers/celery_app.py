@@ -67,20 +67,64 @@ app.conf.update(
 )
 
 
-_starting = threading.Lock()
+class TasksProcess:
+    """What the tasks of one process share, owned by the process's Celery app (`tasks_process`): the job database's
+    session factory, made at first use (after a prefork pool forks), its job events published when Kafka is
+    configured (`workers.events.install`); and, for a worker, its `workers.worker_engine.WorkerProcess` (its engine
+    service and the claims it runs now). `tokenmill worker` makes it with the worker's engine and factory (`start`);
+    elsewhere (a `celery -A workers.celery_app` worker, a front door sending tasks) it is made at first use, its
+    worker's engine read from the environment."""
+
+    def __init__(self, config: ServiceConfig, worker: WorkerProcess | None = None) -> None:
+        self.config = config
+        self._worker = worker
+        self._sessions = None
+        self._lock = threading.Lock()
+
+    def sessions(self):
+        with self._lock:
+            if self._sessions is None:
+                from storage import db
+                from workers import events
+
+                self._sessions = db.session_factory(db.make_engine(self.config.database_url))
+                events.install(self.config, self._sessions)
+            return self._sessions
+
+    @property
+    def worker(self) -> WorkerProcess:
+        with self._lock:
+            if self._worker is None:
+                from workers.worker_engine import WorkerProcess
+
+                self._worker = WorkerProcess()
+            return self._worker
+
+
+_starting = threading.Lock()  # guards the one attribute below, on the app
+
+
+def tasks_process() -> TasksProcess:
+    """This process's `TasksProcess`, held by its Celery app (`app.tokenmill`), made at first use unless `start`
+    gave it."""
+    with _starting:
+        process = getattr(app, "tokenmill", None)
+        if process is None:
+            process = app.tokenmill = TasksProcess(config)
+        return process
+
+
+def start(process: TasksProcess) -> None:
+    """Give the app the process's state before its worker starts (`tokenmill worker`: its engine, typed)."""
+    with _starting:
+        app.tokenmill = process
 
 
 def worker_process() -> WorkerProcess:
     """What this process holds as a worker (its engine service, the claims it runs now): a
     `workers.worker_engine.WorkerProcess` owned by the process's Celery app, made when the process starts (or by the
     first task that needs it, where no worker started it)."""
-    from workers.worker_engine import WorkerProcess
-
-    with _starting:
-        process = getattr(app, "tokenmill_process", None)
-        if process is None:
-            process = app.tokenmill_process = WorkerProcess()
-        return process
+    return tasks_process().worker
 
 
 @worker_process_init.connect
@@ -104,9 +148,7 @@ def _start_tasks_process(background: bool) -> None:
     import os
     import threading
 
-    from workers import events
-
-    events.install(config)
+    tasks_process().sessions()  # its job events published from now on
     process = worker_process()
     if not os.environ.get("TOKENMILL_WORKER_PRELOAD"):
         return
@@ -127,12 +169,11 @@ def tokenmill_served(state) -> dict:
     import os
 
     from workers.adapters import cached_adapters
-    from workers.worker_engine import WorkerEngine
 
     role = os.environ.get("TOKENMILL_WORKER_CHILD", "")
     if role == "control":  # no engine
         return {"role": role}
-    spec = WorkerEngine.from_env()
+    spec = worker_process().spec
     lora = bool(spec.settings.get("enable_lora"))
     if lora:
         from engine.embedding_engine import is_embedding_model

@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from engine.settings import EngineSettings
 from ingest.config import ServiceConfig, env_setting
 from storage import claims
 from storage import repository as repo
@@ -65,12 +66,14 @@ def disaggregated(model: str) -> bool:
     return model in {name.strip() for name in raw.split(",")}
 
 
-def role_engine_settings(settings: dict[str, Any], kv_role: str | None, config: ServiceConfig) -> dict[str, Any]:
+def role_engine_settings(settings: EngineSettings | dict[str, Any], kv_role: str | None,
+                         config: ServiceConfig) -> EngineSettings:
     """The engine settings of a worker of `kv_role`: its own KV connector (--kv-transfer-config, --kv-sharing) in
     the role's kv_role, else a RedisConnector over TOKENMILL_KV_REDIS_URL or database KV_DB of the service's Redis
     (its result backend), keys under the queue prefix as KV sharing's (`workers.kv_sharing`), blocks kept
     TOKENMILL_KV_TTL_S seconds (0: until Redis evicts them; default DEFAULT_KV_TTL_S). Either way the blocks are
     sealed under TOKENMILL_KV_SECRET: without it, ValueError."""
+    settings = EngineSettings.of(settings)
     if kv_role is None:
         return settings
     if kv_role not in ROLES:
@@ -84,7 +87,7 @@ def role_engine_settings(settings: dict[str, Any], kv_role: str | None, config: 
         ttl = int(float(env_setting("KV_TTL_S") or DEFAULT_KV_TTL_S))
         transfer = kv_sharing_config(url, config.queue_prefix + KEY_PREFIX, ttl or None)
     deployment_kv_secret()  # checked now: the engine, made later, adds it (workers.kv_sharing.with_kv_secret)
-    return {**settings, "kv_transfer_config": {**transfer, "kv_role": ENGINE_ROLES[kv_role]}}
+    return settings.replace(kv_transfer_config={**transfer, "kv_role": ENGINE_ROLES[kv_role]})
 
 
 def prefill_rows(rows: list) -> list[Request]:

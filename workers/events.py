@@ -1,5 +1,6 @@
 """Job events: every status change of a job is published as one JSON message on the events topic (key: the
-job id). Installed by each service process when Kafka is configured; without it nothing is published.
+job id). Installed on a service process's session factory when Kafka is configured (`install`); without it
+nothing is published.
 
 A transaction's events reach the broker just before it commits, so no other process can see a status, and
 publish the next one, before that status's own event is on the topic: a job's events keep their order even
@@ -23,7 +24,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import event, inspect
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, sessionmaker
 
 from storage.models import Job, JobSource
 from storage.public_text import public_message
@@ -36,6 +37,7 @@ log = logging.getLogger("tokenmill.events")
 SEND_WAIT_MS = 5000
 RECONNECT_BACKOFF_MAX_MS = 2000  # after a broker restart, back within seconds
 PENDING = "tokenmill_job_events"  # session.info key: the events of the open transaction, in order
+PUBLISHER = "tokenmill_event_publisher"  # session.info key: the publisher of its factory's sessions (`install`)
 
 
 class EventPublisher:
@@ -76,18 +78,19 @@ class EventPublisher:
                         ", ".join(f"{p['job_id']} {p['status']}" for p in payloads), error)
 
 
-_publisher: EventPublisher | None = None
-
-
-def install(config: ServiceConfig) -> None:
-    """Publish job status changes from this process (once; a no-op without a Kafka broker configured)."""
-    global _publisher
-    if not config.kafka_bootstrap or _publisher is not None:
-        return
-    _publisher = EventPublisher(config.kafka_bootstrap, config.events_topic)
-    event.listen(Session, "after_flush", _collect)
-    event.listen(Session, "before_commit", _send)
-    event.listen(Session, "after_rollback", _discard)
+def install(config: ServiceConfig, sessions: sessionmaker[Session]) -> EventPublisher | None:
+    """Publish the job status changes made through `sessions` (a no-op without a Kafka broker configured). The
+    publisher is the session factory's own: every session it makes carries it in its `info` (PUBLISHER), and the
+    factory's listeners send through it, so no module-level publisher is kept. Installing again on the same factory
+    returns the publisher it has."""
+    info = sessions.kw.setdefault("info", {})
+    if not config.kafka_bootstrap or PUBLISHER in info:
+        return info.get(PUBLISHER)
+    publisher = info[PUBLISHER] = EventPublisher(config.kafka_bootstrap, config.events_topic)
+    event.listen(sessions, "after_flush", _collect)
+    event.listen(sessions, "before_commit", _send)
+    event.listen(sessions, "after_rollback", _discard)
+    return publisher
 
 
 def _collect(session: Session, _context) -> None:
@@ -102,7 +105,7 @@ def _collect(session: Session, _context) -> None:
 def _send(session: Session) -> None:
     session.flush()  # commit would flush after this hook; the events of those changes go now too
     if payloads := session.info.pop(PENDING, []):
-        _publisher.publish(payloads)
+        session.info[PUBLISHER].publish(payloads)
 
 
 def _discard(session: Session) -> None:

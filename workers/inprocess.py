@@ -44,6 +44,7 @@ from workers.worker_engine import EngineFactory, load_engine
 
 if TYPE_CHECKING:
     from engine import LLMEngine
+    from engine.settings import EngineSettings
 
 __all__ = ["JobBusy", "JobRunner", "LocalExecutor", "cancel_job", "run_job"]
 
@@ -172,7 +173,7 @@ class JobRunner:
         todo = [s for s in shards if s.status != ShardStatus.COMPLETED]
         if todo and self._loop is None:
             steps.progress.phase(f"loading {job.model}")
-            self._loop = EngineLoop(self.engine_provider(job.settings.engine))
+            self._loop = EngineLoop(self.engine_provider(job_engine_settings(job)))
         steps.progress.phase("generating")
         steps.progress.start(job.requests_total,
                              sum(s.rows_completed + s.rows_failed for s in shards if s not in todo))
@@ -228,12 +229,19 @@ def _lease_left(job: Job, now: datetime) -> timedelta:
     return max([lease - now for lease in leases if lease is not None], default=timedelta(0))
 
 
+def job_engine_settings(job: Job) -> EngineSettings:
+    """The job's stored engine settings, typed (ValueError naming the setting for a stored value of a wrong type)."""
+    from engine.settings import EngineSettings  # here: this module loads without the engine
+
+    return EngineSettings.from_json(job.settings.engine, f"job {job.id}'s engine settings")
+
+
 class LocalExecutor:
     """Runs the jobs it is handed one after another on a background thread, with one engine (built from
     `engine_settings` on first use unless given) for all of them. Every `expiry_check_s` it ends `expired` the
     in-process jobs past their deadline, queued or running, as the Celery sweep does for the workers' jobs."""
 
-    def __init__(self, sessions: sessionmaker[Session], engine_settings: dict[str, Any],
+    def __init__(self, sessions: sessionmaker[Session], engine_settings: EngineSettings | dict[str, Any],
                  engine: LLMEngine | None = None, expiry_check_s: float = EXPIRY_CHECK_S) -> None:
         self.sessions, self.engine_settings = sessions, engine_settings
         self.jobs: queue.Queue[str | None] = queue.Queue()
@@ -278,7 +286,7 @@ class LocalExecutor:
         self.jobs.put(None)
         self._thread.join(timeout_s)
 
-    def engine(self, _job_engine_settings: dict[str, Any] | None = None) -> LLMEngine:
+    def engine(self, _job_engine_settings: EngineSettings | None = None) -> LLMEngine:
         """The process's engine, loaded on first use (a job's own engine settings are refused at intake)."""
         if self._engine is None:
             self._engine = load_engine(self.engine_settings)

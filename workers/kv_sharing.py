@@ -37,7 +37,7 @@ def deployment_kv_secret() -> str:
 
 def with_kv_secret(settings: dict[str, Any]) -> dict[str, Any]:
     """Engine settings whose kv_transfer_config (a dict naming no kv_secret) gets $TOKENMILL_KV_SECRET: added where
-    an engine is made (`load_engine`, the CLI's engine options), never stored or sent (`without_kv_secret`).
+    an engine is made (`load_engine`, the CLI's engine options), never stored or sent (`EngineSettings.to_json`).
     ValueError when the settings have a connector and the variable is unset or short."""
     transfer = settings.get("kv_transfer_config")
     if not isinstance(transfer, dict) or not transfer or (transfer.get("kv_connector_extra_config") or {}).get(
@@ -48,12 +48,11 @@ def with_kv_secret(settings: dict[str, Any]) -> dict[str, Any]:
 
 
 def without_kv_secret(settings: dict[str, Any]) -> dict[str, Any]:
-    """Engine settings fit to store (a job's settings) or pass on (a worker's environment): no kv_secret."""
-    transfer = settings.get("kv_transfer_config")
-    if not isinstance(transfer, dict) or "kv_secret" not in (transfer.get("kv_connector_extra_config") or {}):
-        return settings
-    extra = {k: v for k, v in transfer["kv_connector_extra_config"].items() if k != "kv_secret"}
-    return {**settings, "kv_transfer_config": {**transfer, "kv_connector_extra_config": extra}}
+    """Engine settings fit to store (a job's settings) or pass on (a worker's environment): no kv_secret
+    (`engine.settings.without_secret`, which `EngineSettings.to_json` applies)."""
+    from engine.settings import without_secret
+
+    return without_secret(settings)
 
 
 def default_kv_redis_url(config: ServiceConfig) -> str | None:

@@ -14,7 +14,6 @@
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import time
@@ -26,17 +25,15 @@ from celery import Task
 from kombu.exceptions import ChannelError
 
 from ingest.intake import Intake
-from storage import db
 from storage import repository as repo
 from storage.faults import crash_point, is_transient
 from storage.models import Job, JobStatus, ShardStatus
 from workers.adapters import AdapterSource, worker_adapters
-from workers.celery_app import app, config, worker_process
+from workers.celery_app import app, config, tasks_process, worker_process
 from workers.disagg import PrefillStep, disaggregated, kv_transfer_summary, prefill_queue
 from workers.finalize import remove_stray_parts
 from workers.job_steps import JobSteps, discard_if_ended
 from workers.shard_step import ShardStep, through_outages
-from workers.worker_engine import WorkerEngine
 
 log = logging.getLogger("tokenmill.tasks")
 
@@ -47,16 +44,15 @@ FINALIZE_RETRIES = 3
 PROGRESS_EVERY_S = 1.0
 
 
-@functools.cache
 def sessions():
-    """One engine and session factory per worker process (made after the pool forks)."""
-    return db.session_factory(db.make_engine(config.database_url))
+    """This process's session factory (job events installed), owned by its Celery app (`TasksProcess`)."""
+    return tasks_process().sessions()
 
 
-@functools.cache
 def worker_lora_modules() -> dict[str, AdapterSource]:
-    """The LoRA adapters this worker serves to every job of its model (`tokenmill worker --lora-modules`)."""
-    return worker_adapters(WorkerEngine.from_env().lora_modules, config.s3)
+    """The LoRA adapters this worker serves to every job of its model (`tokenmill worker --lora-modules`): its
+    `WorkerProcess`'s."""
+    return worker_adapters(worker_process().spec.lora_modules, config.s3)
 
 
 # ---- sending ---------------------------------------------------------------------------------------

@@ -95,10 +95,10 @@ def lane_worker(stack, tmp_path) -> Iterator[LaneWorker]:
     """`tokenmill worker` with one shard thread on queues of its own; once its shard node answers a ping."""
     prefix, name = f"lane-{uuid.uuid4().hex[:6]}.", f"lane{uuid.uuid4().hex[:6]}"
     flag, log = tmp_path / "stall", tmp_path / "worker.log"
-    env = {**stack.env, **STACK_ENV, "TOKENMILL_QUEUE_PREFIX": prefix,
-           "TOKENMILL_ENGINE_FACTORY": "tests.service.test_control_lane:stalling_engine", STALL_FLAG_ENV: str(flag)}
+    env = {**stack.env, **STACK_ENV, "TOKENMILL_QUEUE_PREFIX": prefix, STALL_FLAG_ENV: str(flag)}
     with open(log, "wb") as out:
         process = subprocess.Popen([sys.executable, "-m", "tokenmill", "worker", "--name", name, "--threads", "1",
+                                    "--engine-factory", "tests.service.test_control_lane:stalling_engine",
                                     "--kv-cache-memory", "0.25", "--shards-in-flight", "1", "--state-dir",
                                     str(stack.dir)], cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
                                    start_new_session=True)

@@ -4,9 +4,9 @@ process and threads), once without and once with `--kv-sharing`, on a SQLite dat
 temporary directory, with the local Redis as broker and KV store. Each run starts its two workers afresh, warms them
 with a small job of other prompts, then times the job from submit to completed.
 
-The workers load their engine through `counting_engine` (TOKENMILL_ENGINE_FACTORY): the real engine, which also
-writes its prefill tokens computed and its KV connector's counts to a file after every step, so the benchmark can
-tell tokens loaded from the store from tokens found in a worker's own prefix cache."""
+The workers load their engine through `counting_engine` (`tokenmill worker --engine-factory`): the real engine,
+which also writes its prefill tokens computed and its KV connector's counts to a file after every step, so the
+benchmark can tell tokens loaded from the store from tokens found in a worker's own prefix cache."""
 
 from __future__ import annotations
 
@@ -156,17 +156,18 @@ class Workers:
         self.processes: list[subprocess.Popen] = []
         env = {**os.environ, "TOKENMILL_DATABASE_URL": self.database_url, "TOKENMILL_BROKER_URL": settings.redis_url,
                "TOKENMILL_RESULT_BACKEND": settings.redis_url, "TOKENMILL_QUEUE_PREFIX": self.prefix,
-               "TOKENMILL_ENGINE_FACTORY": f"{__name__}:counting_engine", "TOKENMILL_DATA": str(workdir / "data"),
+               "TOKENMILL_DATA": str(workdir / "data"),
                "TOKENMILL_KV_REDIS_URL": settings.kv_redis_url, "TOKENMILL_KV_SECRET": secrets.token_urlsafe(32)}
-        for name in ("TOKENMILL_KAFKA_BOOTSTRAP", "TOKENMILL_METRICS_PORT", "TOKENMILL_WORKER_CHILD",
-                     "TOKENMILL_KV_TTL_S", "TOKENMILL_KV_DISAGGREGATION"):
+        for name in ("TOKENMILL_ENGINE_FACTORY", "TOKENMILL_KAFKA_BOOTSTRAP", "TOKENMILL_METRICS_PORT",
+                     "TOKENMILL_WORKER_CHILD", "TOKENMILL_KV_TTL_S", "TOKENMILL_KV_DISAGGREGATION"):
             env.pop(name, None)
         for index, stats in enumerate(self.stats_files):
             command = [sys.executable, "-m", "tokenmill", "worker", "--name", f"{self.prefix}w{index}",
                        "--model", settings.model, "--threads", str(settings.threads), "--dtype", settings.dtype,
                        "--kv-cache-memory", str(settings.kv_cache_memory), "--shards-in-flight",
                        str(settings.shards_in_flight), "--control-threads", "1", "--no-enable-lora",
-                       "--state-dir", str(workdir / "no-stack"), *(["--kv-sharing"] if sharing else [])]
+                       "--state-dir", str(workdir / "no-stack"), "--engine-factory", f"{__name__}:counting_engine",
+                       *(["--kv-sharing"] if sharing else [])]
             with open(workdir / f"{label}-worker{index}.log", "wb") as log:
                 self.processes.append(subprocess.Popen(command, env={**env, STATS_ENV: str(stats)}, stdout=log,
                                                        stderr=subprocess.STDOUT, start_new_session=True))

@@ -12,7 +12,7 @@ from tokenmill.options import (
     DATABASE_HELP,
     add_engine_options,
     add_served_model_name_option,
-    engine_kwargs,
+    engine_settings,
     stack_dir_option,
     use_stack,
 )
@@ -222,12 +222,12 @@ def serve(args: argparse.Namespace) -> int:
         from workers import events
         from workers.tasks import dispatch_job
 
-        events.install(ServiceConfig.from_env())
+        events.install(ServiceConfig.from_env(), sessions)  # the API's own changes (a cancel) publish too
         dispatch = dispatch_job
     else:
         from workers.inprocess import LocalExecutor
 
-        local = LocalExecutor(sessions, engine_kwargs(args))
+        local = LocalExecutor(sessions, engine_settings(args))
         local.resume(JobSource.API.value)
         dispatch = local.dispatch
     service = api_service(sessions, args.bucket, dispatch, executor, args.model, args.served_model_name,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tokenmill.options import (
     DATABASE_HELP,
@@ -13,13 +14,16 @@ from tokenmill.options import (
     add_sampling_options,
     add_served_model_name_option,
     add_task_options,
-    engine_kwargs,
+    engine_settings,
     lora_modules,
     running_stack_env,
     sample_input,
     sampling_kwargs,
     stack_dir_option,
 )
+
+if TYPE_CHECKING:
+    from engine.settings import EngineSettings
 
 STACK_DATABASE_HELP = ("SQLAlchemy database URL (default: $TOKENMILL_DATABASE_URL, else the database of the stack "
                        "running from --state-dir, else SQLite at $TOKENMILL_DATA/tokenmill.db)")
@@ -226,11 +230,10 @@ def _new_job(args: argparse.Namespace):
     from ingest.job_request import validate_request
     from storage.job_settings import DEFAULT_SHARD_SIZE, LOCAL
     from storage.objectstore import S3Options
-    from workers.kv_sharing import without_kv_secret
 
     limits = _limits(args)
 
-    engine = without_kv_secret(engine_kwargs(args))  # a job's settings are stored: load_engine adds it back
+    engine = engine_settings(args).to_json()  # a job's settings are stored: no KV secret (load_engine adds it)
     request = validate_request(dict(input_uri=args.input or sample_input(),
                                     output_uri=args.output or default_output(args.input), model=args.model,
                                     sampling=sampling_kwargs(args), engine=engine,
@@ -245,7 +248,7 @@ def _new_job(args: argparse.Namespace):
                           s3=S3Options(args.s3_endpoint_url, args.s3_region, args.s3_profile))
 
 
-def _load_engine(settings: dict):
+def _load_engine(settings: EngineSettings):
     from workers.worker_engine import load_engine
 
     return load_engine(settings)
@@ -261,7 +264,7 @@ def _serving_metrics(port: int, sessions):
     registry = new_registry()
     registry.register(JobMetricsCollector(db.sql_query(sessions)))
     start_metrics_server(registry, port)
-    def load(settings: dict):
+    def load(settings: EngineSettings):
         return load_engine(settings, registry)  # an embedding engine: job metrics only
 
     return load
@@ -460,8 +463,9 @@ def cancel(args: argparse.Namespace) -> int:
     from workers.inprocess import cancel_job
 
     url = _url(args)  # a running stack's settings first, so its events are published
-    events.install(ServiceConfig.from_env())  # a no-op outside the service
-    job = cancel_job(_sessions(url), args.job)
+    sessions = _sessions(url)
+    events.install(ServiceConfig.from_env(), sessions)  # a no-op outside the service
+    job = cancel_job(sessions, args.job)
     note = "; the running process stops at its next step" if job.status == "cancelling" else ""
     print(f"job {job.id} {job.status}{note} (database: {db.describe(url)})")
     return 0

@@ -19,7 +19,7 @@ from tokenmill.options import (
     add_sampling_options,
     add_task_options,
     default_state_dir,
-    engine_kwargs,
+    engine_settings,
     lora_modules,
     sample_input,
     sampling_kwargs,
@@ -36,6 +36,7 @@ Send a job to the running service and print its id. --via kafka puts the job spe
 --via s3 drops the input (and a NAME.job.json sidecar with the settings) into the S3 inbox. A local file is
 uploaded to the service's bucket first. Follow the job with `tokenmill status JOB` or in SQL (job_status)."""
 
+ENGINE_FACTORY_ENV = "TOKENMILL_ENGINE_FACTORY"  # --engine-factory's default (the stack's workers inherit it)
 WORKER_ROLE_ENV = "TOKENMILL_WORKER_CHILD"  # set by `tokenmill worker` for each node it runs: engine, control
 
 
@@ -210,17 +211,19 @@ def _register_worker(commands: argparse._SubParsersAction) -> None:
                              "takes the model's queue and loads that KV. Jobs go to producers first where "
                              "TOKENMILL_KV_DISAGGREGATION names their model (docs/kv-connector.md) (default: "
                              "neither, a plain worker)")
+    parser.add_argument("--engine-factory", metavar="MODULE:FUNCTION",
+                        help="the function that builds this worker's engine from its settings (an "
+                             "engine.settings.EngineSettings) instead of the real one: a test's or a benchmark's "
+                             f"engine (default: ${ENGINE_FACTORY_ENV}, else the real engine)")
     _shards_in_flight_options(parser)
-    add_engine_options(parser, lora="single-rank")
+    add_engine_options(parser, lora="single-rank",  # a worker's shards of several jobs: by their job's priority
+                       defaults={"scheduling_policy": "priority"})
     add_kv_sharing_options(parser)
     add_lora_modules_option(parser, "LoRA adapters this worker serves to every job of its model, beside the "
                                     "adapters a job brings (whose name wins): NAME=DIR_OR_URI, a PEFT directory "
                                     "or an s3:// prefix, fetched once into $TOKENMILL_DATA/lora-cache; several, or "
                                     "the option repeated (vLLM's syntax). Give every worker of a model the same: "
                                     "jobs go to a model's queue, whatever adapters their rows name (docs/lora.md)")
-    for action in parser._actions:  # a worker's shards of several jobs are admitted by their job's priority
-        if action.dest == "scheduling_policy":
-            action.default, action.help = "priority", action.help.replace("(default: fcfs)", "(default: priority)")
     stack_dir_option(parser)
     parser.set_defaults(handler=_friendly(worker))
 
@@ -414,25 +417,25 @@ def stack_env(args: argparse.Namespace) -> int:
 
 
 def worker(args: argparse.Namespace) -> int:
-    import json
     import socket
 
     from workers.disagg import role_engine_settings
-    from workers.kv_sharing import without_kv_secret
 
     role = os.environ.get(WORKER_ROLE_ENV)
-    engine, adapters = engine_kwargs(args), worker_lora_modules(args)  # bad settings stop it before any node starts
+    engine, adapters = engine_settings(args), worker_lora_modules(args)  # bad settings stop it before any node starts
     engine = role_engine_settings(engine, args.kv_role, _service_config())
     if not role:
         nodes = worker_nodes(args, _service_config())
         return _supervise({role: [sys.executable, "-m", "tokenmill", *args.argv] for role in nodes})
-    os.environ["TOKENMILL_WORKER_MODEL"] = args.model
-    os.environ["TOKENMILL_WORKER_ENGINE"] = json.dumps(without_kv_secret(engine))  # load_engine adds it back
-    os.environ["TOKENMILL_WORKER_LORA_MODULES"] = json.dumps(adapters)
-    if args.kv_role:
-        os.environ["TOKENMILL_WORKER_KV_ROLE"] = args.kv_role
-    from workers.celery_app import app, config
+    from workers.celery_app import TasksProcess, app, config, start
     from workers.disagg import shard_queue
+    from workers.worker_engine import WorkerEngine, WorkerProcess, engine_factory
+
+    # the node's tasks run in this process (a threads pool): its Celery app is handed the engine, typed, and the
+    # function that builds it
+    spec = WorkerEngine(args.model, engine.replace(model=args.model), adapters, args.kv_role)
+    factory = engine_factory(args.engine_factory or os.environ.get(ENGINE_FACTORY_ENV))
+    start(TasksProcess(config, WorkerProcess(spec, factory)))
 
     # another role (TOKENMILL_WORKER_CHILD=1: run without its supervisor): one node takes every queue
     node = worker_nodes(args, config).get(role) or WorkerNode(_worker_queues(args, config), None, args.name)
@@ -574,17 +577,15 @@ def _end_with_parent(parent: int):
 def _intake():
     from workers.tasks import intake
 
-    return intake()
+    return intake()  # over the tasks' session factory, which publishes job events where Kafka is configured
 
 
 def consumer(args: argparse.Namespace) -> int:
     from ingest.kafka_consumer import JobConsumer, run_forever
-    from workers import events
 
     config = _service_config()
     if not config.kafka_bootstrap:
         raise ValueError("no Kafka broker: set TOKENMILL_KAFKA_BOOTSTRAP (or start the stack)")
-    events.install(config)
     run_forever(JobConsumer(_intake(), config.kafka_bootstrap, config.jobs_topic, config.consumer_group,
                             max_bytes=config.max_spec_bytes))
     return 0
@@ -592,12 +593,10 @@ def consumer(args: argparse.Namespace) -> int:
 
 def watcher(args: argparse.Namespace) -> int:
     from ingest.s3_watcher import InboxWatcher
-    from workers import events
 
     config = _service_config()
     if not config.inbox_uri or not config.bucket_uri:
         raise ValueError("no S3 inbox: set TOKENMILL_BUCKET_URI (or TOKENMILL_INBOX_URI), or start the stack")
-    events.install(config)
     InboxWatcher(_intake(), config.inbox_uri, config.outputs_uri, args.settle,
                  max_bytes=config.max_spec_bytes).run(interval_s=args.interval)
     return 0

@@ -28,6 +28,7 @@ def fails(custom_id: str) -> bool:
 @dataclass(frozen=True)
 class SimSpec:
     kv_role: str | None = None
+    lora_modules: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
