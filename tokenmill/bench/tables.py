@@ -7,14 +7,20 @@ def speedup(result, reference) -> str:
     return f"{result.tokens_per_second / reference.tokens_per_second:.2f}x" if reference else "-"
 
 
+LLAMACPP = "llama.cpp"  # the system name of llama.cpp's run in a dtype (llamacpp_compare.system_label)
+
+
 def throughput_table(results, limits: dict[str, float] | None = None):
-    """`limits`: dtype -> the tok/s limit of `bench peak`, for a '% of limit' column."""
+    """`limits`: dtype -> the tok/s limit of `bench peak`, for a '% of limit' column. With a llama.cpp run, an
+    'x llama.cpp' column beside 'x vLLM' (against llama.cpp in the same dtype)."""
     from rich.table import Table
 
     limits = limits or {}
-    table = Table("system", "dtype", "seconds", "useful tok/s", "x vLLM", "x HF static", "x HF continuous",
-                  "% of floor", "% of limit", "note", title="throughput (useful generated tokens per second)")
     by_key = {(r.system, r.dtype): r for r in results}
+    llamacpp = any(r.system == LLAMACPP for r in results)
+    table = Table("system", "dtype", "seconds", "useful tok/s", "x vLLM", *(["x llama.cpp"] if llamacpp else []),
+                  "x HF static", "x HF continuous", "% of floor", "% of limit", "note",
+                  title="throughput (useful generated tokens per second)")
     for r in results:
         static = by_key.get(("HF static batching", r.dtype))
         cont = by_key.get(("HF continuous batching", r.dtype))
@@ -22,22 +28,26 @@ def throughput_table(results, limits: dict[str, float] | None = None):
         share = f"{100 * r.tokens_per_second / floor.tokens_per_second:.0f}%" if floor else "-"
         limit = limits.get(r.dtype)
         of_limit = f"{100 * r.tokens_per_second / limit:.0f}%" if limit else "-"
+        against_llamacpp = [speedup(r, by_key.get((LLAMACPP, r.dtype)))] if llamacpp else []
         table.add_row(r.system, r.dtype, f"{r.seconds:.1f}", f"{r.tokens_per_second:.1f}",
-                      speedup(r, by_key.get(("vLLM", r.dtype))), speedup(r, static), speedup(r, cont), share,
-                      of_limit, r.note)
+                      speedup(r, by_key.get(("vLLM", r.dtype))), *against_llamacpp, speedup(r, static),
+                      speedup(r, cont), share, of_limit, r.note)
     return table
 
 
 def batch1_table(rows: list[tuple[str, str, float]], tokens: int):
-    """Its x vLLM column: vLLM's seconds per token over the system's (above 1.00x: faster than vLLM)."""
+    """Its x vLLM column: vLLM's seconds per token over the system's (above 1.00x: faster than vLLM); the same
+    against llama.cpp when it ran."""
     from rich.table import Table
 
-    table = Table("system", "dtype", "ms per output token", "x vLLM",
+    references = ["vLLM"] + ([LLAMACPP] if any(system == LLAMACPP for system, _, _ in rows) else [])
+    table = Table("system", "dtype", "ms per output token", *(f"x {name}" for name in references),
                   title=f"batch 1: time per output token ({tokens}-token answers, one request alone)")
     by_key = {(system, dtype): seconds for system, dtype, seconds in rows}
     for system, dtype, seconds in rows:
-        reference = by_key.get(("vLLM", dtype))
-        table.add_row(system, dtype, f"{1000 * seconds:.1f}", f"{reference / seconds:.2f}x" if reference else "-")
+        ratios = [by_key.get((name, dtype)) for name in references]
+        table.add_row(system, dtype, f"{1000 * seconds:.1f}",
+                      *(f"{reference / seconds:.2f}x" if reference else "-" for reference in ratios))
     return table
 
 

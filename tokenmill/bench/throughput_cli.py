@@ -1,5 +1,5 @@
-"""`tokenmill bench throughput`: its arguments and its run, and the `--against vllm` options that
-`bench prefix` shares."""
+"""`tokenmill bench throughput`: its arguments and its run (`--against llamacpp,vllm`), and the `--against vllm`
+options that `bench prefix` and `bench lora` share."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def register(benches: argparse._SubParsersAction) -> None:
                         help="also run tokenmill with its model sharded over N processes (sharing --threads between "
                              "them) beside TP=1, and print the share of step time in all-reduce (on CPU this measures "
                              "the overhead, not a speed-up) (default: 1)")
-    add_against_options(parser)
+    add_against_options(parser, llamacpp=True)
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     parser.add_argument("--profile", action="store_true",
                         help="also print where tokenmill's step time goes: GEMMs, attention, norms/RoPE/activation, "
@@ -70,11 +70,20 @@ def add_workload_options(parser: argparse.ArgumentParser, sharegpt_help: str, pr
     parser.add_argument("--max-tokens", type=int, default=192, help="longest forced output (default: 192)")
 
 
-def add_against_options(parser: argparse.ArgumentParser, batch1: bool = True) -> None:
+def add_against_options(parser: argparse.ArgumentParser, batch1: bool = True, llamacpp: bool = False) -> None:
+    """`--against` and its engines' options; `llamacpp`: llama.cpp is one of them (`bench throughput`)."""
+    engines = "vllm (its CPU build, from its own virtualenv, in a subprocess; build it with `make vllm-venv`)"
+    if llamacpp:
+        engines = ("comma-separated: llamacpp (llama.cpp's llama-server on the GGUF file the project ships, as "
+                   "shipped and requantized to each dtype; build it once with `make llamacpp`), " + engines)
     parser.add_argument("--against", default="", metavar="SYSTEMS",
-                        help="external engines to run on the same token ids and output lengths: vllm (its CPU "
-                             "build, from its own virtualenv, in a subprocess; build it with `make vllm-venv`)")
+                        help=f"external engines to run on the same token ids and output lengths: {engines}")
+    parser.set_defaults(against_choices=("llamacpp", "vllm") if llamacpp else ("vllm",))
     parser.add_argument("--vllm-venv", help="vLLM's virtualenv (default: $TOKENMILL_VLLM_VENV or .vllm-venv)")
+    if llamacpp:
+        parser.add_argument("--llamacpp-dir", help="llama.cpp's build, holding bin/llama-server (default: "
+                                                   "$TOKENMILL_LLAMACPP_DIR or ~/.cache/tokenmill/llamacpp/VERSION, "
+                                                   "where `make llamacpp` builds it)")
     if not batch1:
         return
     parser.add_argument("--batch1-tokens", type=int, default=128,
@@ -86,15 +95,32 @@ def against_vllm(args: argparse.Namespace, console):
     """vLLM's interpreter when `--against vllm` asked for it and it is installed; else None, saying why."""
     from tokenmill.bench import vllm_compare
 
-    wanted = {s.strip() for s in args.against.split(",") if s.strip()}
-    if wanted - {"vllm"}:
-        raise ValueError(f"unknown --against system(s) {sorted(wanted - {'vllm'})}; choose from vllm")
-    if "vllm" not in wanted:
+    if "vllm" not in against_systems(args):
         return None
     python = vllm_compare.vllm_python(args.vllm_venv)
     if python is None:
         console.print(f"[yellow]{vllm_compare.INSTALL_HINT}; running the other systems[/yellow]")
     return python
+
+
+def against_systems(args: argparse.Namespace) -> set[str]:
+    """The engines `--against` names, each one this benchmark offers (ValueError otherwise)."""
+    choices = getattr(args, "against_choices", ("vllm",))
+    wanted = {s.strip() for s in args.against.split(",") if s.strip()}
+    if wanted - set(choices):
+        raise ValueError(f"unknown --against system(s) {sorted(wanted - set(choices))}; choose from "
+                         f"{','.join(choices)}")
+    return wanted
+
+
+def against_llamacpp(args: argparse.Namespace):
+    """llama.cpp's server and the GGUF file it serves when `--against` names llamacpp; else None. A missing build
+    fails at once (FileNotFoundError), saying how to build it."""
+    from tokenmill.bench import llamacpp_compare
+
+    if "llamacpp" not in against_systems(args):
+        return None
+    return llamacpp_compare.server_binary(args.llamacpp_dir), llamacpp_compare.shipped_gguf(args.model)
 
 
 def bench_schema(path: str):
@@ -122,6 +148,7 @@ def tokenmill_parallelism(args: argparse.Namespace, size: int = 1) -> dict:
 
 
 def run_throughput(args: argparse.Namespace) -> int:
+    llamacpp = against_llamacpp(args)  # before anything loads: a missing build fails at once
     import json
     import logging
 
@@ -231,6 +258,13 @@ def run_throughput(args: argparse.Namespace) -> int:
             if tokenmill_ids:
                 same, total = vllm_compare.agreement(tokenmill_ids, run.output_token_ids)
                 console.print(f"{dtype}: {same}/{total} outputs identical between tokenmill and vLLM (greedy)")
+        if llamacpp is not None:
+            run_llamacpp(llamacpp, workload, dtype, args.threads, batch1_prompt, results, batch1, tokenmill_ids,
+                         console)
+    if llamacpp is not None:  # the file as shipped, once: its dtype is its own
+        from tokenmill.bench.llamacpp_compare import SHIPPED
+
+        run_llamacpp(llamacpp, workload, SHIPPED, args.threads, batch1_prompt, results, batch1, None, console)
     console.print(throughput_table(results, limits))
     if batch1:
         console.print(batch1_table(batch1, args.batch1_tokens))
@@ -240,6 +274,22 @@ def run_throughput(args: argparse.Namespace) -> int:
     if batches:
         write_throughput_plots(args, model_dir, dtypes, batches, latencies, console)
     return 0
+
+
+def run_llamacpp(llamacpp, workload, dtype: str, threads: int, batch1_prompt, results: list, batch1: list,
+                 tokenmill_ids, console) -> None:
+    """llama.cpp's run of the workload in `dtype` (or its GGUF as shipped), into `results` and `batch1`."""
+    from tokenmill.bench import llamacpp_compare, vllm_compare
+
+    binary, gguf = llamacpp
+    console.print(f"running {llamacpp_compare.system_label(dtype)} ({dtype}) from {binary.parents[1]} ...")
+    run = llamacpp_compare.run_llamacpp(binary, gguf, workload, dtype, threads, batch1=batch1_prompt)
+    results.append(run.result)
+    if run.batch1_tpot is not None:
+        batch1.append((run.result.system, dtype, run.batch1_tpot))
+    if tokenmill_ids:
+        same, total = vllm_compare.agreement(tokenmill_ids, run.output_token_ids)
+        console.print(f"{dtype}: {same}/{total} outputs identical between tokenmill and llama.cpp (greedy)")
 
 
 def sweep_batches(args: argparse.Namespace) -> list[int]:
