@@ -59,3 +59,15 @@ def check_supported(hf_config: Any, config: Any) -> None:
     if unsupported:
         raise ValueError(f"{', '.join(unsupported)}: Llama-family models only; {hf_config.model_type} does not "
                          f"support it yet")
+
+
+def checkpoint_target(name: str, fused: dict[str, tuple[str, int]], renamed: dict[str, str]) -> tuple[str, int | None]:
+    """A checkpoint tensor's parameter in our model and, for a fused one (`fused`: HF name -> (ours, part)), its
+    part; `renamed`: HF names that are ours under another name."""
+    target, part = name, None
+    for hf, (ours, index) in fused.items():
+        if f".{hf}." in name:
+            target, part = name.replace(hf, ours), index
+    for hf, ours in renamed.items():
+        target = target.replace(f".{hf}.", f".{ours}.")
+    return target, part

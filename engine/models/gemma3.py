@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.kernels.cpu_gemm import Linear, PackedWeight
+from engine.models import checkpoint_target
 from engine.models.llama import rotate_half
 
 Attention = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -238,12 +239,7 @@ class Gemma3ForCausalLM(nn.Module):
             name = name.removeprefix("model.").removeprefix("language_model.")
             if "rotary_emb" in name or (name == "lm_head.weight" and self.lm_head is None):
                 continue
-            target, part = name, None
-            for hf, (ours, index) in fused.items():
-                if f".{hf}." in name:
-                    target, part = name.replace(hf, ours), index
-            for hf, ours in renamed.items():
-                target = target.replace(f".{hf}.", f".{ours}.")
+            target, part = checkpoint_target(name, fused, renamed)
             if target not in params:
                 raise ValueError(f"unexpected weight {name!r} in the checkpoint")
             param = params[target]

@@ -17,6 +17,7 @@ from torch import nn
 
 from engine.kernels import cpu_kernel
 from engine.kernels.cpu_gemm import AMX_MAX_ROWS, Linear, PackedWeight
+from engine.models import checkpoint_target
 
 if TYPE_CHECKING:
     from engine.lora.manager import LoRAManager
@@ -285,12 +286,7 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.lm_head is None:
                 continue
-            target, part = name, None
-            for hf, (ours, index) in fused.items():
-                if f".{hf}." in name:
-                    target, part = name.replace(hf, ours), index
-            for hf, ours in renamed.items():
-                target = target.replace(f".{hf}.", f".{ours}.")
+            target, part = checkpoint_target(name, fused, renamed)
             if target not in params:
                 raise ValueError(f"unexpected weight {name!r} in the checkpoint")
             param = params[target]
