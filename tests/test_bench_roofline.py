@@ -83,7 +83,7 @@ def test_bench_roofline_prints_the_floor_per_phase(tmp_path, capsys):
         steps, tokens, gemm, weights, kv, floor, measured, share = (float(v.replace(",", "")) for v in row.groups())
         assert min(steps, tokens, gemm, weights, kv, floor, measured) > 0, row.group(0)
         assert max(gemm, weights + kv) * 0.999 <= floor <= (gemm + weights + kv) * 1.001, row.group(0)
-        assert 0 < share < 100, row.group(0)
+        assert 0 < share <= 100, row.group(0)  # 100: a step of the run set the limit (`Roofline.raised_to`)
     report = json.loads(out.read_text())
     assert report["roofline"]["kv_bytes_per_token"] == 2 * 30 * 3 * 64 * 4  # SmolLM2-135M's, float32
     steps = [StepRecord(**s) for s in report["steps"]]
