@@ -19,7 +19,7 @@ GEMMs; the fused C decode layers are Llama's alone.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
@@ -27,9 +27,7 @@ from torch import nn
 
 from engine.kernels.cpu_gemm import Linear, PackedWeight
 from engine.models import checkpoint_target
-from engine.models.llama import rotate_half
-
-Attention = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+from engine.models.llama import Attention, rotate_half
 
 SUPPORTED_MODEL_TYPES = ("gemma3_text",)
 SLIDING, FULL = "sliding_attention", "full_attention"

@@ -17,14 +17,14 @@ from torch import nn
 
 from engine.kernels import cpu_kernel
 from engine.kernels.cpu_gemm import AMX_MAX_ROWS, Linear, PackedWeight
-from engine.models import checkpoint_target
+from engine.models import LLAMA_FAMILY, checkpoint_target
 
 if TYPE_CHECKING:
     from engine.lora.manager import LoRAManager
 
 Attention = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = LLAMA_FAMILY
 
 
 class RMSNorm(nn.Module):
