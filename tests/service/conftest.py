@@ -276,9 +276,12 @@ def shards_held(stack: RunningStack, model: str = DEFAULT_MODEL) -> Iterator[Hel
     queue = f"{stack.state['env'].get('TOKENMILL_QUEUE_PREFIX', '')}gpu.{model_slug(model)}"
     app = Celery(broker=broker_url)
     try:
-        consumers = app.control.inspect(timeout=1).active_queues() or {}
-        nodes = [node for node, queues in consumers.items() if any(q["name"] == queue for q in queues)]
-        assert nodes, f"no worker consumes {queue}: {consumers}"
+        def consuming() -> list[str]:
+            """The workers that answered consuming the queue; a worker busy in its engine may answer late."""
+            consumers = app.control.inspect(timeout=2).active_queues() or {}
+            return [node for node, queues in consumers.items() if any(q["name"] == queue for q in queues)]
+
+        nodes = wait_until(consuming, f"a worker consuming {queue} to answer", timeout=30, every=0.5)
         replies = app.control.cancel_consumer(queue, destination=nodes, reply=True, timeout=5)
         assert len(replies) == len(nodes), f"not every worker stopped consuming {queue}: {replies}"
         try:
